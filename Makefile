@@ -1,0 +1,53 @@
+# remat: `make train` and `make test` set up everything on a fresh Debian 12 machine.
+SHELL := /bin/bash
+VENV  := .venv
+BUILD := build
+DEBS  := clang-19 clang-tools-19 lld-19 ninja-build libboost-test-dev librange-v3-dev libcli11-dev \
+         nlohmann-json3-dev libfmt-dev zlib1g-dev dataset-fashion-mnist python3-venv
+PY_PKGS := halide==21.0.0 cmake>=3.28
+TRAIN_ARGS ?=
+
+.PHONY: all deps build train train-mlp test bench clean
+
+all: build
+
+# Debian packages: installed when missing (as root), otherwise the one command to run is printed.
+deps:
+	@missing=$$(for p in $(DEBS); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing Debian packages:" $$missing; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	  else \
+	    echo "missing Debian packages; run: sudo apt-get install -y" $$missing; exit 1; \
+	  fi; \
+	fi
+	@$(MAKE) --no-print-directory $(VENV)/.installed
+
+# Project-local Python environment with Halide 21 (libHalide, headers, CMake package) and CMake.
+$(VENV)/.installed: Makefile
+	/usr/bin/python3 -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check '$(word 1,$(PY_PKGS))' '$(word 2,$(PY_PKGS))'
+	touch $@
+
+$(BUILD)/build.ninja: CMakeLists.txt | deps
+	$(VENV)/bin/cmake -S . -B $(BUILD) -G Ninja -DCMAKE_CXX_COMPILER=clang++-19 \
+	  -DCMAKE_BUILD_TYPE=Release \
+	  -DHalide_DIR="$$($(VENV)/bin/python -c "import halide, os; print(os.path.dirname(halide.__file__))")/lib64/cmake/Halide"
+
+build: deps $(BUILD)/build.ninja
+	$(VENV)/bin/cmake --build $(BUILD)
+
+train: train-mlp
+
+train-mlp: build
+	$(BUILD)/bin/train-mlp $(TRAIN_ARGS)
+
+test: build
+	$(VENV)/bin/ctest --test-dir $(BUILD) --output-on-failure
+
+bench: build
+	$(BUILD)/bin/bench-policies
+
+clean:
+	rm -rf $(BUILD)

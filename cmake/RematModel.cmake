@@ -1,0 +1,36 @@
+# remat_add_model(<name> MODULE <file.cppm>)
+#
+# <file.cppm> declares `export module <name>;` with `<name>::model` (a checked remat::Model) and
+# `<name>::policy` (its default checkpoint policy). This builds the model compiler for it, runs it
+# at build time and yields the library <name>_kernels, whose C++ module `<name>.kernels` exports
+# the kernel table; trainers link it and `import <name>.kernels;`.
+function(remat_add_model name)
+  cmake_parse_arguments(ARG "" "MODULE" "" ${ARGN})
+  add_library(${name}_model STATIC)
+  target_sources(${name}_model PUBLIC FILE_SET CXX_MODULES FILES ${ARG_MODULE})
+  target_link_libraries(${name}_model PUBLIC remat_dsl)
+
+  set(main ${CMAKE_CURRENT_BINARY_DIR}/${name}_modelc_main.cpp)
+  file(CONFIGURE OUTPUT ${main} CONTENT
+"import remat.modelc;
+import ${name};
+int main(int argc, char **argv) { return remat::modelc::main(argc, argv, ${name}::model, \"${name}\"); }
+")
+  add_executable(${name}-modelc ${main})
+  target_link_libraries(${name}-modelc PRIVATE remat_modelc ${name}_model)
+  set_target_properties(${name}-modelc PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+
+  set(dir ${CMAKE_CURRENT_BINARY_DIR}/kernels)
+  add_custom_command(
+    OUTPUT ${dir}/lib${name}_kernels.a ${dir}/${name}.kernels.cppm
+    COMMAND ${name}-modelc --out ${dir} --cpu-target ${REMAT_CPU_TARGET}
+    DEPENDS ${name}-modelc
+    COMMENT "Generating Halide kernels for model ${name} (${REMAT_CPU_TARGET})")
+  add_custom_target(${name}_kernels_generated DEPENDS ${dir}/lib${name}_kernels.a ${dir}/${name}.kernels.cppm)
+
+  add_library(${name}_kernels STATIC)
+  add_dependencies(${name}_kernels ${name}_kernels_generated)
+  target_sources(${name}_kernels PUBLIC FILE_SET CXX_MODULES BASE_DIRS ${dir} FILES ${dir}/${name}.kernels.cppm)
+  target_include_directories(${name}_kernels PUBLIC ${dir})
+  target_link_libraries(${name}_kernels PUBLIC remat_runtime ${name}_model ${dir}/lib${name}_kernels.a)
+endfunction()

@@ -1,0 +1,180 @@
+module;
+#include <HalideRuntime.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+module remat.runtime;
+import remat;
+
+extern "C" std::atomic<size_t> remat_halide_heap_current, remat_halide_heap_peak;
+
+namespace remat::runtime {
+
+HalideHeap halide_heap() { return {remat_halide_heap_current.load(), remat_halide_heap_peak.load()}; }
+void reset_halide_heap_peak() { remat_halide_heap_peak = remat_halide_heap_current.load(); }
+
+// ---- Arena -------------------------------------------------------------------------------------
+namespace {
+constexpr std::uint32_t canary = 0x7FA5A5A5u;  // a NaN payload no kernel produces
+}
+
+void Arena::Free::operator()(std::byte *p) const { std::free(p); }
+
+Arena::Arena(std::size_t size)
+    : base(static_cast<std::byte *>(std::aligned_alloc(arena_alignment, detail::align_up(size + 4)))),
+      bytes(size) {
+  if (!base) throw std::runtime_error(fmt::format("cannot allocate an arena of {} bytes", size));
+}
+
+void Arena::fill_canary() {
+  auto *words = reinterpret_cast<std::uint32_t *>(base.get());
+  std::fill(words, words + (bytes + 3) / 4, canary);
+}
+
+std::size_t Arena::high_water() const {
+  const auto *words = reinterpret_cast<const std::uint32_t *>(base.get());
+  for (std::size_t i = (bytes + 3) / 4; i > 0; --i)
+    if (words[i - 1] != canary) return i * 4;
+  return 0;
+}
+
+// ---- Executor ----------------------------------------------------------------------------------
+struct Executor::Bound {
+  const Kernel *kernel;
+  std::vector<halide_buffer_t> buffers;
+  std::vector<std::array<halide_dimension_t, 2>> shapes;
+  std::vector<void *> argv;
+};
+
+namespace {
+const Kernel &find_kernel(std::span<const Kernel> kernels, const Name &name) {
+  for (const Kernel &k : kernels)
+    if (name.view() == k.name) return k;
+  throw std::runtime_error(fmt::format("kernel {} is not in the generated kernel table", name.view()));
+}
+
+void *scalar_field(Scalars &s, std::string_view name) {
+  const std::pair<std::string_view, void *> fields[] = {
+      {"accumulate", &s.accumulate}, {"grad_scale", &s.grad_scale}, {"lr", &s.lr},
+      {"beta1", &s.beta1},           {"beta2", &s.beta2},           {"eps", &s.eps},
+      {"weight_decay", &s.weight_decay}, {"bias1", &s.bias1},       {"bias2", &s.bias2}};
+  for (auto [n, p] : fields)
+    if (n == name) return p;
+  throw std::runtime_error(fmt::format("no value for the scalar kernel argument {}", name));
+}
+}  // namespace
+
+Executor::Executor(const Plan &plan, std::string_view model_name, std::span<const Kernel> kernels,
+                   Arena &arena, Scalars &scalars)
+    : plan(plan), arena(arena) {
+  auto bind = [&](const Step &st) {
+    auto b = std::make_unique<Bound>();
+    b->kernel = &find_kernel(kernels, kernel_name(model_name, st.stage, st.variant));
+    const halide_filter_metadata_t *md = b->kernel->metadata();
+    b->buffers.resize(md->num_arguments);
+    b->shapes.resize(md->num_arguments);
+    b->argv.resize(md->num_arguments);
+    for (int a = 0; a < md->num_arguments; ++a) {
+      const halide_filter_argument_t &arg = md->arguments[a];
+      if (arg.kind == halide_argument_kind_input_scalar) {
+        b->argv[a] = scalar_field(scalars, arg.name);
+        continue;
+      }
+      // Halide makes Func names unique per process ("y$2"); the plan's name is the part before '$'.
+      const std::string_view arg_name = std::string_view(arg.name).substr(0, std::string_view(arg.name).find('$'));
+      auto it = std::find_if(st.args.begin(), st.args.end(),
+                             [&](const Arg &x) { return x.name.view() == arg_name; });
+      if (it == st.args.end())
+        throw std::runtime_error(fmt::format("{}: the plan binds no tensor to argument {}",
+                                             b->kernel->name, arg.name));
+      const Tensor &t = plan.tensors[it->tensor];
+      if (t.dims != arg.dimensions)
+        throw std::runtime_error(fmt::format("{}: argument {} has {} dimensions, tensor {} has {}",
+                                             b->kernel->name, arg.name, arg.dimensions,
+                                             t.name.view(), t.dims));
+      std::size_t offset = t.offset;
+      if (t.view_of >= 0) offset += plan.tensors[t.view_of].offset;
+      halide_buffer_t &buf = b->buffers[a];
+      buf = {};
+      buf.host = reinterpret_cast<std::uint8_t *>(arena.data() + offset);
+      buf.type = arg.type;
+      buf.dimensions = t.dims;
+      buf.dim = b->shapes[a].data();
+      std::int32_t stride = 1;
+      for (int d = 0; d < t.dims; ++d) {
+        b->shapes[a][d] = {0, std::int32_t(t.extent[d]), stride, 0};
+        stride *= std::int32_t(t.extent[d]);
+      }
+      b->argv[a] = &buf;
+    }
+    return b;
+  };
+  for (const Step &st : plan.train) train_calls.push_back(bind(st));
+  for (const Step &st : plan.optimize) optimize_calls.push_back(bind(st));
+  for (const Step &st : plan.eval) eval_calls.push_back(bind(st));
+}
+
+Executor::~Executor() = default;
+
+void Executor::run(Phase phase) {
+  auto &calls = phase == Phase::train ? train_calls : phase == Phase::optimize ? optimize_calls : eval_calls;
+  for (auto &b : calls)
+    if (int err = b->kernel->argv(b->argv.data()); err != 0)
+      throw std::runtime_error(fmt::format("kernel {} failed with Halide error {}", b->kernel->name, err));
+}
+
+int Executor::launches(Phase phase) const {
+  return int(phase == Phase::train ? train_calls.size() : phase == Phase::optimize ? optimize_calls.size() : eval_calls.size());
+}
+
+std::pair<std::byte *, std::size_t> Executor::locate(std::string_view name) const {
+  const int i = plan.find(name);
+  if (i < 0) throw std::runtime_error(fmt::format("the plan has no tensor {}", name));
+  const Tensor &t = plan.tensors[i];
+  std::size_t offset = t.offset + (t.view_of >= 0 ? plan.tensors[t.view_of].offset : 0);
+  return {arena.data() + offset, t.bytes()};
+}
+
+// ---- small helpers -----------------------------------------------------------------------------
+Policy parse_policy(std::string_view text) {
+  if (text == "none") return none;
+  if (text == "full") return full;
+  if (text == "sqrt_n") return sqrt_n;
+  constexpr std::string_view every = "every_n_layers=";
+  if (text.starts_with(every)) {
+    const auto digits = text.substr(every.size());
+    int n = 0;
+    bool ok = !digits.empty() && digits.size() < 9;
+    for (char c : digits) {
+      ok = ok && c >= '0' && c <= '9';
+      n = n * 10 + (c - '0');
+    }
+    if (!ok || n < 1)
+      throw InputError(fmt::format("--checkpoint-policy {}: every_n_layers needs a whole number N >= 1", text));
+    return {Policy::Kind::every_n_layers, n};
+  }
+  throw InputError(fmt::format(
+      "--checkpoint-policy {}: unknown policy (use none, full, every_n_layers=N or sqrt_n)", text));
+}
+
+std::string digest(std::span<const std::byte> bytes) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (std::byte b : bytes) {
+    h ^= std::uint64_t(b);
+    h *= 1099511628211ull;
+  }
+  return fmt::format("{:016x}", h);
+}
+
+}  // namespace remat::runtime

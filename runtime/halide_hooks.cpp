@@ -1,0 +1,32 @@
+// Halide kernels allocate through halide_malloc / halide_free (weak in Halide's runtime). These
+// strong definitions count the bytes so the measured peak includes anything a kernel allocates.
+#include <HalideRuntime.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+extern "C" {
+std::atomic<size_t> remat_halide_heap_current{0}, remat_halide_heap_peak{0};
+
+void *halide_malloc(void *, size_t bytes) {
+  // Halide wants 128-byte alignment; the size word sits in front of the returned block.
+  constexpr size_t header = 128;
+  auto *raw = static_cast<unsigned char *>(std::aligned_alloc(header, (bytes + 2 * header - 1) / header * header));
+  if (!raw) return nullptr;
+  std::memcpy(raw, &bytes, sizeof bytes);
+  const size_t now = remat_halide_heap_current += bytes;
+  size_t peak = remat_halide_heap_peak.load();
+  while (now > peak && !remat_halide_heap_peak.compare_exchange_weak(peak, now)) {}
+  return raw + header;
+}
+
+void halide_free(void *, void *ptr) {
+  if (!ptr) return;
+  auto *raw = static_cast<unsigned char *>(ptr) - 128;
+  size_t bytes;
+  std::memcpy(&bytes, raw, sizeof bytes);
+  remat_halide_heap_current -= bytes;
+  std::free(raw);
+}
+}
