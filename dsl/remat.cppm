@@ -17,18 +17,18 @@ export namespace remat {
 // ---------------------------------------------------------------------------------------------
 // Names: short fixed strings usable in constant expressions (kernel argument names, messages).
 // ---------------------------------------------------------------------------------------------
-struct Name {
-  std::array<char, 64> chars{};
+template <std::size_t Capacity> struct Text {
+  std::array<char, Capacity> chars{};
   int length = 0;
 
-  constexpr Name() = default;
-  constexpr Name(const char *s) { append(s); }
-  constexpr Name &append(std::string_view s) {
+  constexpr Text() = default;
+  constexpr Text(const char *s) { append(s); }
+  constexpr Text &append(std::string_view s) {
     for (char c : s)
       if (length + 1 < int(chars.size())) chars[length++] = c;
     return *this;
   }
-  constexpr Name &append(long long v) {
+  constexpr Text &append(long long v) {
     if (v < 0) { append("-"); v = -v; }
     char digits[24]{};
     int n = 0;
@@ -36,16 +36,20 @@ struct Name {
     while (n > 0) append(std::string_view(&digits[--n], 1));
     return *this;
   }
-  constexpr Name &append(int v) { return append((long long)v); }
+  constexpr Text &append(int v) { return append((long long)v); }
+  template <std::size_t M> constexpr Text &append(const Text<M> &t) { return append(t.view()); }
   constexpr std::string_view view() const { return {chars.data(), std::size_t(length)}; }
   constexpr const char *data() const { return chars.data(); }
   constexpr int size() const { return length; }
-  constexpr bool operator==(const Name &o) const { return view() == o.view(); }
+  constexpr bool operator==(const Text &o) const { return view() == o.view(); }
   constexpr bool operator==(std::string_view o) const { return view() == o; }
 };
 
-template <class... Parts> constexpr Name cat(Parts... parts) {
-  Name n;
+using Name = Text<40>;      // tensor and kernel names
+using Message = Text<200>;  // diagnostics
+
+template <class Out = Name, class... Parts> constexpr Out cat(Parts... parts) {
+  Out n;
   (n.append(parts), ...);
   return n;
 }
@@ -173,45 +177,45 @@ template <class... Parts> constexpr Model make_model(Parts... parts) {
 // ---------------------------------------------------------------------------------------------
 struct Checked {
   Model model;
-  Name error;  // empty when the model is well formed
+  Message error;  // empty when the model is well formed
   constexpr bool ok() const { return error.size() == 0; }
 };
 
 constexpr Checked check(Model m) {
-  auto fail = [&](Name why) { return Checked{m, cat("remat: ", why.view())}; };
+  auto fail = [&](const Message &why) { return Checked{m, cat<Message>("remat: ", why.view())}; };
   if (m.input_width <= 0) return fail("the model needs input(width) with width >= 1");
-  if (m.stage_overflow > 0) return fail(cat("a model holds at most ", max_stages, " stages"));
+  if (m.stage_overflow > 0) return fail(cat<Message>("a model holds at most ", max_stages, " stages"));
   if (m.n_stages == 0) return fail("the model has no layers");
   int width = m.input_width;
   for (int s = 0; s < m.n_stages; ++s) {
     Block &b = m.stages[s];
-    if (b.repeat < 1) return fail(cat("stage ", s, ": repeat(n, ...) needs n >= 1, got ", b.repeat));
-    if (b.n_layers == 0) return fail(cat("stage ", s, " has no layers"));
+    if (b.repeat < 1) return fail(cat<Message>("stage ", s, ": repeat(n, ...) needs n >= 1, got ", b.repeat));
+    if (b.n_layers == 0) return fail(cat<Message>("stage ", s, " has no layers"));
     const int block_in = width;
     for (int k = 0; k < b.n_layers; ++k) {
       Layer &l = b.layers[k];
-      auto where = cat("stage ", s, " layer ", k, " (", op_name(l.op), ")");
+      auto where = cat<Message>("stage ", s, " layer ", k, " (", op_name(l.op), ")");
       if (l.op == Op::linear) {
         if (l.in <= 0 || l.out <= 0)
-          return fail(cat(where.view(), ": linear(", l.in, ", ", l.out, ") needs positive widths"));
+          return fail(cat<Message>(where.view(), ": linear(", l.in, ", ", l.out, ") needs positive widths"));
         if (l.in != width)
-          return fail(cat(where.view(), ": expects ", l.in, " input features but the stack carries ",
+          return fail(cat<Message>(where.view(), ": expects ", l.in, " input features but the stack carries ",
                           width));
       } else {
         if (l.in != 0 && l.in != width)
-          return fail(cat(where.view(), ": declared for width ", l.in,
+          return fail(cat<Message>(where.view(), ": declared for width ", l.in,
                           " but the stack carries ", width));
         l.in = l.out = width;
       }
       width = l.out;
     }
     if (b.residual && width != block_in)
-      return fail(cat("stage ", s, ": residual block maps ", block_in, " features to ", width,
+      return fail(cat<Message>("stage ", s, ": residual block maps ", block_in, " features to ", width,
                       "; a residual block must keep its width"));
   }
   if (m.loss.classes == 0) m.loss.classes = width;
   if (m.loss.classes != width)
-    return fail(cat("softmax_cross_entropy(", m.loss.classes, ") follows a stack of width ", width));
+    return fail(cat<Message>("softmax_cross_entropy(", m.loss.classes, ") follows a stack of width ", width));
   return {m, {}};
 }
 

@@ -102,7 +102,7 @@ public:
   }
   void pointwise(Func f) {
     Var co("co"), ci("ci");
-    f.compute_root().split(v.c, co, ci, vec, TailStrategy::GuardWithIf).vectorize(ci).parallel(v.b, 8);
+    f.compute_root().split(v.c, co, ci, vec, TailStrategy::GuardWithIf).vectorize(ci).parallel(v.b, 8, TailStrategy::GuardWithIf);
   }
   void transpose(Func f) {
     Var co("co"), ci("ci"), bo("bo"), bi("bi");
@@ -114,8 +114,8 @@ public:
   }
   // f(b) = g(reduction over the features of row b); `partial` are the row reductions it reads
   void row_reduction(Func f, std::vector<Func> partial = {}) {
-    f.compute_root().parallel(v.b, 16);
-    if (f.has_update_definition()) f.update().parallel(v.b, 16);
+    f.compute_root().parallel(v.b, 16, TailStrategy::GuardWithIf);
+    if (f.has_update_definition()) f.update().parallel(v.b, 16, TailStrategy::GuardWithIf);
     for (Func &p : partial) p.compute_at(f, v.b);
   }
   // out(c) = epilogue(sum over rows of ...): `sum` is computed vector by vector inside `out`
@@ -357,11 +357,11 @@ Pipeline loss_kernel(int classes, Arguments &args, const Target &target) {
   Param<float> scale("grad_scale");
   args.order.push_back(scale);
   auto ce = L.cross_entropy(logits, labels, classes, scale);
-  ce.row_max.compute_root().parallel(v.b, 16);
-  ce.row_max.update().parallel(v.b, 16);
-  ce.row_lse.compute_root().parallel(v.b, 16);
+  ce.row_max.compute_root().parallel(v.b, 16, TailStrategy::GuardWithIf);
+  ce.row_max.update().parallel(v.b, 16, TailStrategy::GuardWithIf);
+  ce.row_lse.compute_root().parallel(v.b, 16, TailStrategy::GuardWithIf);
   ce.sum_exp.compute_at(ce.row_lse, v.b);
-  for (Func f : {ce.row_loss, ce.row_correct}) f.compute_root().parallel(v.b, 16);
+  for (Func f : {ce.row_loss, ce.row_correct}) f.compute_root().parallel(v.b, 16, TailStrategy::GuardWithIf);
   sched.pointwise(ce.dlogits);
   std::vector<Func> outs = {ce.dlogits, ce.row_loss, ce.row_correct, ce.row_max, ce.row_lse};
   Arguments::constrain(ce.dlogits.output_buffer(), 2, {classes, -1});

@@ -18,6 +18,7 @@ module remat.runtime;
 import remat;
 
 extern "C" std::atomic<size_t> remat_halide_heap_current, remat_halide_heap_peak;
+extern "C" char remat_halide_error[1024];
 
 namespace remat::runtime {
 
@@ -131,7 +132,8 @@ void Executor::run(Phase phase) {
   auto &calls = phase == Phase::train ? train_calls : phase == Phase::optimize ? optimize_calls : eval_calls;
   for (auto &b : calls)
     if (int err = b->kernel->argv(b->argv.data()); err != 0)
-      throw std::runtime_error(fmt::format("kernel {} failed with Halide error {}", b->kernel->name, err));
+      throw std::runtime_error(fmt::format("kernel {} failed (Halide error {}): {}", b->kernel->name, err,
+                                           remat_halide_error));
 }
 
 int Executor::launches(Phase phase) const {

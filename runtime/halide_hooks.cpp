@@ -30,3 +30,15 @@ void halide_free(void *, void *ptr) {
   std::free(raw);
 }
 }
+
+// Halide's default error handler aborts the process. Keep the message instead; the executor
+// turns a failing kernel's error code and this message into an exception.
+extern "C" {
+char remat_halide_error[1024];
+
+void halide_error(void *, const char *msg) {
+  std::strncpy(remat_halide_error, msg, sizeof remat_halide_error - 1);
+  const size_t n = std::strlen(remat_halide_error);
+  if (n > 0 && remat_halide_error[n - 1] == '\n') remat_halide_error[n - 1] = 0;
+}
+}

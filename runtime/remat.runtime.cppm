@@ -96,8 +96,12 @@ struct ModelInfo {
   std::string_view name;
   const Model &model;
   Policy default_policy;
-  int default_batch;
   std::span<const Kernel> kernels;
+  // Trainer defaults for this example (flags override them).
+  int default_batch = 128;
+  int default_epochs = 3;
+  double default_learning_rate = 1e-3;
+  int default_warmup_steps = 0;
 };
 
 // The trainer shared by every example: flags, data, training, evaluation, JSON summary.

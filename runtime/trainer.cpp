@@ -24,7 +24,7 @@ constexpr int min_batch = 8;  // GEMM register tiles are up to 6 rows; see gener
 
 struct Options {
   int max_steps = 0;  // 0: derived from num_train_epochs
-  int num_train_epochs = 3;
+  int num_train_epochs = 0;
   int batch_size = 0;
   int gradient_accumulation_steps = 1;
   double learning_rate = 1e-3;
@@ -86,6 +86,9 @@ std::string mib(std::size_t bytes) { return fmt::format("{:.1f} MiB", bytes / 10
 int train_main(int argc, char **argv, const ModelInfo &info) {
   const std::string program = std::string("train-") + std::string(info.name);
   Options o;
+  o.num_train_epochs = info.default_epochs;
+  o.learning_rate = info.default_learning_rate;
+  o.warmup_steps = info.default_warmup_steps;
   CLI::App app{fmt::format("Train the {} model with remat (checkpoint policies, AdamW).", info.name), program};
   app.add_option("--max-steps", o.max_steps, "optimizer steps (default: --num-train-epochs worth)")->check(CLI::PositiveNumber);
   app.add_option("--num-train-epochs", o.num_train_epochs, "epochs when --max-steps is not given")->check(CLI::PositiveNumber)->capture_default_str();

@@ -1,10 +1,10 @@
 // A residual MLP for Fashion-MNIST: a stem projection, 16 pre-LayerNorm residual blocks
-// (LayerNorm -> Linear -> GELU -> Linear, 4x hidden width) and a LayerNorm + Linear head.
+// (LayerNorm -> Linear -> GELU -> Linear, 2x hidden width) and a LayerNorm + Linear head.
 export module mlp;
 import remat;
 
 export namespace mlp {
-inline constexpr int image_pixels = 28 * 28, width = 256, hidden = 4 * width, blocks = 16,
+inline constexpr int image_pixels = 28 * 28, width = 256, hidden = 2 * width, blocks = 16,
                      classes = 10;
 
 inline constexpr remat::Model model = remat::checked<remat::make_model(
@@ -19,7 +19,7 @@ inline constexpr remat::Model model = remat::checked<remat::make_model(
 inline constexpr remat::Policy policy = remat::full;
 
 // The plan is known at compile time: activation memory under this policy at the default batch.
-inline constexpr int default_batch = 256;
+inline constexpr int default_batch = 128;
 static_assert(remat::make_plan(model, policy, default_batch, "mlp").activation_bytes <
               remat::make_plan(model, remat::none, default_batch, "mlp").activation_bytes / 4);
 }  // namespace mlp

@@ -8,6 +8,9 @@ int main(int argc, char **argv) {
                                     {.name = "mlp",
                                      .model = mlp::model,
                                      .default_policy = mlp::policy,
+                                     .kernels = mlp_kernels::table,
                                      .default_batch = mlp::default_batch,
-                                     .kernels = mlp_kernels::table});
+                                     .default_epochs = 6,
+                                     .default_learning_rate = 2e-3,
+                                     .default_warmup_steps = 200});
 }

@@ -1,0 +1,291 @@
+// Halide algorithms for the transformer-specific layers: causal multi-head self-attention
+// (forward with per-row log-sum-exp, FlashAttention-style backward that rebuilds the
+// probabilities), dropout driven by a stateless counter-based RNG (so recompute reproduces the
+// mask bit for bit), and token + position embedding. Same conventions as layers.h: element type
+// a parameter, hand-written vector-Jacobian rules, no schedules (the model compiler adds them).
+//
+// Layout: an activation [rows, C] is a Func f(c, b), c the contiguous feature index, b the row.
+// Sequences: row b = n * T + t (n the sequence in the batch, t its position, T the block size,
+// a compile-time int); the number of sequences N = rows / T is dynamic.
+#pragma once
+
+#include "layers.h"
+
+#include <Halide.h>
+
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace remat::gen {
+
+// ---- Counter-based RNG ---------------------------------------------------------------------
+// splitmix64's output function (Stafford's "Mix13" finalizer): a bijection on 64-bit words with
+// full avalanche. All arithmetic is UInt(64), multiplication wrapping mod 2^64.
+inline Halide::Expr mix64(Halide::Expr x) {
+  using namespace Halide;
+  x = cast(UInt(64), x);
+  x = x ^ (x >> 30);
+  x = x * Expr(uint64_t{0xbf58476d1ce4e5b9ULL});
+  x = x ^ (x >> 27);
+  x = x * Expr(uint64_t{0x94d049bb133111ebULL});
+  x = x ^ (x >> 31);
+  return x;
+}
+inline constexpr uint64_t rng_golden = 0x9e3779b97f4a7c15ULL;  // splitmix64's increment
+
+// Stateless 64-bit hash of the counters (seed, step, block, element), each widened to UInt(64):
+//   key = mix64(mix64(mix64(seed + G) + (step + 1) G) + (block + 1) G)
+//   out = mix64(key + (element + 1) G)          with G = rng_golden
+// i.e. the three outer counters pick a splitmix64 stream and `element` indexes into it exactly
+// as splitmix64 does (its n-th output is mix64(state0 + n G)). No state: evaluating it again,
+// in another pipeline or on another device, gives identical bits.
+inline Halide::Expr counter_hash(Halide::Expr seed, Halide::Expr step, Halide::Expr block,
+                                 Halide::Expr element) {
+  using namespace Halide;
+  auto u = [](Expr e) { return cast(UInt(64), e); };
+  const Expr G(rng_golden);
+  Expr key = mix64(u(seed) + G);
+  key = mix64(key + (u(step) + Expr(uint64_t{1})) * G);
+  key = mix64(key + (u(block) + Expr(uint64_t{1})) * G);
+  return mix64(key + (u(element) + Expr(uint64_t{1})) * G);
+}
+// Drop threshold on the hash's top 32 bits: an element is kept when (hash >> 32) >= threshold,
+// so P(keep) = 1 - threshold / 2^32 = 1 - p up to 2^-33. p = 0 gives threshold 0: always kept.
+inline uint64_t drop_threshold(double p) {
+  if (!(p >= 0 && p < 1)) throw std::invalid_argument("remat: dropout probability must be in [0, 1)");
+  return static_cast<uint64_t>(std::llround(p * 4294967296.0));
+}
+// Bool: whether the element is kept.
+inline Halide::Expr keep_mask(Halide::Expr seed, Halide::Expr step, Halide::Expr block,
+                              Halide::Expr element, double p) {
+  using namespace Halide;
+  return (counter_hash(seed, step, block, element) >> 32) >= Expr(drop_threshold(p));
+}
+
+// Dropout configuration. seed: per run; step: training step; block: which dropout site (layer
+// index times a site count, say) so that sites never share a mask. p == 0 disables dropout
+// exactly (the algorithms then contain no mask and no scaling at all).
+struct Dropout {
+  Halide::Expr seed, step, block;
+  double p = 0;
+  bool enabled() const { return p != 0; }
+};
+
+// ---- Transformer layers ----------------------------------------------------------------------
+struct Attention {
+  Halide::Func out;      // out(c, b), c in [0, C): sum_{s <= t} drop(P)(s) v(s) per head
+  Halide::Func lse;      // lse(h, b): log-sum-exp of the head's scaled scores of row b ([rows, H])
+  Halide::Func dot;      // dot(s, h, b) = q(b) . k(n T + s) over the head (update over d)
+  Halide::Func score;    // score(s, h, b) = dot / sqrt(D)
+  Halide::Func row_max;  // row_max(h, b) = max_{s <= t} score
+  Halide::Func sum_exp;  // sum_exp(h, b) = sum_{s <= t} exp(score - row_max)
+  Halide::Func prob;     // prob(s, h, b) = exp(score - lse), meaningful for s <= t
+  Halide::Func keep;     // keep(s, h, b) = keep / (1 - p) (0 or 1/(1-p)); undefined without dropout
+  Halide::Func kept;     // kept(s, h, b) = prob * keep (prob itself without dropout)
+};
+struct AttentionGrad {
+  Halide::Func dqkv;                     // dqkv(c, b), c in [0, 3C): [dq | dk | dv]
+  Halide::Func dq, dk, dv;               // each (c, b), c in [0, C)
+  Halide::Func delta;                    // delta(h, b) = sum_d dout * out over the head
+  Halide::Func dot, score, prob, keep, kept;  // rebuilt as in Attention (keep: same mask)
+  Halide::Func dprob_kept;               // dprob_kept(s, h, b) = dout(b) . v(n T + s) over the head
+  Halide::Func dprob;                    // dprob = dprob_kept * keep (dprob_kept without dropout)
+  Halide::Func dscore;                   // dscore = prob * (dprob - delta)
+};
+struct EmbeddingGrad { Halide::Func dwte, dwpe; };
+
+class Transformer {
+public:
+  // block_size: T, the sequence length; rows are n * T + t.
+  Transformer(const Layers &layers, int block_size) : L(layers), v(layers.v), T(block_size) {
+    if (T < 1) throw std::invalid_argument("remat: block size must be >= 1");
+  }
+
+  // ---- Dropout on a generic activation [rows, width]: element index = c + width * b --------
+  Halide::Expr activation_element(Halide::Expr c, Halide::Expr b, int width) const {
+    using namespace Halide;
+    return cast(UInt(64), c) + cast(UInt(64), b) * Expr(uint64_t(width));
+  }
+  // keep / (1 - p) for one element: 0 or 1 / (1 - p), in the element type.
+  Halide::Expr dropout_factor(const Dropout &d, Halide::Expr element) const {
+    return Halide::select(keep_mask(d.seed, d.step, d.block, element, d.p),
+                          L.constant(1 / (1 - d.p)), L.constant(0));
+  }
+  // y = x * keep / (1 - p)
+  Halide::Func dropout(const std::string &name, Halide::Func x, int width, const Dropout &d) const {
+    Halide::Func y(name);
+    y(v.c, v.b) = d.enabled() ? x(v.c, v.b) * dropout_factor(d, activation_element(v.c, v.b, width))
+                              : Halide::Expr(x(v.c, v.b));
+    return y;
+  }
+  // dx = dy * keep / (1 - p), the same mask recomputed from the counters
+  Halide::Func dropout_grad(const std::string &name, Halide::Func dy, int width,
+                            const Dropout &d) const {
+    return dropout(name, dy, width, d);  // the rule is linear and self-adjoint
+  }
+
+  // ---- Causal multi-head self-attention ------------------------------------------------------
+  // Attention-dropout element index of P(h, n, t, s): ((n * H + h) * T + t) * T + s, with
+  // n = b / T and t = b % T (distinct for every probability of every head of every sequence).
+  Halide::Expr attention_element(Halide::Expr s, Halide::Expr h, Halide::Expr b, int H) const {
+    using namespace Halide;
+    auto u = [](Expr e) { return cast(UInt(64), e); };
+    const uint64_t TT = uint64_t(T) * uint64_t(T);
+    return u(b / T) * Expr(uint64_t(H) * TT) + u(h) * Expr(TT) + u(b % T) * Expr(uint64_t(T)) + u(s);
+  }
+
+  // qkv(c, b) with 3C features: q = [0, C), k = [C, 2C), v = [2C, 3C); head h owns features
+  // h D .. h D + D - 1 of each part, D = C / H.
+  Attention attention(const std::string &name, Halide::Func qkv, int C, int H,
+                      const Dropout &drop = {}) const {
+    using namespace Halide;
+    const int D = head_dim(C, H);
+    Attention a{Func(name), Func(name + "_lse")};
+    Scores sc = scores(name, qkv, C, H);
+    a.dot = sc.dot;
+    a.score = sc.score;
+    const Expr t = v.b % T;
+    RDom r(0, T, name + "_s");
+    r.where(r <= t);  // causal: keys s <= t only
+    a.row_max = Func(name + "_row_max");
+    a.row_max(h, v.b) = a.score(0, h, v.b);
+    a.row_max(h, v.b) = max(a.row_max(h, v.b), a.score(r, h, v.b));
+    a.sum_exp = Func(name + "_sum_exp");
+    a.sum_exp(h, v.b) = L.constant(0);
+    a.sum_exp(h, v.b) += exp(a.score(r, h, v.b) - a.row_max(h, v.b));
+    a.lse(h, v.b) = a.row_max(h, v.b) + log(a.sum_exp(h, v.b));
+    a.prob = probabilities(name, a.score, a.lse);
+    dropout_probabilities(name, a.prob, H, drop, a.keep, a.kept);
+    RDom r2(0, T, name + "_sv");
+    r2.where(r2 <= t);
+    const Expr n = v.b / T;
+    a.out(v.c, v.b) = L.constant(0);
+    a.out(v.c, v.b) += a.kept(r2, v.c / D, v.b) * qkv(2 * C + v.c, n * T + r2);
+    return a;
+  }
+
+  // Vector-Jacobian rule given dout(c, b) and the forward's qkv, out and lse (P is rebuilt as
+  // exp(score - lse); no [T, T] tensor is an output). With dropout the same counters give the
+  // same mask: dv uses drop(P), dP = (dout . v) * keep / (1 - p), dS = P * (dP - delta) with
+  // delta = sum_d dout * out (= sum_s P dP still).
+  AttentionGrad attention_grad(const std::string &name, Halide::Func qkv, Halide::Func out,
+                               Halide::Func lse, Halide::Func dout, int C, int H,
+                               const Dropout &drop = {}) const {
+    using namespace Halide;
+    const int D = head_dim(C, H);
+    AttentionGrad g;
+    g.dqkv = Func(name);
+    g.dq = Func(name + "_dq");
+    g.dk = Func(name + "_dk");
+    g.dv = Func(name + "_dv");
+    const Expr n = v.b / T, t = v.b % T, scale = L.constant(1 / std::sqrt(double(D)));
+
+    RDom rd(0, D, name + "_d");
+    g.delta = Func(name + "_delta");
+    g.delta(h, v.b) = L.constant(0);
+    g.delta(h, v.b) += dout(h * D + rd, v.b) * out(h * D + rd, v.b);
+
+    Scores sc = scores(name, qkv, C, H);
+    g.dot = sc.dot;
+    g.score = sc.score;
+    g.prob = probabilities(name, g.score, lse);
+    dropout_probabilities(name, g.prob, H, drop, g.keep, g.kept);
+
+    g.dprob_kept = Func(name + "_dprob_kept");
+    g.dprob_kept(s, h, v.b) = L.constant(0);
+    g.dprob_kept(s, h, v.b) += dout(h * D + rd, v.b) * qkv(2 * C + h * D + rd, n * T + s);
+    g.dprob = Func(name + "_dprob");
+    g.dprob(s, h, v.b) = drop.enabled() ? g.dprob_kept(s, h, v.b) * g.keep(s, h, v.b)
+                                        : Expr(g.dprob_kept(s, h, v.b));
+    g.dscore = Func(name + "_dscore");
+    g.dscore(s, h, v.b) = g.prob(s, h, v.b) * (g.dprob(s, h, v.b) - g.delta(h, v.b));
+
+    // dq(b) = sum_{s <= t} dS(s) k(n T + s) / sqrt(D)
+    RDom rq(0, T, name + "_dq_s");
+    rq.where(rq <= t);
+    g.dq(v.c, v.b) = L.constant(0);
+    g.dq(v.c, v.b) += g.dscore(rq, v.c / D, v.b) * qkv(C + v.c, n * T + rq) * scale;
+    // Key/value row b = n T + s: sums over the queries t' >= s of the same sequence.
+    RDom rk(0, T, name + "_dk_t");
+    rk.where(rk >= t);
+    g.dk(v.c, v.b) = L.constant(0);
+    g.dk(v.c, v.b) += g.dscore(t, v.c / D, n * T + rk) * qkv(v.c, n * T + rk) * scale;
+    RDom rv(0, T, name + "_dv_t");
+    rv.where(rv >= t);
+    g.dv(v.c, v.b) = L.constant(0);
+    g.dv(v.c, v.b) += g.kept(t, v.c / D, n * T + rv) * dout(v.c, n * T + rv);
+
+    g.dqkv(v.c, v.b) = select(v.c < C, g.dq(clamp(v.c, 0, C - 1), v.b),
+                              v.c < 2 * C, g.dk(clamp(v.c - C, 0, C - 1), v.b),
+                              g.dv(clamp(v.c - 2 * C, 0, C - 1), v.b));
+    return g;
+  }
+
+  // ---- Token + position embedding --------------------------------------------------------------
+  // x(c, b) = wte(c, tokens(b)) + wpe(c, b % T); wte [V, C] is wte(c, token), wpe [T, C].
+  // Tokens outside [0, V) are clamped (the data loader guarantees they are not).
+  Halide::Func embedding(const std::string &name, Halide::Func tokens, Halide::Func wte,
+                         Halide::Func wpe, int V) const {
+    Halide::Func x(name);
+    x(v.c, v.b) = wte(v.c, Halide::clamp(tokens(v.b), 0, V - 1)) + wpe(v.c, v.b % T);
+    return x;
+  }
+  // dwte(c, token) = sum over rows b with tokens(b) == token of dx(c, b) (scatter-add over rows);
+  // dwpe(c, t) = sum_n dx(c, n T + t). rows must be a multiple of T.
+  EmbeddingGrad embedding_grad(const std::string &name, Halide::Func tokens, Halide::Func dx,
+                               int V, Halide::Expr rows) const {
+    using namespace Halide;
+    EmbeddingGrad g{Func(name + "_dwte"), Func(name + "_dwpe")};
+    RDom r(0, rows, name + "_r");
+    g.dwte(v.c, v.b) = L.constant(0);
+    g.dwte(v.c, clamp(tokens(r), 0, V - 1)) += dx(v.c, r);
+    RDom rn(0, rows / T, name + "_n");
+    g.dwpe(v.c, v.b) = L.constant(0);
+    g.dwpe(v.c, v.b) += dx(v.c, rn * T + v.b);
+    return g;
+  }
+
+  Layers L;
+  Vars v;
+  int T;
+  Halide::Var s{"s"}, h{"h"};  // key position and head of the [T, H, rows] intermediates
+
+private:
+  static int head_dim(int C, int H) {
+    if (H < 1 || C % H != 0) throw std::invalid_argument("remat: attention width must be a multiple of the head count");
+    return C / H;
+  }
+  struct Scores { Halide::Func dot, score; };
+  // dot(s, h, b) = sum_d q(h D + d, b) k(C + h D + d, n T + s); score = dot / sqrt(D).
+  Scores scores(const std::string &name, Halide::Func qkv, int C, int H) const {
+    using namespace Halide;
+    const int D = C / H;
+    Scores sc{Func(name + "_dot"), Func(name + "_score")};
+    RDom rd(0, D, name + "_qk");
+    const Expr n = v.b / T;
+    sc.dot(s, h, v.b) = L.constant(0);
+    sc.dot(s, h, v.b) += qkv(h * D + rd, v.b) * qkv(C + h * D + rd, n * T + s);
+    sc.score(s, h, v.b) = sc.dot(s, h, v.b) * L.constant(1 / std::sqrt(double(D)));
+    return sc;
+  }
+  Halide::Func probabilities(const std::string &name, Halide::Func score, Halide::Func lse) const {
+    Halide::Func p(name + "_prob");
+    p(s, h, v.b) = Halide::exp(score(s, h, v.b) - lse(h, v.b));
+    return p;
+  }
+  void dropout_probabilities(const std::string &name, Halide::Func prob, int H, const Dropout &d,
+                             Halide::Func &keep, Halide::Func &kept) const {
+    if (!d.enabled()) {
+      kept = prob;
+      return;
+    }
+    keep = Halide::Func(name + "_keep");
+    keep(s, h, v.b) = dropout_factor(d, attention_element(s, h, v.b, H));
+    kept = Halide::Func(name + "_kept");
+    kept(s, h, v.b) = prob(s, h, v.b) * keep(s, h, v.b);
+  }
+};
+
+}  // namespace remat::gen

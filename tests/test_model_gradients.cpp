@@ -1,0 +1,253 @@
+// The generated float32 kernels of the MLP, run through the executor, against a plain C++
+// float64 implementation of the same model; and the policies against each other, bit for bit.
+//
+// Tolerance: float32 rounding (2^-24 relative) accumulates through 18 layers with sums of up to
+// 1024 terms; a relative error of 1e-4 is typical. Each gradient tensor must agree within
+// 2e-3 of its largest reference magnitude: an error in any rule (a missing term, a transposed
+// index) moves entries by far more than that.
+#include <boost/test/unit_test.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+import remat;
+import remat.runtime;
+import mlp;
+import mlp.kernels;
+
+using namespace remat;
+using remat::runtime::Arena;
+using remat::runtime::Executor;
+using remat::runtime::Scalars;
+
+namespace {
+
+constexpr int batch = 8;
+constexpr double tolerance = 2e-3;
+
+struct Run {
+  Plan plan;
+  Arena arena;
+  Scalars scalars;
+  Executor ex;
+  explicit Run(Policy p)
+      : plan(make_plan(mlp::model, p, batch, "mlp")), arena(std::max(plan.peak_bytes, plan.eval_peak_bytes)),
+        ex(plan, "mlp", mlp_kernels::table, arena, scalars) {
+    std::mt19937_64 rng(7);
+    std::uniform_real_distribution<float> u(-1.f, 1.f);
+    for (const Tensor &t : plan.tensors)
+      if (t.role == Role::params && t.view_of >= 0 && t.name.view().find('.') != std::string_view::npos) {
+        const float scale = t.dims == 2 ? 1.f / std::sqrt(float(t.extent[1])) : 0.2f;
+        for (float &x : ex.tensor<float>(t.name.view())) x = scale * u(rng) + (t.dims == 1 && t.name.view().ends_with("_w") ? 1.f : 0.f);
+      }
+    for (float &x : ex.tensor<float>("images")) x = 0.5f * (u(rng) + 1);
+    auto labels = ex.tensor<std::int32_t>("labels");
+    for (int b = 0; b < batch; ++b) labels[b] = b % mlp::classes;
+    scalars.grad_scale = 1.f / batch;
+  }
+  std::vector<float> grads() {
+    auto g = ex.tensor<float>("grads");
+    return {g.begin(), g.end()};
+  }
+};
+
+// ---- float64 reference of a remat model ----
+using Rows = std::vector<double>;  // [B, width] row-major
+
+struct Reference {
+  const Model &m;
+  Executor &ex;
+  std::vector<std::pair<std::string, Rows>> grads;  // by tensor name
+
+  std::vector<double> param(const std::string &name) {
+    auto p = ex.tensor<float>(name);
+    return {p.begin(), p.end()};
+  }
+  struct Saved { Rows in; std::vector<double> mean, rstd; };
+
+  Rows layer_forward(const Layer &l, const std::string &prefix, int k, const Rows &x, Saved &s) {
+    const int B = batch, I = l.in, O = l.out;
+    Rows y(std::size_t(B) * O);
+    s.in = x;
+    if (l.op == Op::linear) {
+      auto w = param(prefix + "p" + std::to_string(k) + "_w"), bias = param(prefix + "p" + std::to_string(k) + "_b");
+      for (int b = 0; b < B; ++b)
+        for (int o = 0; o < O; ++o) {
+          double acc = bias[o];
+          for (int i = 0; i < I; ++i) acc += x[b * I + i] * w[i * O + o];
+          y[b * O + o] = acc;
+        }
+    } else if (l.op == Op::layer_norm) {
+      auto g = param(prefix + "p" + std::to_string(k) + "_w"), be = param(prefix + "p" + std::to_string(k) + "_b");
+      for (int b = 0; b < B; ++b) {
+        double mean = 0, var = 0;
+        for (int i = 0; i < I; ++i) mean += x[b * I + i] / I;
+        for (int i = 0; i < I; ++i) var += (x[b * I + i] - mean) * (x[b * I + i] - mean) / I;
+        const double rstd = 1 / std::sqrt(var + 1e-5);
+        s.mean.push_back(mean);
+        s.rstd.push_back(rstd);
+        for (int i = 0; i < I; ++i) y[b * I + i] = (x[b * I + i] - mean) * rstd * g[i] + be[i];
+      }
+    } else {
+      for (std::size_t e = 0; e < y.size(); ++e) {
+        const double a = x[e];
+        y[e] = l.op == Op::relu ? std::max(a, 0.0)
+                                : 0.5 * a * (1 + std::tanh(0.7978845608028654 * (a + 0.044715 * a * a * a)));
+      }
+    }
+    return y;
+  }
+
+  Rows layer_backward(const Layer &l, const std::string &prefix, int k, const Saved &s, const Rows &dy) {
+    const int B = batch, I = l.in, O = l.out;
+    const Rows &x = s.in;
+    Rows dx(std::size_t(B) * I, 0.0);
+    const std::string pw = prefix + "p" + std::to_string(k) + "_w";
+    const std::string gw = prefix + "g" + std::to_string(k) + "_w", gb = prefix + "g" + std::to_string(k) + "_b";
+    if (l.op == Op::linear) {
+      auto w = param(pw);
+      Rows dw(std::size_t(I) * O, 0.0), db(O, 0.0);
+      for (int b = 0; b < B; ++b)
+        for (int o = 0; o < O; ++o) {
+          db[o] += dy[b * O + o];
+          for (int i = 0; i < I; ++i) {
+            dw[i * O + o] += x[b * I + i] * dy[b * O + o];
+            dx[b * I + i] += dy[b * O + o] * w[i * O + o];
+          }
+        }
+      grads.push_back({gw, dw});
+      grads.push_back({gb, db});
+    } else if (l.op == Op::layer_norm) {
+      auto g = param(pw);
+      Rows dg(I, 0.0), dbeta(I, 0.0);
+      for (int b = 0; b < B; ++b) {
+        double s1 = 0, s2 = 0;
+        for (int i = 0; i < I; ++i) {
+          const double u = (x[b * I + i] - s.mean[b]) * s.rstd[b], du = dy[b * I + i] * g[i];
+          s1 += du;
+          s2 += du * u;
+          dg[i] += dy[b * I + i] * u;
+          dbeta[i] += dy[b * I + i];
+        }
+        for (int i = 0; i < I; ++i) {
+          const double u = (x[b * I + i] - s.mean[b]) * s.rstd[b];
+          dx[b * I + i] = s.rstd[b] * (dy[b * I + i] * g[i] - s1 / I - u * s2 / I);
+        }
+      }
+      grads.push_back({gw, dg});
+      grads.push_back({gb, dbeta});
+    } else {
+      for (std::size_t e = 0; e < dx.size(); ++e) {
+        const double a = x[e];
+        if (l.op == Op::relu) {
+          dx[e] = a > 0 ? dy[e] : 0;
+        } else {
+          const double k0 = 0.7978845608028654, k1 = 0.044715, t = std::tanh(k0 * (a + k1 * a * a * a));
+          dx[e] = dy[e] * (0.5 * (1 + t) + 0.5 * a * (1 - t * t) * k0 * (1 + 3 * k1 * a * a));
+        }
+      }
+    }
+    return dx;
+  }
+
+  // Runs forward, loss and backward; returns the mean loss.
+  double run() {
+    auto images = ex.tensor<float>("images");
+    auto labels = ex.tensor<std::int32_t>("labels");
+    Rows x(images.begin(), images.end());
+    struct Unit { const Block *blk; std::string prefix; std::vector<Saved> saved; };
+    std::vector<Unit> units;
+    for (int s = 0; s < m.n_stages; ++s)
+      for (int b = 0; b < m.stages[s].repeat; ++b) {
+        Unit u{&m.stages[s], "s" + std::to_string(s) + ".b" + std::to_string(b) + ".", {}};
+        Rows h = x;
+        for (int k = 0; k < u.blk->n_layers; ++k) {
+          u.saved.emplace_back();
+          h = layer_forward(u.blk->layers[k], u.prefix, k, h, u.saved.back());
+        }
+        if (u.blk->residual)
+          for (std::size_t e = 0; e < h.size(); ++e) h[e] += x[e];
+        x = h;
+        units.push_back(std::move(u));
+      }
+    const int K = m.classes();
+    double loss = 0;
+    Rows d(x.size());
+    for (int b = 0; b < batch; ++b) {
+      double mx = x[b * K], z = 0;
+      for (int k = 0; k < K; ++k) mx = std::max(mx, x[b * K + k]);
+      for (int k = 0; k < K; ++k) z += std::exp(x[b * K + k] - mx);
+      loss += (mx + std::log(z) - x[b * K + labels[b]]) / batch;
+      for (int k = 0; k < K; ++k) d[b * K + k] = (std::exp(x[b * K + k] - mx) / z - (k == labels[b])) / batch;
+    }
+    for (auto u = units.rbegin(); u != units.rend(); ++u) {
+      Rows dblock = d;
+      for (int k = u->blk->n_layers - 1; k >= 0; --k) dblock = layer_backward(u->blk->layers[k], u->prefix, k, u->saved[k], dblock);
+      if (u->blk->residual)
+        for (std::size_t e = 0; e < d.size(); ++e) dblock[e] += d[e];
+      d = dblock;
+    }
+    return loss;
+  }
+};
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(kernels_match_the_float64_reference) {
+  Run run(none);
+  run.ex.run(Executor::Phase::train);
+  Reference ref{mlp::model, run.ex, {}};
+  const double loss = ref.run();
+  double kernel_loss = 0;
+  for (float l : run.ex.tensor<float>("row_loss")) kernel_loss += l / batch;
+  BOOST_TEST(std::abs(kernel_loss - loss) <= 1e-5 * std::abs(loss));
+  BOOST_TEST(ref.grads.size() == 2u * (1 + 3 * 16 + 2));
+  for (const auto &[name, g] : ref.grads) {
+    auto got = run.ex.tensor<float>(name);
+    BOOST_TEST_REQUIRE(got.size() == g.size());
+    double scale = 0, worst = 0;
+    for (std::size_t i = 0; i < g.size(); ++i) {
+      scale = std::max(scale, std::abs(g[i]));
+      worst = std::max(worst, std::abs(g[i] - got[i]));
+    }
+    BOOST_TEST(worst <= tolerance * scale, name << ": max error " << worst << " of scale " << scale);
+  }
+}
+
+BOOST_AUTO_TEST_CASE(policies_give_bit_identical_gradients) {
+  Run base(none);
+  base.ex.run(Executor::Phase::train);
+  const std::vector<float> expected = base.grads();
+  for (Policy p : {full, Policy{Policy::Kind::every_n_layers, 2}, Policy{Policy::Kind::every_n_layers, 5}, sqrt_n}) {
+    Run run(p);
+    run.ex.run(Executor::Phase::train);
+    const std::vector<float> got = run.grads();
+    BOOST_TEST(std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)) == 0,
+               "gradients differ under " << policy_name(p).view());
+  }
+}
+
+BOOST_AUTO_TEST_CASE(gradient_accumulation_adds_micro_batches) {
+  Run run(full);
+  run.ex.run(Executor::Phase::train);
+  const std::vector<float> once = run.grads();
+  run.scalars.accumulate = true;
+  run.ex.run(Executor::Phase::train);  // the same micro-batch again: exactly twice the gradient
+  const std::vector<float> twice = run.grads();
+  bool exact = true;
+  for (std::size_t i = 0; i < once.size(); ++i) exact = exact && twice[i] == 2 * once[i];
+  BOOST_TEST(exact);
+}
+
+// The planned peak is the real peak only if kernels allocate no temporaries of their own.
+BOOST_AUTO_TEST_CASE(kernels_allocate_nothing_of_their_own) {
+  Run run(sqrt_n);
+  runtime::reset_halide_heap_peak();
+  run.ex.run(Executor::Phase::train);
+  run.ex.run(Executor::Phase::optimize);
+  run.ex.run(Executor::Phase::eval);
+  BOOST_TEST(runtime::halide_heap().peak == 0u);
+}

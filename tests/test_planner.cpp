@@ -1,0 +1,136 @@
+// The DSL and the planner: shape inference, policies, and the plan's arena layout checked by an
+// independent replay of its schedule.
+#include <boost/test/unit_test.hpp>
+#include <range/v3/algorithm/any_of.hpp>
+
+#include <algorithm>
+#include <set>
+#include <vector>
+import remat;
+import mlp;
+
+using namespace remat;
+
+namespace {
+
+Model small_model() {
+  return check(make_model(input(12), linear(12, 16),
+                          repeat(5, residual(layer_norm(), linear(16, 32), gelu(), linear(32, 16))),
+                          layer_norm(), linear(16, 3), softmax_cross_entropy()))
+      .model;
+}
+
+const Policy every_2{Policy::Kind::every_n_layers, 2};
+const std::vector<Policy> all_policies = {none, full, every_2, sqrt_n};
+
+// Replays a schedule: every tensor a kernel touches is live, and live tensors never overlap.
+void check_schedule(const Plan &plan, const std::vector<Step> &steps) {
+  std::set<int> live;
+  for (int t = 0; t < int(plan.tensors.size()); ++t) {
+    const Role r = plan.tensors[t].role;
+    if (plan.tensors[t].view_of < 0 && !is_activation(r) && r != Role::gradient && r != Role::scratch)
+      live.insert(t);
+  }
+  auto root = [&](int t) { return plan.tensors[t].view_of < 0 ? t : plan.tensors[t].view_of; };
+  for (const Step &st : steps) {
+    for (int t : st.alloc) BOOST_TEST_REQUIRE(live.insert(t).second, "allocated twice: " << plan.tensors[t].name.view());
+    for (const Arg &a : st.args)
+      BOOST_TEST_REQUIRE(live.count(root(a.tensor)) == 1u,
+                         "kernel argument " << a.name.view() << " is bound to a dead tensor");
+    for (int a : live)
+      for (int b : live) {
+        if (a >= b) continue;
+        const Tensor &x = plan.tensors[a], &y = plan.tensors[b];
+        const bool disjoint = x.offset + x.bytes() <= y.offset || y.offset + y.bytes() <= x.offset;
+        BOOST_TEST_REQUIRE(disjoint, x.name.view() << " overlaps " << y.name.view());
+        BOOST_TEST_REQUIRE(std::max(x.offset + x.bytes(), y.offset + y.bytes()) <=
+                           std::max(plan.peak_bytes, plan.eval_peak_bytes));
+      }
+    for (int t : st.free) BOOST_TEST_REQUIRE(live.erase(t) == 1u, "freed while dead: " << plan.tensors[t].name.view());
+  }
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(shapes_are_inferred) {
+  const Model m = small_model();
+  BOOST_TEST(m.n_stages == 3);
+  BOOST_TEST(m.stages[1].layers[0].in == 16);  // layer_norm() took the stack's width
+  BOOST_TEST(m.stages[1].repeat == 5);
+  BOOST_TEST(m.n_blocks() == 5);
+  BOOST_TEST(m.loss.classes == 3);
+  BOOST_TEST(mlp::model.stages[1].layers[2].out == mlp::hidden);
+}
+
+BOOST_AUTO_TEST_CASE(mistakes_are_named) {
+  auto error = [](Model m) { return std::string(check(m).error.view()); };
+  BOOST_TEST(error(make_model(input(8), linear(8, 4), linear(5, 2), softmax_cross_entropy())) ==
+             "remat: stage 0 layer 1 (linear): expects 5 input features but the stack carries 4");
+  BOOST_TEST(error(make_model(input(8), linear(8, 4), softmax_cross_entropy(3))) ==
+             "remat: softmax_cross_entropy(3) follows a stack of width 4");
+  BOOST_TEST(error(make_model(input(8), repeat(0, residual(linear(8, 8))), softmax_cross_entropy())) ==
+             "remat: stage 0: repeat(n, ...) needs n >= 1, got 0");
+  BOOST_TEST(error(make_model(linear(8, 4))) == "remat: the model needs input(width) with width >= 1");
+}
+
+BOOST_AUTO_TEST_CASE(policies_choose_segments) {
+  auto firsts = [](Policy p, int n) {
+    std::vector<int> out;
+    for (Segment s : segments(p, n)) out.push_back(s.first);
+    return out;
+  };
+  BOOST_TEST(segments(none, 16).empty());
+  BOOST_TEST(firsts(full, 4) == (std::vector<int>{0, 1, 2, 3}));
+  BOOST_TEST(firsts(Policy{Policy::Kind::every_n_layers, 3}, 10) == (std::vector<int>{0, 3, 6, 9}));
+  const auto sq = segments(sqrt_n, 16);  // ceil(sqrt(16)) = 4 segments of 4 blocks
+  BOOST_TEST(sq.size() == 4u);
+  BOOST_TEST(sq[1].first == 4);
+  BOOST_TEST(sq[1].last == 7);
+  BOOST_TEST(segments(sqrt_n, 10).size() == 4u);  // ceil(sqrt(10)) = 4 segments, 3+3+3+1
+}
+
+BOOST_AUTO_TEST_CASE(every_schedule_replays_without_overlap) {
+  for (const Model &m : {small_model(), mlp::model})
+    for (Policy p : all_policies)
+      for (int batch : {8, 256}) {
+        const Plan plan = make_plan(m, p, batch, "m");
+        check_schedule(plan, plan.train);
+        check_schedule(plan, plan.optimize);
+        check_schedule(plan, plan.eval);
+        BOOST_TEST(plan.eval_peak_bytes <= plan.peak_bytes);
+      }
+}
+
+// Activation bytes against a hand count for the MLP (fp32, B rows, C = width, H = hidden):
+//   none: 17 block inputs (16 blocks + head) of B*C, per block the internals LayerNorm output
+//         (C), linear output (H), GELU output (H) and two row statistics, the head's LayerNorm
+//         output and statistics, and the logits (10):   4B (17C + 16 (C + 2H + 2) + C + 2 + 10)
+//   full: the 16 block inputs and the head input, plus one block's recomputed internals (the
+//         LayerNorm output stays in registers):          4B (17C + 2H + 2)
+BOOST_AUTO_TEST_CASE(activation_bytes_match_the_hand_count) {
+  const long B = 256, C = mlp::width, H = mlp::hidden;
+  const Plan p_none = make_plan(mlp::model, none, B, "mlp"), p_full = make_plan(mlp::model, full, B, "mlp");
+  BOOST_TEST(p_none.activation_bytes == std::size_t(4 * B * (17 * C + 16 * (C + 2 * H + 2) + C + 2 + 10)));
+  BOOST_TEST(p_full.activation_bytes == std::size_t(4 * B * (17 * C + 2 * H + 2)));
+  BOOST_TEST(p_full.activation_bytes <= p_none.activation_bytes / 4);
+  const Plan p_sqrt = make_plan(mlp::model, sqrt_n, B, "mlp"), p_two = make_plan(mlp::model, every_2, B, "mlp");
+  BOOST_TEST(p_sqrt.activation_bytes < p_two.activation_bytes);
+  BOOST_TEST(p_two.activation_bytes < p_none.activation_bytes);
+}
+
+BOOST_AUTO_TEST_CASE(recompute_launches_per_policy) {
+  auto launches = [](Policy p) { return make_plan(mlp::model, p, 64, "mlp").recompute_launches; };
+  BOOST_TEST(launches(none) == 0);
+  BOOST_TEST(launches(full) == 16);     // one fused recompute-backward per block
+  BOOST_TEST(launches(every_2) == 8);   // blocks 0, 2, ..., 14
+  BOOST_TEST(launches(sqrt_n) == 16);   // per segment of 4: 3 forward replays + 1 fused backward
+  // Recompute kernels appear only under policies that checkpoint.
+  const Plan plan = make_plan(mlp::model, none, 64, "mlp");
+  BOOST_TEST(!ranges::any_of(plan.train, [](const Step &s) { return s.variant == Variant::backward_recompute; }));
+}
+
+// The compile-time plan and the run-time plan are the same function of the same inputs.
+BOOST_AUTO_TEST_CASE(plan_is_known_at_compile_time) {
+  constexpr std::size_t peak = make_plan(mlp::model, full, 32, "mlp").peak_bytes;
+  BOOST_TEST(peak == make_plan(mlp::model, full, 32, "mlp").peak_bytes);
+}

@@ -1,0 +1,137 @@
+// The trainer as a user runs it: policies agree bit for bit, the planned peak is the measured
+// peak, and bad input ends with one line on stderr, nothing on stdout and a non-zero exit.
+#include <boost/test/unit_test.hpp>
+#include <nlohmann/json.hpp>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <vector>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Result {
+  int exit_code;
+  std::string out, err;
+  std::vector<std::string> err_lines() const {
+    std::vector<std::string> lines;
+    std::istringstream in(err);
+    for (std::string l; std::getline(in, l);) lines.push_back(l);
+    return lines;
+  }
+};
+
+std::string slurp(const fs::path &p) {
+  std::ifstream in(p);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+fs::path scratch_dir() {
+  static const fs::path dir = [] {
+    fs::path d = fs::temp_directory_path() / ("remat-test-trainer-" + std::to_string(::getpid()));
+    fs::create_directories(d);
+    return d;
+  }();
+  return dir;
+}
+
+Result train(const std::string &args) {
+  const fs::path out = scratch_dir() / "stdout", err = scratch_dir() / "stderr";
+  const std::string cmd = std::string(TRAIN_MLP) + " " + args + " >" + out.string() + " 2>" + err.string() + " </dev/null";
+  const int status = std::system(cmd.c_str());
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), slurp(out), slurp(err)};
+}
+
+nlohmann::json summary(const Result &r) {
+  const auto last = r.out.find_last_of('\n', r.out.size() - 2);
+  return nlohmann::json::parse(r.out.substr(last == std::string::npos ? 0 : last + 1));
+}
+
+void expect_one_line_error(const std::string &args, const std::string &mentions) {
+  const Result r = train(args);
+  BOOST_TEST(r.exit_code != 0, args);
+  BOOST_TEST(r.exit_code < 128, args << ": crashed");
+  BOOST_TEST(r.out.empty(), args << ": wrote to stdout: " << r.out);
+  const auto lines = r.err_lines();
+  BOOST_TEST_REQUIRE(lines.size() == 1u, args << ": stderr was\n" << r.err);
+  BOOST_TEST(lines[0].starts_with("train-mlp: error: "), lines[0]);
+  BOOST_TEST(lines[0].find(mentions) != std::string::npos, lines[0] << " should mention " << mentions);
+}
+
+const std::string real_data = "/usr/share/datasets/fashion-mnist";
+
+// A copy of the dataset folder with one file replaced by `make` (a shell command writing it).
+std::string broken_dataset(const std::string &name, const std::string &file, const std::string &make) {
+  const fs::path dir = scratch_dir() / name;
+  fs::create_directories(dir);
+  for (const auto &f : fs::directory_iterator(real_data))
+    fs::copy_file(f.path(), dir / f.path().filename(), fs::copy_options::overwrite_existing);
+  const std::string cmd = make + " > " + (dir / file).string();
+  BOOST_TEST_REQUIRE(std::system(cmd.c_str()) == 0);
+  return dir.string();
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(policies_agree_and_peaks_are_exact) {
+  std::map<std::string, nlohmann::json> runs;
+  for (std::string policy : {"none", "full", "every_n_layers=2", "sqrt_n"}) {
+    const Result r = train("--max-steps 1 --batch-size 256 --json --eval-samples 0 --checkpoint-policy " + policy);
+    BOOST_TEST_REQUIRE(r.exit_code == 0, r.err);
+    runs[policy] = summary(r);
+    const auto &j = runs[policy];
+    for (const char *key : {"steps", "loss_first", "loss_last", "eval_accuracy", "samples_per_s", "step_ms_median",
+                            "planned_peak_bytes", "measured_peak_bytes", "activation_bytes", "grad_digest"})
+      BOOST_TEST(j.contains(key), key);
+    BOOST_TEST(j["measured_peak_bytes"] == j["planned_peak_bytes"], policy);
+    BOOST_TEST(j["halide_heap_peak_bytes"] == 0, policy);
+    BOOST_TEST(j["batch_size"] == 256);
+  }
+  for (const auto &[policy, j] : runs)
+    BOOST_TEST(j["grad_digest"] == runs["none"]["grad_digest"], policy << " changes the gradients");
+  const double full = runs["full"]["activation_bytes"], none = runs["none"]["activation_bytes"];
+  BOOST_TEST(full <= 0.25 * none);
+  BOOST_TEST(runs["full"]["planned_peak_bytes"] < runs["none"]["planned_peak_bytes"]);
+}
+
+BOOST_AUTO_TEST_CASE(gradient_accumulation_runs) {
+  const Result r = train("--max-steps 2 --batch-size 32 --gradient-accumulation-steps 3 --json --eval-samples 64");
+  BOOST_TEST_REQUIRE(r.exit_code == 0, r.err);
+  const auto j = summary(r);
+  BOOST_TEST(j["gradient_accumulation_steps"] == 3);
+  BOOST_TEST(j["measured_peak_bytes"] == j["planned_peak_bytes"]);
+  BOOST_TEST(j["eval_accuracy"].is_number());
+}
+
+BOOST_AUTO_TEST_CASE(bad_flags_are_one_line_errors) {
+  expect_one_line_error("--checkpoint-policy bogus", "unknown policy");
+  expect_one_line_error("--checkpoint-policy every_n_layers=0", "every_n_layers");
+  expect_one_line_error("--checkpoint-policy every_n_layers=x", "every_n_layers");
+  expect_one_line_error("--max-steps -3", "--max-steps");
+  expect_one_line_error("--max-steps abc", "--max-steps");
+  expect_one_line_error("--batch-size 0", "--batch-size");
+  expect_one_line_error("--batch-size 4", "--batch-size 4");
+  expect_one_line_error("--learning-rate -0.1", "--learning-rate");
+  expect_one_line_error("--gradient-accumulation-steps two", "--gradient-accumulation-steps");
+  expect_one_line_error("--no-such-flag", "no-such-flag");
+}
+
+BOOST_AUTO_TEST_CASE(bad_datasets_are_one_line_errors) {
+  expect_one_line_error("--max-steps 1 --data-dir /nonexistent", "no such file");
+  const std::string images = "train-images-idx3-ubyte.gz";
+  const std::string truncated =
+      broken_dataset("truncated", images, "zcat " + real_data + "/" + images + " | head -c 100000 | gzip");
+  expect_one_line_error("--max-steps 1 --data-dir " + truncated, "truncated or corrupt");
+  const std::string garbage = broken_dataset("garbage", images, "echo 'not an idx file at all' | gzip");
+  expect_one_line_error("--max-steps 1 --data-dir " + garbage, "not an idx file");
+  const std::string bad_gzip =
+      broken_dataset("bad-gzip", images, "head -c 5000 " + real_data + "/" + images);
+  expect_one_line_error("--max-steps 1 --data-dir " + bad_gzip, "gzip");
+}
