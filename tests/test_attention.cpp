@@ -22,6 +22,8 @@
 #include <Halide.h>
 #include <attention.h>
 
+#include "gradient_check.h"
+
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -32,10 +34,9 @@ using namespace Halide;
 using remat::gen::Dropout;
 using remat::gen::Layers;
 using remat::gen::Transformer;
+using namespace remat::testing;
 
 namespace {
-
-constexpr double fd_step = 1e-6, fd_tol = 1e-7, ref_tol = 1e-11;
 
 // The documented hash, written out again in plain C++ (not through the header's Exprs).
 uint64_t mix64_ref(uint64_t x) {
@@ -55,69 +56,11 @@ bool keep_ref(uint64_t seed, uint64_t step, uint64_t block, uint64_t element, do
   return (h >> 32) >= static_cast<uint64_t>(std::llround(p * 4294967296.0));
 }
 
-// A Func reading a buffer (Halide's Func(Buffer &) takes no name).
-Func wrap(Buffer<double> b, const std::string &name) {
-  Func f(name);
-  f(_) = b(_);
-  return f;
-}
-
 bool identical(const Buffer<double> &a, const Buffer<double> &b) {
   bool same = a.number_of_elements() == b.number_of_elements();
   a.for_each_element([&](const int *pos) { same = same && a(pos) == b(pos); });
   return same;
 }
-
-struct Fixture {
-  remat::gen::Vars v;
-  Layers L{Float(64), v};
-  std::mt19937_64 rng{1234};
-  double uniform(double lo = -1, double hi = 1) { return std::uniform_real_distribution<double>(lo, hi)(rng); }
-  Buffer<double> random(std::vector<int> shape, double lo = -1, double hi = 1) {
-    Buffer<double> b(shape);
-    b.for_each_value([&](double &x) { x = uniform(lo, hi); });
-    return b;
-  }
-  ImageParam param(const Buffer<double> &b, const std::string &name) {
-    ImageParam p(Float(64), b.dimensions(), name);
-    p.set(b);
-    return p;
-  }
-  static std::vector<int> shape(const Buffer<double> &b) {
-    std::vector<int> s;
-    for (int d = 0; d < b.dimensions(); ++d) s.push_back(b.dim(d).extent());
-    return s;
-  }
-  // J = sum(f * R) over R's shape
-  static double objective(Func f, const Buffer<double> &R) {
-    Buffer<double> y = f.realize(shape(R));
-    double j = 0;
-    R.for_each_element([&](const int *pos) { j += y(pos) * R(pos); });
-    return j;
-  }
-  // Central differences of J with respect to every element of `in`, compared with `grad`.
-  static void check_fd(const std::string &what, Buffer<double> in, const Buffer<double> &grad,
-                       const std::function<double()> &J) {
-    in.for_each_element([&](const int *pos) {
-      const double keep = in(pos);
-      in(pos) = keep + fd_step;
-      const double up = J();
-      in(pos) = keep - fd_step;
-      const double down = J();
-      in(pos) = keep;
-      const double fd = (up - down) / (2 * fd_step), g = grad(pos);
-      BOOST_TEST(std::abs(fd - g) <= fd_tol * (1 + std::abs(g)),
-                 what << " at (" << pos[0] << ", " << pos[1] << "): fd " << fd << " vs vjp " << g);
-    });
-  }
-  static void check_ref(const std::string &what, const Buffer<double> &got, const std::function<double(const int *)> &ref) {
-    got.for_each_element([&](const int *pos) {
-      const double r = ref(pos), g = got(pos);
-      BOOST_TEST(std::abs(r - g) <= ref_tol * (1 + std::abs(g)),
-                 what << " at (" << pos[0] << ", " << pos[1] << "): reference " << r << " vs vjp " << g);
-    });
-  }
-};
 
 // Plain causal multi-head attention on a [rows, 3C] qkv buffer. mult(h, n, t, s) is the dropout
 // multiplier of P(h, n, t, s) (1 without dropout).

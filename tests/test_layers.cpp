@@ -12,6 +12,8 @@
 #include <Halide.h>
 #include <layers.h>
 
+#include "gradient_check.h"
+
 #include <cmath>
 #include <functional>
 #include <random>
@@ -19,70 +21,14 @@
 
 using namespace Halide;
 using remat::gen::Layers;
-
-namespace {
-
-constexpr double fd_step = 1e-6, fd_tol = 1e-7, ref_tol = 1e-11;
-
-Func wrap(Buffer<double> &b) {
-  Func f;
-  f(_) = b(_);
-  return f;
-}
-
-struct Fixture {
-  remat::gen::Vars v;
-  Layers L{Float(64), v};
-  std::mt19937_64 rng{1234};
-  double uniform(double lo = -1, double hi = 1) { return std::uniform_real_distribution<double>(lo, hi)(rng); }
-  Buffer<double> random(std::vector<int> shape, double lo = -1, double hi = 1) {
-    Buffer<double> b(shape);
-    b.for_each_value([&](double &x) { x = uniform(lo, hi); });
-    return b;
-  }
-  ImageParam param(const Buffer<double> &b, const std::string &name) {
-    ImageParam p(Float(64), b.dimensions(), name);
-    p.set(b);
-    return p;
-  }
-  // J = sum(f * R) over f's realized shape
-  static double objective(Func f, const Buffer<double> &R) {
-    Buffer<double> y = f.realize(R.dimensions() == 1 ? std::vector<int>{R.dim(0).extent()}
-                                                     : std::vector<int>{R.dim(0).extent(), R.dim(1).extent()});
-    double j = 0;
-    R.for_each_element([&](const int *pos) { j += y(pos) * R(pos); });
-    return j;
-  }
-  // Central differences of J with respect to every element of `in`, compared with `grad`.
-  static void check_fd(const std::string &what, Buffer<double> in, const Buffer<double> &grad,
-                       const std::function<double()> &J) {
-    in.for_each_element([&](const int *pos) {
-      const double keep = in(pos);
-      in(pos) = keep + fd_step;
-      const double up = J();
-      in(pos) = keep - fd_step;
-      const double down = J();
-      in(pos) = keep;
-      const double fd = (up - down) / (2 * fd_step), g = grad(pos);
-      BOOST_TEST(std::abs(fd - g) <= fd_tol * (1 + std::abs(g)), what << " at " << pos[0] << ": fd " << fd << " vs vjp " << g);
-    });
-  }
-  static void check_ref(const std::string &what, const Buffer<double> &got, const std::function<double(const int *)> &ref) {
-    got.for_each_element([&](const int *pos) {
-      const double r = ref(pos), g = got(pos);
-      BOOST_TEST(std::abs(r - g) <= ref_tol * (1 + std::abs(g)), what << ": reference " << r << " vs vjp " << g);
-    });
-  }
-};
-
-}  // namespace
+using namespace remat::testing;
 
 BOOST_FIXTURE_TEST_CASE(linear, Fixture) {
   const int B = 3, K = 5, O = 4;
   Buffer<double> x = random({K, B}), w = random({O, K}), bias = random({O}), R = random({O, B});
   ImageParam xp = param(x, "x"), wp = param(w, "w"), bp = param(bias, "b");
   Func y = L.linear("y", xp, wp, bp, K).out;
-  Func dy = wrap(R);
+  Func dy = wrap(R, "dy");
   Buffer<double> dw = L.linear_weight_grad("dw", xp, dy, B).out.realize({O, K});
   Buffer<double> db = L.column_sum("db", dy, B).realize({O});
   Buffer<double> dx = L.linear_input_grad("dx", dy, L.transpose("wt", wp), O).out.realize({K, B});
@@ -101,7 +47,7 @@ BOOST_FIXTURE_TEST_CASE(layer_norm, Fixture) {
   ImageParam xp = param(x, "x"), gp = param(gamma, "gamma"), bp = param(beta, "beta");
   auto stats = L.layer_norm_stats("mean", "rstd", xp, C);
   Func y = L.layer_norm("y", xp, stats, gp, bp);
-  Func dy = wrap(R);
+  Func dy = wrap(R, "dy");
   auto g = L.layer_norm_grad("s1", "s2", "dx", xp, stats, gp, dy, C, B);
   Buffer<double> dx = g.dx.realize({C, B}), dgamma = g.dgamma.realize({C}), dbeta = g.dbeta.realize({C});
   auto J = [&] { return objective(y, R); };
@@ -139,7 +85,7 @@ BOOST_FIXTURE_TEST_CASE(gelu_and_relu, Fixture) {
   Buffer<double> x = random({C, B}, -3, 3), R = random({C, B});
   x.for_each_value([](double &a) { if (std::abs(a) < 1e-3) a = 0.5; });
   ImageParam xp = param(x, "x");
-  Func dy = wrap(R);
+  Func dy = wrap(R, "dy");
   Func gelu = L.gelu("gelu", xp), relu = L.relu("relu", xp);
   Buffer<double> dgelu = L.gelu_grad("dgelu", xp, dy).realize({C, B}), drelu = L.relu_grad("drelu", xp, dy).realize({C, B});
   check_fd("gelu", x, dgelu, [&] { return objective(gelu, R); });
