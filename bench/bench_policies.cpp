@@ -47,7 +47,7 @@ int main(int argc, char **argv) {
   for (Policy p : policies) {
     auto c = std::make_unique<Case>();
     c->policy = p;
-    c->plan = make_plan(mlp::model, p, batch, "mlp");
+    c->plan = make_plan(mlp::model, p, batch);
     c->arena = std::make_unique<runtime::Arena>(std::max(c->plan.peak_bytes, c->plan.eval_peak_bytes));
     c->arena->fill_canary();
     c->ex = std::make_unique<Executor>(c->plan, "mlp", mlp_kernels::table, *c->arena, c->scalars);
@@ -55,7 +55,7 @@ int main(int argc, char **argv) {
       if (t.role == Role::params || t.role == Role::adam_m || t.role == Role::adam_v)
         if (t.view_of < 0)
           for (float &x : c->ex->tensor<float>(t.name.view())) x = 0.01f * u(rng);
-    for (float &x : c->ex->tensor<float>("images")) x = u(rng);
+    for (float &x : c->ex->tensor<float>("inputs")) x = u(rng);
     for (auto &l : c->ex->tensor<std::int32_t>("labels")) l = int(rng() % mlp::classes);
     c->scalars.grad_scale = 1.f / batch;
     c->scalars.lr = 1e-4f;

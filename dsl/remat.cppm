@@ -57,7 +57,9 @@ template <class Out = Name, class... Parts> constexpr Out cat(Parts... parts) {
 // ---------------------------------------------------------------------------------------------
 // Layers and blocks
 // ---------------------------------------------------------------------------------------------
-enum class Op : std::uint8_t { linear, layer_norm, gelu, relu };
+enum class Op : std::uint8_t {
+  linear, layer_norm, gelu, relu, dropout, attention, embedding, residual_begin, residual_end
+};
 
 constexpr std::string_view op_name(Op op) {
   switch (op) {
@@ -65,6 +67,11 @@ constexpr std::string_view op_name(Op op) {
   case Op::layer_norm: return "layer_norm";
   case Op::gelu: return "gelu";
   case Op::relu: return "relu";
+  case Op::dropout: return "dropout";
+  case Op::attention: return "causal_self_attention";
+  case Op::embedding: return "embedding";
+  case Op::residual_begin: return "residual(";
+  case Op::residual_end: return ")residual";
   }
   return "?";
 }
@@ -74,57 +81,100 @@ struct Layer {
   Op op{};
   int in = 0;
   int out = 0;
+  int heads = 0;       // attention
+  int vocab = 0;       // embedding
+  int block_size = 0;  // attention, embedding: T, the rows of one sequence (from the input)
 };
 
 constexpr Layer linear(int in, int out) { return {Op::linear, in, out}; }
 constexpr Layer layer_norm(int width = 0) { return {Op::layer_norm, width, width}; }
 constexpr Layer gelu() { return {Op::gelu}; }
 constexpr Layer relu() { return {Op::relu}; }
+// Inverted dropout; the probability is a run-time value (--dropout), the mask a counter-based
+// hash of (seed, step, block, element), so recompute reproduces it without saving anything.
+constexpr Layer dropout() { return {Op::dropout}; }
+// Causal multi-head self-attention core on fused [q | k | v] features (3C in, C out).
+constexpr Layer causal_self_attention(int heads) { return {Op::attention, 0, 0, heads}; }
+// Token + position embedding: token ids in, `width` features out.
+constexpr Layer embedding(int vocab, int width) { return {Op::embedding, 1, width, 0, vocab}; }
 
-// Output of a layer that backward can rebuild cheaply, elementwise, from tensors it already has
-// (LayerNorm output from its input and row statistics, ReLU output from its input). Kernels
-// that recompute keep such values in registers instead of writing them to memory.
-constexpr bool cheap_to_recompute(Op op) { return op == Op::layer_norm || op == Op::relu; }
-constexpr bool has_params(Op op) { return op == Op::linear || op == Op::layer_norm; }
+// Backward of the layer reads its input.
+constexpr bool reads_input(Op op) {
+  return op == Op::linear || op == Op::layer_norm || op == Op::gelu || op == Op::relu ||
+         op == Op::attention;
+}
+// Buffered outputs that the `selective` policy recomputes in backward instead of saving
+// (Megatron-style: the attention core and the GELU).
+constexpr bool recomputed_by_selective(Op op) { return op == Op::attention || op == Op::gelu; }
+constexpr bool has_params(Op op) {
+  return op == Op::linear || op == Op::layer_norm || op == Op::embedding;
+}
 
-inline constexpr int max_block_layers = 8;
+inline constexpr int max_block_layers = 16;
 
-// A block: the repeated unit of a stack. Stages made of plain layers are blocks too (repeat 1),
+// A block: the repeated unit of a stack. Stages made of loose layers are blocks too (repeat 1),
 // but only blocks of a `repeat` stage are counted by checkpoint policies.
 struct Block {
   std::array<Layer, max_block_layers> layers{};
   int n_layers = 0;
-  bool residual = false;
   int repeat = 1;
   bool checkpointable = false;  // true for repeat(n, ...) stages
+  bool loose = false;           // made of loose layers given to make_model
+  int overflow = 0;             // layers past max_block_layers, reported by check()
 
   constexpr int in() const { return layers[0].in; }
   constexpr int out() const { return layers[n_layers - 1].out; }
-  constexpr int width_after(int k) const { return layers[k].out; }
+  constexpr void push(const Layer &l) {
+    if (n_layers == max_block_layers) ++overflow;
+    else layers[n_layers++] = l;
+  }
+  // The layer whose output is layer k's input; -1: the block input. residual( is transparent.
+  constexpr int source(int k) const {
+    int j = k - 1;
+    while (j >= 0 && layers[j].op == Op::residual_begin) --j;
+    return j;
+  }
+  // For a )residual at k: the source of its matching residual(, added back to the branch.
+  constexpr int skip_source(int k) const {
+    int depth = 0;
+    for (int j = k - 1; j >= 0; --j) {
+      if (layers[j].op == Op::residual_end) ++depth;
+      if (layers[j].op == Op::residual_begin && depth-- == 0) return source(j);
+    }
+    return -1;
+  }
+  constexpr bool produces(int k) const { return layers[k].op != Op::residual_begin; }
 };
 
+constexpr Block chain_one(Block acc, const Block &b) {
+  for (int k = 0; k < b.n_layers; ++k) acc.push(b.layers[k]);
+  acc.overflow += b.overflow;
+  return acc;
+}
+// residual(f...) computes x + f(x).
 template <class... L> constexpr Block residual(L... layers) {
-  static_assert(sizeof...(L) <= max_block_layers, "remat: a block holds at most 8 layers");
   Block b;
-  ((b.layers[b.n_layers++] = layers), ...);
-  b.residual = true;
+  b.push({Op::residual_begin});
+  (b.push(layers), ...);
+  b.push({Op::residual_end});
   return b;
 }
-
-template <class... L> constexpr Block sequential(L... layers) {
-  Block b = residual(layers...);
-  b.residual = false;
-  return b;
+// Blocks one after the other, as one block (e.g. a transformer block: two residual branches).
+template <class... B> constexpr Block chain(B... blocks) {
+  Block out;
+  ((out = chain_one(out, blocks)), ...);
+  return out;
 }
-
 constexpr Block repeat(int n, Block b) {
   b.repeat = n;
   b.checkpointable = true;
   return b;
 }
 
-struct Input { int width; };
+// Model inputs: feature rows, or token ids with `block_size` rows per sequence.
+struct Input { int width = 0; int vocab = 0; int block_size = 0; };
 constexpr Input input(int width) { return {width}; }
+constexpr Input tokens(int vocab, int block_size) { return {1, vocab, block_size}; }
 
 struct Loss { int classes = 0; };
 constexpr Loss softmax_cross_entropy(int classes = 0) { return {classes}; }
@@ -132,7 +182,7 @@ constexpr Loss softmax_cross_entropy(int classes = 0) { return {classes}; }
 inline constexpr int max_stages = 6;
 
 struct Model {
-  int input_width = 0;
+  Input input{};
   std::array<Block, max_stages> stages{};
   int n_stages = 0;
   Loss loss{};
@@ -145,24 +195,25 @@ struct Model {
     return n;
   }
   constexpr int classes() const { return stages[n_stages - 1].out(); }
+  constexpr bool token_input() const { return input.block_size > 0; }
+  constexpr int rows_per_sample() const { return token_input() ? input.block_size : 1; }
 };
 
 namespace detail {
-constexpr void add(Model &m, Input in) { m.input_width = in.width; }
+constexpr void add(Model &m, Input in) { m.input = in; }
 constexpr void add(Model &m, Loss l) { m.loss = l; }
 constexpr void add(Model &m, Block b) {
   if (m.n_stages == max_stages) { ++m.stage_overflow; return; }
   m.stages[m.n_stages++] = b;
 }
-constexpr void add(Model &m, Layer l) {  // consecutive plain layers form one stage
-  if (m.n_stages > 0) {
-    Block &last = m.stages[m.n_stages - 1];
-    if (!last.checkpointable && !last.residual && last.n_layers < max_block_layers) {
-      last.layers[last.n_layers++] = l;
-      return;
-    }
+constexpr void add(Model &m, Layer l) {  // consecutive loose layers form one stage
+  if (m.n_stages == 0 || !m.stages[m.n_stages - 1].loose) {
+    Block b;
+    b.loose = true;
+    add(m, b);
+    if (m.stage_overflow) return;
   }
-  add(m, sequential(l));
+  m.stages[m.n_stages - 1].push(l);
 }
 }  // namespace detail
 
@@ -183,35 +234,69 @@ struct Checked {
 
 constexpr Checked check(Model m) {
   auto fail = [&](const Message &why) { return Checked{m, cat<Message>("remat: ", why.view())}; };
-  if (m.input_width <= 0) return fail("the model needs input(width) with width >= 1");
+  if (m.input.width <= 0) return fail("the model needs input(width) or tokens(vocab, block_size)");
+  if (m.token_input() && m.input.vocab <= 0) return fail("tokens(vocab, block_size) needs vocab >= 1");
   if (m.stage_overflow > 0) return fail(cat<Message>("a model holds at most ", max_stages, " stages"));
   if (m.n_stages == 0) return fail("the model has no layers");
-  int width = m.input_width;
+  int width = m.input.width;
   for (int s = 0; s < m.n_stages; ++s) {
     Block &b = m.stages[s];
+    if (b.overflow > 0) return fail(cat<Message>("stage ", s, " has more than ", max_block_layers, " layers"));
     if (b.repeat < 1) return fail(cat<Message>("stage ", s, ": repeat(n, ...) needs n >= 1, got ", b.repeat));
     if (b.n_layers == 0) return fail(cat<Message>("stage ", s, " has no layers"));
-    const int block_in = width;
+    int open[max_block_layers]{}, depth = 0, written = 0;  // messages count the layers as written
     for (int k = 0; k < b.n_layers; ++k) {
       Layer &l = b.layers[k];
-      auto where = cat<Message>("stage ", s, " layer ", k, " (", op_name(l.op), ")");
-      if (l.op == Op::linear) {
+      const bool marker = l.op == Op::residual_begin || l.op == Op::residual_end;
+      const auto where = cat<Message>("stage ", s, " layer ", written, " (", op_name(l.op), ")");
+      written += !marker;
+      const bool first = s == 0 && k == 0;
+      switch (l.op) {
+      case Op::linear:
         if (l.in <= 0 || l.out <= 0)
-          return fail(cat<Message>(where.view(), ": linear(", l.in, ", ", l.out, ") needs positive widths"));
+          return fail(cat<Message>(where, ": linear(", l.in, ", ", l.out, ") needs positive widths"));
         if (l.in != width)
-          return fail(cat<Message>(where.view(), ": expects ", l.in, " input features but the stack carries ",
-                          width));
-      } else {
+          return fail(cat<Message>(where, ": expects ", l.in, " input features but the stack carries ", width));
+        break;
+      case Op::embedding:
+        if (!first || !m.token_input())
+          return fail(cat<Message>(where, ": an embedding must be the first layer, after tokens(vocab, block_size)"));
+        if (l.vocab != m.input.vocab)
+          return fail(cat<Message>(where, ": embedding(", l.vocab, ", ...) but tokens(", m.input.vocab, ", ...)"));
+        if (l.out <= 0) return fail(cat<Message>(where, ": needs a positive width"));
+        l.block_size = m.input.block_size;
+        break;
+      case Op::attention: {
+        if (!m.token_input())
+          return fail(cat<Message>(where, ": attention needs sequences: tokens(vocab, block_size)"));
+        if (width % 3 != 0)
+          return fail(cat<Message>(where, ": expects fused q, k, v (3C features) but the stack carries ", width));
+        if (l.heads < 1 || (width / 3) % l.heads != 0)
+          return fail(cat<Message>(where, ": ", l.heads, " heads do not divide the width ", width / 3));
+        l.in = width;
+        l.out = width / 3;
+        l.block_size = m.input.block_size;
+        break;
+      }
+      case Op::residual_begin:
+        open[depth++] = width;
+        l.in = l.out = width;
+        break;
+      case Op::residual_end:
+        if (open[--depth] != width)
+          return fail(cat<Message>("stage ", s, ": residual block maps ", open[depth], " features to ", width,
+                                   "; a residual block must keep its width"));
+        l.in = l.out = width;
+        break;
+      default:
         if (l.in != 0 && l.in != width)
-          return fail(cat<Message>(where.view(), ": declared for width ", l.in,
-                          " but the stack carries ", width));
+          return fail(cat<Message>(where, ": declared for width ", l.in, " but the stack carries ", width));
         l.in = l.out = width;
       }
+      if (m.token_input() && first && l.op != Op::embedding)
+        return fail("a token model starts with embedding(vocab, width)");
       width = l.out;
     }
-    if (b.residual && width != block_in)
-      return fail(cat<Message>("stage ", s, ": residual block maps ", block_in, " features to ", width,
-                      "; a residual block must keep its width"));
   }
   if (m.loss.classes == 0) m.loss.classes = width;
   if (m.loss.classes != width)
@@ -230,7 +315,7 @@ template <Model M> consteval Model checked() {
 // Checkpoint policies
 // ---------------------------------------------------------------------------------------------
 struct Policy {
-  enum class Kind : std::uint8_t { none, full, every_n_layers, sqrt_n } kind = Kind::none;
+  enum class Kind : std::uint8_t { none, full, every_n_layers, sqrt_n, selective } kind = Kind::none;
   int n = 0;  // for every_n_layers
   constexpr bool operator==(const Policy &) const = default;
 };
@@ -238,6 +323,9 @@ struct Policy {
 inline constexpr Policy none{Policy::Kind::none};
 inline constexpr Policy full{Policy::Kind::full};
 inline constexpr Policy sqrt_n{Policy::Kind::sqrt_n};
+// Megatron-style: every block saves what its backward reads except the attention core, the GELU
+// and cheap elementwise values, which its backward kernel recomputes.
+inline constexpr Policy selective{Policy::Kind::selective};
 
 // Blocks 0, n, 2n... are checkpointed, the others keep their internals (as in HF Transformers).
 consteval Policy every_n_layers(int n) {
@@ -251,6 +339,7 @@ constexpr Name policy_name(Policy p) {
   case Policy::Kind::full: return "full";
   case Policy::Kind::every_n_layers: return cat("every_n_layers=", p.n);
   case Policy::Kind::sqrt_n: return "sqrt_n";
+  case Policy::Kind::selective: return "selective";
   }
   return "?";
 }
@@ -268,7 +357,8 @@ constexpr int ceil_sqrt(int n) {
 constexpr std::vector<Segment> segments(Policy p, int n_blocks) {
   std::vector<Segment> out;
   switch (p.kind) {
-  case Policy::Kind::none: break;
+  case Policy::Kind::none:
+  case Policy::Kind::selective: break;
   case Policy::Kind::full:
     for (int i = 0; i < n_blocks; ++i) out.push_back({i, i});
     break;
@@ -284,45 +374,155 @@ constexpr std::vector<Segment> segments(Policy p, int n_blocks) {
   return out;
 }
 
+// What a block's forward keeps for its backward.
+enum class Keep : std::uint8_t {
+  all,        // everything backward reads
+  selective,  // all but what recomputed_by_selective() rebuilds
+  nothing,    // only the block input is kept elsewhere; backward recomputes everything
+};
+
 // ---------------------------------------------------------------------------------------------
 // Tensors of one block, by local name. The generators name kernel arguments the same way; the
-// planner binds each local name to a tensor of the arena.
-//   x [B, C_in]  block input          y [B, C_out] block output
-//   h<k> [B, C]  output of layer k (k < last)      mean<k>, rstd<k> [B] LayerNorm row statistics
-//   p<k>_w, p<k>_b  parameters of layer k  (linear: w [K, O] row-major so y = x w + b;
-//                   layer_norm: w = gamma [C], b = beta [C]);  g<k>_w, g<k>_b their gradients
-// Backward scratch: dh<k> [B, C] gradient of h<k>; s<k>_1, s<k>_2 [B] LayerNorm row sums;
-//                   p<k>_wt [O, K] transposed weight for the input gradient of a linear.
+// planner binds each local name to a tensor of the arena. R = rows (B samples x rows per sample).
+//   x [R, C_in]  block input (token ids [R] for an embedding)     y [R, C_out] block output
+//   h<k> [R, C]  output of layer k (k < last)
+//   mean<k>, rstd<k> [R] LayerNorm row statistics;   att<k>_lse [R, H] attention log-sum-exp
+//   p<k>_w, p<k>_b  parameters of layer k (linear: w [K, O] row-major so y = x w + b;
+//                   layer_norm: gamma, beta [C]; embedding: token table [V, C], positions [T, C])
+//   g<k>_w, g<k>_b  their gradients
+// Backward workspace: dh<k> [R, C] gradient of h<k>; s<k>_1, s<k>_2 [R] LayerNorm row sums;
+//   p<k>_wt [O, K] transposed weight for the input gradient of a linear; att<k>_delta [R, H].
 // ---------------------------------------------------------------------------------------------
 struct LocalTensor {
   Name name;
-  int dims = 2;             // 2: [B, width]; 1: [B] (width == 1); params give extents directly
-  std::array<int, 2> extent{};  // extent[0] is the innermost (contiguous) dimension; -1 = B
-  bool cheap = false;       // recomputable elementwise: kept in registers by recompute kernels
-  bool decay = false;       // parameters: AdamW weight decay applies
-  constexpr long long elements(int batch) const {
+  int dims = 2;                 // extent[0] is the innermost (contiguous) dimension
+  std::array<int, 2> extent{};  // -1: the row count R
+  int layer = -1;               // the layer that produces it (-1: none)
+  bool decay = false;           // parameters: AdamW weight decay applies
+  constexpr long long elements(long long rows) const {
     long long n = 1;
-    for (int d = 0; d < dims; ++d) n *= extent[d] < 0 ? batch : extent[d];
+    for (int d = 0; d < dims; ++d) n *= extent[d] < 0 ? rows : extent[d];
     return n;
   }
 };
 
-constexpr LocalTensor rows(Name name, int width, bool cheap = false) {
-  return {name, 2, {width, -1}, cheap};
-}
-constexpr LocalTensor row_stat(Name name) { return {name, 1, {-1, 0}}; }
+constexpr LocalTensor rows(Name name, int width, int layer = -1) { return {name, 2, {width, -1}, layer}; }
+constexpr LocalTensor row_stat(Name name, int layer = -1) { return {name, 1, {-1, 0}, layer}; }
 
-constexpr std::vector<LocalTensor> internals(const Block &b) {
-  std::vector<LocalTensor> out;
-  for (int k = 0; k < b.n_layers; ++k) {
-    const Layer &l = b.layers[k];
-    if (l.op == Op::layer_norm) {
-      out.push_back(row_stat(cat("mean", k)));
-      out.push_back(row_stat(cat("rstd", k)));
-    }
-    if (k + 1 < b.n_layers) out.push_back(rows(cat("h", k), l.out, cheap_to_recompute(l.op)));
+constexpr LocalTensor output_of(const Block &b, int k) { return rows(cat("h", k), b.layers[k].out, k); }
+
+constexpr std::vector<LocalTensor> stats_of(const Block &b, int k) {
+  const Layer &l = b.layers[k];
+  if (l.op == Op::layer_norm) return {row_stat(cat("mean", k), k), row_stat(cat("rstd", k), k)};
+  if (l.op == Op::attention) return {{cat("att", k, "_lse"), 2, {l.heads, -1}, k}};
+  return {};
+}
+
+// Outputs of layers before the last (the last one's output is y).
+constexpr bool is_internal(const Block &b, int k) { return k + 1 < b.n_layers && b.produces(k); }
+
+// How many layers read output j (as their input, or as the skip of a residual).
+constexpr int consumers(const Block &b, int j) {
+  int n = 0;
+  for (int k = j + 1; k < b.n_layers; ++k)
+    n += (b.produces(k) && b.source(k) == j) + (b.layers[k].op == Op::residual_end && b.skip_source(k) == j);
+  return n;
+}
+
+// Backward reads output j: a later layer's rule reads its input j, or j is an attention output
+// (its rule reads the output too).
+constexpr bool read_by_backward(const Block &b, int j) {
+  if (!is_internal(b, j)) return false;
+  if (b.layers[j].op == Op::attention) return true;
+  for (int k = j + 1; k < b.n_layers; ++k)
+    if (b.source(k) == j && reads_input(b.layers[k].op)) return true;
+  return false;
+}
+
+// A GEMM epilogue chain: linear -> dropout / residual sum -> ..., computed in the GEMM's
+// epilogue. Output j is fused into it (never a buffer of its own) when it starts or continues
+// such a chain, nothing reads it but the next layer of the chain, and backward does not read it.
+constexpr bool fused(const Block &b, int j) {
+  if (!is_internal(b, j) || read_by_backward(b, j) || consumers(b, j) != 1) return false;
+  const Op next = b.layers[j + 1].op;
+  if (next != Op::dropout || b.source(j + 1) != j) {
+    if (next != Op::residual_end || b.source(j + 1) != j) return false;
   }
-  return out;
+  const Op op = b.layers[j].op;
+  if (op == Op::linear) return true;
+  return (op == Op::dropout || op == Op::residual_end) && b.source(j) >= 0 && fused(b, b.source(j));
+}
+
+// Output j has a buffer of its own whenever it exists outside registers: GEMM, GELU and
+// attention outputs (not fused into a following epilogue) and the end of an epilogue chain.
+// Everything else (LayerNorm output, ReLU, dropout, residual sums of buffered values) is
+// rebuilt elementwise where it is used.
+constexpr bool materialized(const Block &b, int j) {
+  if (!b.produces(j) || fused(b, j)) return false;
+  const Op op = b.layers[j].op;
+  if (op == Op::linear || op == Op::gelu || op == Op::attention) return true;
+  return (op == Op::dropout || op == Op::residual_end) && b.source(j) >= 0 && fused(b, b.source(j));
+}
+
+constexpr bool saved(const Block &b, int j, Keep keep) {
+  switch (keep) {
+  case Keep::all: return read_by_backward(b, j);
+  case Keep::selective:
+    return read_by_backward(b, j) && materialized(b, j) && !recomputed_by_selective(b.layers[j].op);
+  case Keep::nothing: return false;
+  }
+  return false;
+}
+
+// A kernel's tensors besides x, y, dy, dx and parameters.
+struct KernelTensors {
+  std::vector<LocalTensor> saved;      // written by forward and kept; read by backward
+  std::vector<LocalTensor> scratch;    // internals written and dropped within the kernel call
+  std::vector<LocalTensor> workspace;  // backward's own short-lived buffers
+};
+
+// Forward: what the policy keeps is written out; outputs that cannot be rebuilt in registers
+// (GEMM, GELU, attention, statistics) go to scratch; cheap ones stay in registers.
+constexpr KernelTensors forward_tensors(const Block &b, Keep keep) {
+  KernelTensors t;
+  for (int j = 0; j < b.n_layers; ++j) {
+    if (is_internal(b, j)) {
+      if (saved(b, j, keep)) t.saved.push_back(output_of(b, j));
+      else if (materialized(b, j)) t.scratch.push_back(output_of(b, j));
+    }
+    for (const LocalTensor &st : stats_of(b, j)) (keep == Keep::nothing ? t.scratch : t.saved).push_back(st);
+  }
+  return t;
+}
+
+// Backward: reads the saved tensors; rebuilds what it reads but was not saved, with the
+// outputs those depend on (materialized unless cheap); and its own workspace.
+constexpr KernelTensors backward_tensors(const Block &b, Keep keep, bool needs_input_grad) {
+  KernelTensors t;
+  std::array<bool, max_block_layers> needed{};
+  for (int j = 0; j < b.n_layers; ++j) needed[j] = read_by_backward(b, j) && !saved(b, j, keep);
+  for (int j = b.n_layers - 1; j >= 0; --j) {  // inputs of what is rebuilt are needed too
+    if (!needed[j]) continue;
+    for (int i : {b.source(j), b.layers[j].op == Op::residual_end ? b.skip_source(j) : -1})
+      if (i >= 0 && !saved(b, i, keep)) needed[i] = true;
+  }
+  for (int j = 0; j < b.n_layers; ++j) {
+    if (is_internal(b, j) && saved(b, j, keep)) t.saved.push_back(output_of(b, j));
+    if (is_internal(b, j) && needed[j] && materialized(b, j)) t.scratch.push_back(output_of(b, j));
+    for (const LocalTensor &st : stats_of(b, j)) (keep == Keep::nothing ? t.scratch : t.saved).push_back(st);
+  }
+  for (int j = 0; j < b.n_layers; ++j) {  // workspace
+    const Layer &l = b.layers[j];
+    const bool grad_in = b.source(j) >= 0 || needs_input_grad;
+    if (is_internal(b, j)) t.workspace.push_back(rows(cat("dh", j), l.out, j));
+    if (l.op == Op::layer_norm && grad_in) {
+      t.workspace.push_back(row_stat(cat("s", j, "_1"), j));
+      t.workspace.push_back(row_stat(cat("s", j, "_2"), j));
+    }
+    if (l.op == Op::linear && grad_in) t.workspace.push_back({cat("p", j, "_wt"), 2, {l.in, l.out}, j});
+    if (l.op == Op::attention) t.workspace.push_back({cat("att", j, "_delta"), 2, {l.heads, -1}, j});
+  }
+  return t;
 }
 
 constexpr std::vector<LocalTensor> params(const Block &b) {
@@ -330,11 +530,14 @@ constexpr std::vector<LocalTensor> params(const Block &b) {
   for (int k = 0; k < b.n_layers; ++k) {
     const Layer &l = b.layers[k];
     if (l.op == Op::linear) {
-      out.push_back({cat("p", k, "_w"), 2, {l.out, l.in}, false, true});
-      out.push_back({cat("p", k, "_b"), 1, {l.out, 0}});
+      out.push_back({cat("p", k, "_w"), 2, {l.out, l.in}, k, true});
+      out.push_back({cat("p", k, "_b"), 1, {l.out, 0}, k});
     } else if (l.op == Op::layer_norm) {
-      out.push_back({cat("p", k, "_w"), 1, {l.out, 0}});
-      out.push_back({cat("p", k, "_b"), 1, {l.out, 0}});
+      out.push_back({cat("p", k, "_w"), 1, {l.out, 0}, k});
+      out.push_back({cat("p", k, "_b"), 1, {l.out, 0}, k});
+    } else if (l.op == Op::embedding) {
+      out.push_back({cat("p", k, "_w"), 2, {l.out, l.vocab}, k});
+      out.push_back({cat("p", k, "_b"), 2, {l.out, l.block_size}, k});
     }
   }
   return out;
@@ -346,43 +549,39 @@ constexpr Name grad_name(const Name &param) {  // p3_w -> g3_w
   return g;
 }
 
-constexpr std::vector<LocalTensor> backward_scratch(const Block &b, bool needs_input_grad) {
-  std::vector<LocalTensor> out;
-  for (int k = 0; k < b.n_layers; ++k) {
-    const Layer &l = b.layers[k];
-    if (k + 1 < b.n_layers) out.push_back(rows(cat("dh", k), l.out));
-    const bool grad_in = k > 0 || needs_input_grad;
-    if (l.op == Op::layer_norm && grad_in) {
-      out.push_back(row_stat(cat("s", k, "_1")));
-      out.push_back(row_stat(cat("s", k, "_2")));
-    }
-    if (l.op == Op::linear && grad_in) out.push_back({cat("p", k, "_wt"), 2, {l.in, l.out}});
-  }
-  return out;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Kernels and the plan
 // ---------------------------------------------------------------------------------------------
 enum class Variant : std::uint8_t {
-  forward_save,       // writes the block output and every internal
-  forward_discard,    // writes the block output; internals only as short-lived scratch
-  backward_saved,     // backward from saved internals
-  backward_recompute, // backward with the forward recompute fused in; takes the block input
-  loss,               // softmax cross-entropy: per-row loss, correctness and logits gradient
-  adamw,              // optimizer update over a flat range of parameters
+  forward_save,        // writes the block output and every internal backward reads
+  forward_selective,   // ... except what the selective policy recomputes
+  forward_discard,     // writes the block output; internals only as short-lived scratch
+  backward_saved,      // backward from saved internals
+  backward_selective,  // backward recomputing the attention core and GELU inside the kernel
+  backward_recompute,  // backward with the whole forward recompute fused in; takes the block input
+  loss,                // softmax cross-entropy: per-row loss, correctness and logits gradient
+  adamw,               // optimizer update over a flat range of parameters
 };
 
 constexpr std::string_view variant_name(Variant v) {
   switch (v) {
   case Variant::forward_save: return "forward_save";
+  case Variant::forward_selective: return "forward_selective";
   case Variant::forward_discard: return "forward_discard";
   case Variant::backward_saved: return "backward_saved";
+  case Variant::backward_selective: return "backward_selective";
   case Variant::backward_recompute: return "backward_recompute";
   case Variant::loss: return "loss";
   case Variant::adamw: return "adamw";
   }
   return "?";
+}
+
+constexpr Variant forward_variant(Keep k) {
+  return k == Keep::all ? Variant::forward_save : k == Keep::selective ? Variant::forward_selective : Variant::forward_discard;
+}
+constexpr Variant backward_variant(Keep k) {
+  return k == Keep::all ? Variant::backward_saved : k == Keep::selective ? Variant::backward_selective : Variant::backward_recompute;
 }
 
 // Kernel symbol: <model>_s<stage>_<variant>, <model>_loss, <model>_adamw.
@@ -396,7 +595,7 @@ enum class Role : std::uint8_t {
   data,                           // batch inputs and labels, persistent
   block_input,                    // a block's input kept for its backward (or the next block)
   internal,                       // an internal saved for backward
-  recomputed,                     // an internal rebuilt or discarded within recompute
+  recomputed,                     // an internal rebuilt or discarded within one kernel call
   gradient,                       // gradient flowing between blocks
   scratch,                        // short-lived workspace of one backward kernel
   metrics,                        // per-row loss and correctness, persistent
@@ -414,6 +613,7 @@ struct Tensor {
   int elem_bytes = 4;
   int view_of = -1;           // for views: the root tensor and the byte offset inside it
   std::size_t offset = 0;     // roots: arena offset; views: offset inside the root
+  int stage = -1, block = -1, layer = -1;  // where it comes from, for reports
   constexpr std::size_t bytes() const {
     long long n = elem_bytes;
     for (int d = 0; d < dims; ++d) n *= extent[d];
@@ -429,7 +629,8 @@ struct Arg {
 struct Step {
   int stage = -1;
   Variant variant{};
-  int block = 0;  // index of the block within its stage
+  int block = 0;           // index of the block within its stage
+  int rng_block = 0;       // dropout counter key of this block (unique per block of the model)
   bool recompute = false;  // runs forward work a second time
   std::vector<Arg> args;
   std::vector<int> alloc;  // tensors that become live before the kernel runs
@@ -439,6 +640,9 @@ struct Step {
 inline constexpr std::size_t arena_alignment = 64;
 
 struct Plan {
+  Policy policy{};
+  int batch = 0;               // samples per micro-batch
+  long long rows = 0;          // rows per micro-batch: samples x rows per sample
   std::vector<Tensor> tensors;
   std::vector<Step> train;     // one micro-batch: forward, loss, backward
   std::vector<Step> optimize;  // AdamW over the flat parameters
@@ -498,22 +702,26 @@ struct Builder {
   const Model &m;
   Policy policy;
   int batch;
-  std::string_view model_name;
+  long long n_rows = 0;
   Plan plan{};
 
   constexpr int add(Tensor t) {
     plan.tensors.push_back(t);
     return int(plan.tensors.size()) - 1;
   }
-  constexpr int activation(Name name, Role role, const LocalTensor &lt) {
-    Tensor t{name, role, lt.dims};
-    for (int d = 0; d < lt.dims; ++d) t.extent[d] = lt.extent[d] < 0 ? batch : lt.extent[d];
+  bool naming_eval = false;  // evaluation tensors are named eval.<name>
+  constexpr int local(int stage, int block, Role role, const LocalTensor &lt) {
+    Tensor t{cat(naming_eval ? "eval." : "", prefix(stage, block).view(), lt.name.view()), role, lt.dims};
+    for (int d = 0; d < lt.dims; ++d) t.extent[d] = lt.extent[d] < 0 ? n_rows : lt.extent[d];
+    t.stage = stage;
+    t.block = block;
+    t.layer = lt.layer;
     return add(t);
   }
   constexpr void free_activation(Step &st, int t) const {  // data tensors stay
     if (plan.tensors[t].role != Role::data) st.free.push_back(t);
   }
-  constexpr Name prefix(int stage, int block) const { return cat("s", stage, ".b", block, "."); }
+  static constexpr Name prefix(int stage, int block) { return cat("s", stage, ".b", block, "."); }
 
   // Per (stage, block): tensor ids of parameters, gradients (views into the flat buffers).
   std::vector<std::vector<std::vector<Arg>>> param_args{}, grad_args{};
@@ -538,18 +746,16 @@ struct Builder {
         for (int b = 0; b < m.stages[s].repeat; ++b)
           for (const LocalTensor &lt : params(m.stages[s])) {
             if (lt.decay != decayed) continue;
-            const auto n = lt.elements(batch);
-            Tensor p{cat(prefix(s, b).view(), lt.name.view()), Role::params, lt.dims};
-            for (int d = 0; d < lt.dims; ++d) p.extent[d] = lt.extent[d];
-            p.view_of = params_root;
-            p.offset = std::size_t(count) * 4;
-            Tensor g = p;
+            const int p = local(s, b, Role::params, lt);
+            plan.tensors[p].view_of = params_root;
+            plan.tensors[p].offset = std::size_t(count) * 4;
+            Tensor g = plan.tensors[p];
             g.name = cat(prefix(s, b).view(), grad_name(lt.name).view());
             g.role = Role::grads;
             g.view_of = grads_root;
-            param_args[s][b].push_back({lt.name, add(p)});
+            param_args[s][b].push_back({lt.name, p});
             grad_args[s][b].push_back({grad_name(lt.name), add(g)});
-            count += n;
+            count += lt.elements(n_rows);
           }
       if (decayed) decayed_count = count;
     }
@@ -557,11 +763,12 @@ struct Builder {
     for (int r : {params_root, grads_root, m_root, v_root}) plan.tensors[r].extent[0] = count;
   }
 
-  constexpr Step step(int stage, Variant v, int block) const {
+  constexpr Step step(int stage, Variant v, int block, int rng_block) const {
     Step st;
     st.stage = stage;
     st.variant = v;
     st.block = block;
+    st.rng_block = rng_block;
     return st;
   }
   constexpr void bind_params(Step &st, bool grads) const {
@@ -573,147 +780,143 @@ struct Builder {
       }
   }
 
-  // Forward of one block. Returns the output tensor. Internals get `role` when kept, or are
-  // freed right after the kernel when `keep` is false.
-  constexpr int forward(std::vector<Step> &out, int s, int b, int x, bool keep, Role role,
+  struct Unit { int stage, block, index, rng; };
+
+  // Forward of one block. Returns the output tensor; the kept internals go to *kept with `role`.
+  constexpr int forward(std::vector<Step> &out, const Unit &u, int x, Keep keep, Role role,
                         std::vector<int> *kept) {
-    const Block &blk = m.stages[s];
-    Step st = step(s, keep ? Variant::forward_save : Variant::forward_discard, b);
-    const int y = activation(cat(prefix(s, b).view(), "y"), Role::block_input,
-                             rows("y", blk.out()));
+    const Block &blk = m.stages[u.stage];
+    Step st = step(u.stage, forward_variant(keep), u.block, u.rng);
+    const int y = local(u.stage, u.block, Role::block_input, rows("y", blk.out()));
     st.alloc.push_back(y);
     st.args.push_back({"x", x});
     st.args.push_back({"y", y});
     bind_params(st, false);
-    for (const LocalTensor &lt : internals(blk)) {
-      if (!keep && lt.cheap) continue;  // stays in registers
-      const int t = activation(cat(prefix(s, b).view(), lt.name.view()),
-                               keep ? role : Role::recomputed, lt);
+    const KernelTensors kt = forward_tensors(blk, keep);
+    for (const LocalTensor &lt : kt.saved) {
+      const int t = local(u.stage, u.block, role, lt);
       st.alloc.push_back(t);
       st.args.push_back({lt.name, t});
-      if (keep) kept->push_back(t);
-      else st.free.push_back(t);
+      kept->push_back(t);
+    }
+    for (const LocalTensor &lt : kt.scratch) {
+      const int t = local(u.stage, u.block, Role::recomputed, lt);
+      st.alloc.push_back(t);
+      st.args.push_back({lt.name, t});
+      st.free.push_back(t);
     }
     out.push_back(st);
     return y;
   }
 
   // Backward of one block: consumes dy, produces dx (unless it is the model's first stage).
-  constexpr int backward(std::vector<Step> &out, int s, int b, int x, int dy,
-                         const std::vector<int> &saved, bool recompute) {
-    const Block &blk = m.stages[s];
-    const bool needs_dx = s > 0;
-    Step st = step(s, recompute ? Variant::backward_recompute : Variant::backward_saved, b);
-    st.recompute = recompute;
+  constexpr int backward(std::vector<Step> &out, const Unit &u, int x, int dy,
+                         const std::vector<int> &kept, Keep keep) {
+    const Block &blk = m.stages[u.stage];
+    const bool needs_dx = u.stage > 0;
+    Step st = step(u.stage, backward_variant(keep), u.block, u.rng);
+    st.recompute = keep != Keep::all;
     int dx = -1;
     if (needs_dx) {
-      dx = activation(cat(prefix(s, b).view(), "dx"), Role::gradient, rows("dx", blk.in()));
+      dx = local(u.stage, u.block, Role::gradient, rows("dx", blk.in()));
       st.alloc.push_back(dx);
       st.args.push_back({"dx", dx});
     }
     st.args.push_back({"x", x});
     st.args.push_back({"dy", dy});
     bind_params(st, true);
-    if (recompute) {
-      for (const LocalTensor &lt : internals(blk)) {
-        if (lt.cheap) continue;
-        const int t = activation(cat(prefix(s, b).view(), lt.name.view()), Role::recomputed, lt);
+    const KernelTensors kt = backward_tensors(blk, keep, needs_dx);
+    for (int t : kept) {
+      const auto local_name = plan.tensors[t].name.view().substr(prefix(u.stage, u.block).size() + (naming_eval ? 5 : 0));
+      st.args.push_back({Name{}.append(local_name), t});
+      st.free.push_back(t);
+    }
+    for (const auto &[list, role] : {std::pair{&kt.scratch, Role::recomputed}, {&kt.workspace, Role::scratch}})
+      for (const LocalTensor &lt : *list) {
+        const int t = local(u.stage, u.block, role, lt);
         st.alloc.push_back(t);
         st.args.push_back({lt.name, t});
         st.free.push_back(t);
       }
-    } else {
-      for (int t : saved) {
-        const Name &full = plan.tensors[t].name;
-        const auto local = full.view().substr(prefix(s, b).size());
-        st.args.push_back({Name{}.append(local), t});
-        st.free.push_back(t);
-      }
-    }
-    for (const LocalTensor &lt : backward_scratch(blk, needs_dx)) {
-      const int t = activation(cat(prefix(s, b).view(), lt.name.view()), Role::scratch, lt);
-      st.alloc.push_back(t);
-      st.args.push_back({lt.name, t});
-      st.free.push_back(t);
-    }
     st.free.push_back(dy);
     out.push_back(st);
     return dx;
   }
 
   constexpr void build() {
+    n_rows = (long long)batch * m.rows_per_sample();
+    plan.policy = policy;
+    plan.batch = batch;
+    plan.rows = n_rows;
     make_params();
-    const int images = add({"images", Role::data, 2, {m.input_width, batch}});
-    const int labels = add({"labels", Role::data, 1, {batch, 0}});
-    const int row_loss = add({"row_loss", Role::metrics, 1, {batch, 0}});
-    const int row_correct = add({"row_correct", Role::metrics, 1, {batch, 0}});
-    const int row_max = add({"row_max", Role::metrics, 1, {batch, 0}});
-    const int row_lse = add({"row_lse", Role::metrics, 1, {batch, 0}});
+    const int inputs = m.token_input() ? add({"inputs", Role::data, 1, {n_rows, 0}})
+                                       : add({"inputs", Role::data, 2, {m.input.width, n_rows}});
+    const int labels = add({"labels", Role::data, 1, {n_rows, 0}});
+    int metrics[4];
+    const char *metric_names[4] = {"row_loss", "row_correct", "row_max", "row_lse"};
+    for (int i = 0; i < 4; ++i) metrics[i] = add({metric_names[i], Role::metrics, 1, {n_rows, 0}});
 
     // Blocks in order, with global checkpointable index (-1 for plain stages).
-    struct Unit { int stage, block, index; };
     std::vector<Unit> units;
     int index = 0;
     for (int s = 0; s < m.n_stages; ++s)
       for (int b = 0; b < m.stages[s].repeat; ++b)
-        units.push_back({s, b, m.stages[s].checkpointable ? index++ : -1});
+        units.push_back({s, b, m.stages[s].checkpointable ? index++ : -1, int(units.size()) * 64});
     const std::vector<Segment> segs = segments(policy, m.n_blocks());
     auto segment_of = [&](int i) -> int {
       for (int k = 0; k < int(segs.size()); ++k)
         if (i >= 0 && segs[k].first <= i && i <= segs[k].last) return k;
       return -1;
     };
+    auto keep_of = [&](const Unit &u) {
+      if (segment_of(u.index) >= 0) return Keep::nothing;
+      return policy.kind == Policy::Kind::selective && u.index >= 0 ? Keep::selective : Keep::all;
+    };
 
     // ---- forward ----
-    std::vector<int> inputs = filled(units.size(), -1);
+    std::vector<int> block_inputs = filled(units.size(), -1);
     std::vector<std::vector<int>> saved(units.size());
-    int x = images;
+    int x = inputs;
     for (int u = 0; u < int(units.size()); ++u) {
       const int seg = segment_of(units[u].index);
-      inputs[u] = x;
-      const int y = forward(plan.train, units[u].stage, units[u].block, x, seg < 0,
-                            Role::internal, &saved[u]);
+      block_inputs[u] = x;
+      const int y = forward(plan.train, units[u], x, keep_of(units[u]), Role::internal, &saved[u]);
       // The input stays if this block's backward reads it or it starts a segment.
       const bool input_kept = seg < 0 || segs[seg].first == units[u].index;
       if (!input_kept) free_activation(plan.train.back(), x);
       x = y;
     }
     // ---- loss ----
-    Step loss = step(-1, Variant::loss, 0);
-    const int dlogits = activation("dlogits", Role::gradient, rows("dlogits", m.classes()));
+    Step loss = step(-1, Variant::loss, 0, 0);
+    const int dlogits = add({"dlogits", Role::gradient, 2, {m.classes(), n_rows}});
     loss.alloc.push_back(dlogits);
-    loss.args = {{"logits", x}, {"labels", labels}, {"dlogits", dlogits},
-                 {"row_loss", row_loss}, {"row_correct", row_correct},
-                 {"row_max", row_max}, {"row_lse", row_lse}};
+    loss.args = {{"logits", x}, {"labels", labels}, {"dlogits", dlogits}};
+    for (int i = 0; i < 4; ++i) loss.args.push_back({metric_names[i], metrics[i]});
     loss.free.push_back(x);
     plan.train.push_back(loss);
     // ---- backward ----
     int dy = dlogits;
     for (int u = int(units.size()) - 1; u >= 0; --u) {
       const int seg = segment_of(units[u].index);
-      const auto [s, b, i] = units[u];
       if (seg < 0) {
-        dy = backward(plan.train, s, b, inputs[u], dy, saved[u], false);
-        free_activation(plan.train.back(), inputs[u]);
+        dy = backward(plan.train, units[u], block_inputs[u], dy, saved[u], keep_of(units[u]));
+        free_activation(plan.train.back(), block_inputs[u]);
         continue;
       }
       // Last block of a segment: rebuild the inputs and internals of the segment's earlier
       // blocks, then run this block's fused recompute-backward, then the others from saved.
-      const int first = u - (i - segs[seg].first);
+      const int first = u - (units[u].index - segs[seg].first);
       std::vector<int> rebuilt_inputs = filled(units.size(), -1);
-      rebuilt_inputs[first] = inputs[first];
+      rebuilt_inputs[first] = block_inputs[first];
       std::vector<std::vector<int>> rebuilt(units.size());
       for (int r = first; r < u; ++r) {
-        const int y = forward(plan.train, units[r].stage, units[r].block, rebuilt_inputs[r], true,
-                              Role::recomputed, &rebuilt[r]);
+        const int y = forward(plan.train, units[r], rebuilt_inputs[r], Keep::all, Role::recomputed, &rebuilt[r]);
         plan.train.back().recompute = true;
-        // the rebuilt output is recomputed, not a kept block input
-        plan.tensors[y].role = Role::recomputed;
+        plan.tensors[y].role = Role::recomputed;  // a rebuilt output, not a kept block input
         rebuilt_inputs[r + 1] = y;
       }
       for (int r = u; r >= first; --r) {
-        dy = backward(plan.train, units[r].stage, units[r].block, rebuilt_inputs[r], dy,
-                      rebuilt[r], r == u);
+        dy = backward(plan.train, units[r], rebuilt_inputs[r], dy, rebuilt[r], r == u ? Keep::nothing : Keep::all);
         free_activation(plan.train.back(), rebuilt_inputs[r]);
       }
       u = first;
@@ -723,7 +926,7 @@ struct Builder {
       const long long begin = decayed ? 0 : decayed_count;
       const long long end = decayed ? decayed_count : plan.param_count;
       if (begin == end) continue;
-      Step st = step(-1, Variant::adamw, decayed ? 0 : 1);
+      Step st = step(-1, Variant::adamw, decayed ? 0 : 1, 0);
       for (auto [name, root] : {std::pair{"p", params_root}, {"g", grads_root},
                                 {"m", m_root}, {"v", v_root}}) {
         Tensor view{cat(name, decayed ? "_decayed" : "_plain"), plan.tensors[root].role, 1,
@@ -738,14 +941,15 @@ struct Builder {
       plan.optimize.push_back(st);
     }
     // ---- evaluation: forward-discard of every block, then the loss kernel ----
-    x = images;
+    naming_eval = true;
+    x = inputs;
     for (const Unit &unit : units) {
-      const int y = forward(plan.eval, unit.stage, unit.block, x, false, Role::internal, nullptr);
+      const int y = forward(plan.eval, unit, x, Keep::nothing, Role::internal, nullptr);
       free_activation(plan.eval.back(), x);
       x = y;
     }
     Step eval_loss = loss;
-    const int eval_dlogits = activation("eval_dlogits", Role::gradient, rows("d", m.classes()));
+    const int eval_dlogits = add({"eval_dlogits", Role::gradient, 2, {m.classes(), n_rows}});
     eval_loss.alloc = {eval_dlogits};
     eval_loss.args[0].tensor = x;
     eval_loss.args[2].tensor = eval_dlogits;
@@ -781,8 +985,8 @@ struct Builder {
       if (count_activations) plan.activation_bytes = act_peak;
       return pl.peak;
     };
-    // The eval schedule is placed first so training's placement (the one measured) wins where a
-    // tensor appears in both (images, dlogits); eval reuses training's offsets for those.
+    // Eval is placed first; training's placement of the tensors both share (the persistent
+    // ones, in the same order, so at the same offsets) is the one that stays.
     plan.eval_peak_bytes = run(plan.eval, false);
     plan.peak_bytes = run(plan.train, true);
     for (const Step &st : plan.train) {
@@ -794,10 +998,10 @@ struct Builder {
 
 }  // namespace detail
 
-// The plan for one micro-batch of `batch` rows under `policy`. Runs at compile time for a
+// The plan for one micro-batch of `batch` samples under `policy`. Runs at compile time for a
 // policy fixed in the model module and at run time for one chosen by a flag.
-constexpr Plan make_plan(const Model &m, Policy policy, int batch, std::string_view model_name) {
-  detail::Builder builder{m, policy, batch, model_name};
+constexpr Plan make_plan(const Model &m, Policy policy, int batch) {
+  detail::Builder builder{m, policy, batch};
   builder.build();
   return std::move(builder.plan);
 }

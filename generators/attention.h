@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -57,20 +58,38 @@ inline uint64_t drop_threshold(double p) {
   if (!(p >= 0 && p < 1)) throw std::invalid_argument("remat: dropout probability must be in [0, 1)");
   return static_cast<uint64_t>(std::llround(p * 4294967296.0));
 }
-// Bool: whether the element is kept.
+// Bool: whether the element is kept; threshold is a UInt(64) Expr (a run-time parameter or a
+// constant from drop_threshold).
+inline Halide::Expr keep_mask(Halide::Expr seed, Halide::Expr step, Halide::Expr block,
+                              Halide::Expr element, Halide::Expr threshold) {
+  using namespace Halide;
+  return (counter_hash(seed, step, block, element) >> 32) >= cast(UInt(64), threshold);
+}
 inline Halide::Expr keep_mask(Halide::Expr seed, Halide::Expr step, Halide::Expr block,
                               Halide::Expr element, double p) {
-  using namespace Halide;
-  return (counter_hash(seed, step, block, element) >> 32) >= Expr(drop_threshold(p));
+  return keep_mask(seed, step, block, element, Halide::Expr(drop_threshold(p)));
 }
 
 // Dropout configuration. seed: per run; step: training step; block: which dropout site (layer
-// index times a site count, say) so that sites never share a mask. p == 0 disables dropout
-// exactly (the algorithms then contain no mask and no scaling at all).
+// index times a site count, say) so that sites never share a mask. The probability is either a
+// constant (p == 0 then builds no mask and no scaling at all) or run-time parameters: the
+// threshold of keep_mask and the scale 1 / (1 - p) (threshold 0 and scale 1 keep every element
+// and multiply by exactly 1).
 struct Dropout {
-  Halide::Expr seed, step, block;
-  double p = 0;
-  bool enabled() const { return p != 0; }
+  Halide::Expr seed, step, block, threshold, scale;
+  bool enabled = false;
+  Dropout() = default;
+  Dropout(Halide::Expr seed, Halide::Expr step, Halide::Expr block, double p)
+      : seed(seed), step(step), block(block), threshold(Halide::Expr(drop_threshold(p))),
+        scale(Halide::Expr(p == 0 ? 1.0 : 1 / (1 - p))), enabled(p != 0) {}
+  Dropout(Halide::Expr seed, Halide::Expr step, Halide::Expr block, Halide::Expr threshold,
+          Halide::Expr scale)
+      : seed(seed), step(step), block(block), threshold(threshold), scale(scale), enabled(true) {}
+  Dropout at(Halide::Expr site) const {  // the same configuration for another site
+    Dropout d = *this;
+    d.block = site;
+    return d;
+  }
 };
 
 // ---- Transformer layers ----------------------------------------------------------------------
@@ -78,6 +97,7 @@ struct Attention {
   Halide::Func out;      // out(c, b), c in [0, C): sum_{s <= t} drop(P)(s) v(s) per head
   Halide::Func lse;      // lse(h, b): log-sum-exp of the head's scaled scores of row b ([rows, H])
   Halide::Func dot;      // dot(s, h, b) = q(b) . k(n T + s) over the head (update over d)
+  Halide::Func lse_dot;  // the same, in the chain that computes lse
   Halide::Func score;    // score(s, h, b) = dot / sqrt(D)
   Halide::Func row_max;  // row_max(h, b) = max_{s <= t} score
   Halide::Func sum_exp;  // sum_exp(h, b) = sum_{s <= t} exp(score - row_max)
@@ -85,14 +105,20 @@ struct Attention {
   Halide::Func keep;     // keep(s, h, b) = keep / (1 - p) (0 or 1/(1-p)); undefined without dropout
   Halide::Func kept;     // kept(s, h, b) = prob * keep (prob itself without dropout)
 };
+// Probabilities and score gradients rebuilt from qkv, lse and dout; attention_grad builds one
+// such chain for the query rows (dq) and one for the key rows (dk, dv), so that a schedule can
+// compute each per row where it is consumed.
+struct ScoreGradChain {
+  Halide::Func dot, score, prob, keep, kept;  // as in Attention (keep: the same mask)
+  Halide::Func dprob_kept;                    // dout(b) . v(n T + s) over the head
+  Halide::Func dprob;                         // dprob_kept * keep (dprob_kept without dropout)
+  Halide::Func dscore;                        // prob * (dprob - delta)
+};
 struct AttentionGrad {
-  Halide::Func dqkv;                     // dqkv(c, b), c in [0, 3C): [dq | dk | dv]
-  Halide::Func dq, dk, dv;               // each (c, b), c in [0, C)
-  Halide::Func delta;                    // delta(h, b) = sum_d dout * out over the head
-  Halide::Func dot, score, prob, keep, kept;  // rebuilt as in Attention (keep: same mask)
-  Halide::Func dprob_kept;               // dprob_kept(s, h, b) = dout(b) . v(n T + s) over the head
-  Halide::Func dprob;                    // dprob = dprob_kept * keep (dprob_kept without dropout)
-  Halide::Func dscore;                   // dscore = prob * (dprob - delta)
+  Halide::Func dqkv;       // dqkv(c, b), c in [0, 3C): [dq | dk | dv]
+  Halide::Func dq, dk, dv; // each (c, b), c in [0, C)
+  Halide::Func delta;      // delta(h, b) = sum_d dout * out over the head
+  ScoreGradChain q, kv;    // the chains read by dq and by dk, dv
 };
 struct EmbeddingGrad { Halide::Func dwte, dwpe; };
 
@@ -110,13 +136,13 @@ public:
   }
   // keep / (1 - p) for one element: 0 or 1 / (1 - p), in the element type.
   Halide::Expr dropout_factor(const Dropout &d, Halide::Expr element) const {
-    return Halide::select(keep_mask(d.seed, d.step, d.block, element, d.p),
-                          L.constant(1 / (1 - d.p)), L.constant(0));
+    return Halide::select(keep_mask(d.seed, d.step, d.block, element, d.threshold),
+                          Halide::cast(L.t, d.scale), L.constant(0));
   }
   // y = x * keep / (1 - p)
   Halide::Func dropout(const std::string &name, Halide::Func x, int width, const Dropout &d) const {
     Halide::Func y(name);
-    y(v.c, v.b) = d.enabled() ? x(v.c, v.b) * dropout_factor(d, activation_element(v.c, v.b, width))
+    y(v.c, v.b) = d.enabled ? x(v.c, v.b) * dropout_factor(d, activation_element(v.c, v.b, width))
                               : Halide::Expr(x(v.c, v.b));
     return y;
   }
@@ -138,25 +164,31 @@ public:
 
   // qkv(c, b) with 3C features: q = [0, C), k = [C, 2C), v = [2C, 3C); head h owns features
   // h D .. h D + D - 1 of each part, D = C / H.
+  // saved_lse: statistics saved by an earlier forward (a recompute then rebuilds the same P from
+  // them); out_name: the name of the output Func (default: name).
   Attention attention(const std::string &name, Halide::Func qkv, int C, int H,
-                      const Dropout &drop = {}) const {
+                      const Dropout &drop = {}, std::optional<Halide::Func> saved_lse = {},
+                      const std::string &out_name = {}) const {
     using namespace Halide;
     const int D = head_dim(C, H);
-    Attention a{Func(name), Func(name + "_lse")};
-    Scores sc = scores(name, qkv, C, H);
-    a.dot = sc.dot;
-    a.score = sc.score;
+    Attention a{Func(out_name.empty() ? name : out_name), Func(name + "_lse")};
     const Expr t = v.b % T;
+    // Statistics from their own score chain, so that a schedule computes it per row of lse.
+    Scores sl = scores(name + "_l", qkv, C, H);
+    a.lse_dot = sl.dot;
     RDom r(0, T, name + "_s");
     r.where(r <= t);  // causal: keys s <= t only
     a.row_max = Func(name + "_row_max");
-    a.row_max(h, v.b) = a.score(0, h, v.b);
-    a.row_max(h, v.b) = max(a.row_max(h, v.b), a.score(r, h, v.b));
+    a.row_max(h, v.b) = sl.score(0, h, v.b);
+    a.row_max(h, v.b) = max(a.row_max(h, v.b), sl.score(r, h, v.b));
     a.sum_exp = Func(name + "_sum_exp");
     a.sum_exp(h, v.b) = L.constant(0);
-    a.sum_exp(h, v.b) += exp(a.score(r, h, v.b) - a.row_max(h, v.b));
+    a.sum_exp(h, v.b) += exp(sl.score(r, h, v.b) - a.row_max(h, v.b));
     a.lse(h, v.b) = a.row_max(h, v.b) + log(a.sum_exp(h, v.b));
-    a.prob = probabilities(name, a.score, a.lse);
+    Scores sc = scores(name, qkv, C, H);
+    a.dot = sc.dot;
+    a.score = sc.score;
+    a.prob = probabilities(name, a.score, saved_lse ? *saved_lse : a.lse);
     dropout_probabilities(name, a.prob, H, drop, a.keep, a.kept);
     RDom r2(0, T, name + "_sv");
     r2.where(r2 <= t);
@@ -186,36 +218,23 @@ public:
     g.delta = Func(name + "_delta");
     g.delta(h, v.b) = L.constant(0);
     g.delta(h, v.b) += dout(h * D + rd, v.b) * out(h * D + rd, v.b);
-
-    Scores sc = scores(name, qkv, C, H);
-    g.dot = sc.dot;
-    g.score = sc.score;
-    g.prob = probabilities(name, g.score, lse);
-    dropout_probabilities(name, g.prob, H, drop, g.keep, g.kept);
-
-    g.dprob_kept = Func(name + "_dprob_kept");
-    g.dprob_kept(s, h, v.b) = L.constant(0);
-    g.dprob_kept(s, h, v.b) += dout(h * D + rd, v.b) * qkv(2 * C + h * D + rd, n * T + s);
-    g.dprob = Func(name + "_dprob");
-    g.dprob(s, h, v.b) = drop.enabled() ? g.dprob_kept(s, h, v.b) * g.keep(s, h, v.b)
-                                        : Expr(g.dprob_kept(s, h, v.b));
-    g.dscore = Func(name + "_dscore");
-    g.dscore(s, h, v.b) = g.prob(s, h, v.b) * (g.dprob(s, h, v.b) - g.delta(h, v.b));
+    g.q = score_grad_chain(name + "_q", qkv, lse, dout, g.delta, C, H, drop);
+    g.kv = score_grad_chain(name + "_kv", qkv, lse, dout, g.delta, C, H, drop);
 
     // dq(b) = sum_{s <= t} dS(s) k(n T + s) / sqrt(D)
     RDom rq(0, T, name + "_dq_s");
     rq.where(rq <= t);
     g.dq(v.c, v.b) = L.constant(0);
-    g.dq(v.c, v.b) += g.dscore(rq, v.c / D, v.b) * qkv(C + v.c, n * T + rq) * scale;
+    g.dq(v.c, v.b) += g.q.dscore(rq, v.c / D, v.b) * qkv(C + v.c, n * T + rq) * scale;
     // Key/value row b = n T + s: sums over the queries t' >= s of the same sequence.
     RDom rk(0, T, name + "_dk_t");
     rk.where(rk >= t);
     g.dk(v.c, v.b) = L.constant(0);
-    g.dk(v.c, v.b) += g.dscore(t, v.c / D, n * T + rk) * qkv(v.c, n * T + rk) * scale;
+    g.dk(v.c, v.b) += g.kv.dscore(t, v.c / D, n * T + rk) * qkv(v.c, n * T + rk) * scale;
     RDom rv(0, T, name + "_dv_t");
     rv.where(rv >= t);
     g.dv(v.c, v.b) = L.constant(0);
-    g.dv(v.c, v.b) += g.kept(t, v.c / D, n * T + rv) * dout(v.c, n * T + rv);
+    g.dv(v.c, v.b) += g.kv.kept(t, v.c / D, n * T + rv) * dout(v.c, n * T + rv);
 
     g.dqkv(v.c, v.b) = select(v.c < C, g.dq(clamp(v.c, 0, C - 1), v.b),
                               v.c < 2 * C, g.dk(clamp(v.c - C, 0, C - 1), v.b),
@@ -270,6 +289,29 @@ private:
     sc.score(s, h, v.b) = sc.dot(s, h, v.b) * L.constant(1 / std::sqrt(double(D)));
     return sc;
   }
+  ScoreGradChain score_grad_chain(const std::string &name, Halide::Func qkv, Halide::Func lse,
+                                  Halide::Func dout, Halide::Func delta, int C, int H,
+                                  const Dropout &drop) const {
+    using namespace Halide;
+    const int D = C / H;
+    const Expr n = v.b / T;
+    ScoreGradChain c;
+    Scores sc = scores(name, qkv, C, H);
+    c.dot = sc.dot;
+    c.score = sc.score;
+    c.prob = probabilities(name, c.score, lse);
+    dropout_probabilities(name, c.prob, H, drop, c.keep, c.kept);
+    RDom rd(0, D, name + "_dp");
+    c.dprob_kept = Func(name + "_dprob_kept");
+    c.dprob_kept(s, h, v.b) = L.constant(0);
+    c.dprob_kept(s, h, v.b) += dout(h * D + rd, v.b) * qkv(2 * C + h * D + rd, n * T + s);
+    c.dprob = Func(name + "_dprob");
+    c.dprob(s, h, v.b) = drop.enabled ? c.dprob_kept(s, h, v.b) * c.keep(s, h, v.b)
+                                      : Expr(c.dprob_kept(s, h, v.b));
+    c.dscore = Func(name + "_dscore");
+    c.dscore(s, h, v.b) = c.prob(s, h, v.b) * (c.dprob(s, h, v.b) - delta(h, v.b));
+    return c;
+  }
   Halide::Func probabilities(const std::string &name, Halide::Func score, Halide::Func lse) const {
     Halide::Func p(name + "_prob");
     p(s, h, v.b) = Halide::exp(score(s, h, v.b) - lse(h, v.b));
@@ -277,7 +319,7 @@ private:
   }
   void dropout_probabilities(const std::string &name, Halide::Func prob, int H, const Dropout &d,
                              Halide::Func &keep, Halide::Func &kept) const {
-    if (!d.enabled()) {
+    if (!d.enabled) {
       kept = prob;
       return;
     }

@@ -1,12 +1,14 @@
 module;
 #include <Halide.h>
 
+#include "attention.h"
 #include "layers.h"
 
 #include <cstdio>
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -135,39 +137,61 @@ public:
   int vec;
 };
 
-enum class Mode { save, discard, recompute };
+// A linear whose output only feeds a dropout / residual chain: the chain is applied in the
+// GEMM's epilogue when its end is built.
+struct PendingGemm {
+  Func a, w, bias;
+  int inner = 0;
+  std::vector<std::function<Expr(Expr)>> epilogue;  // applied in order to sum + bias
+};
 
-struct ForwardFuncs {
-  std::vector<Func> h;                            // output of layer k, k < n - 1
-  std::map<int, Layers::LayerNormStats> stats;    // by layer index
-  Func y;
+struct Values {
+  std::vector<Func> out;                        // output of layer k (undefined while pending)
+  std::map<int, PendingGemm> pending;           // by layer
+  std::map<int, Layers::LayerNormStats> stats;  // LayerNorm statistics, by layer
+  std::map<int, Func> lse;                      // attention statistics, by layer
+  Func x, y;
+};
+
+// A gradient contribution to one tensor: elementwise, or the product dy * wt of a linear's input
+// gradient (built last, with the elementwise ones added in its epilogue).
+struct Contribution {
+  Func f;
+  std::optional<std::pair<Func, Func>> product;  // {dy, wt}
+  int inner = 0;
+  std::function<void(Func)> schedule;            // schedules f's internals inside the consumer
 };
 
 class StageKernels {
 public:
-  StageKernels(const Block &blk, bool needs_dx, const Target &target)
-      : blk(blk), needs_dx(needs_dx), target(target), args(Float(32)), L(Float(32), v),
-        sched(target, v) {}
+  StageKernels(const Model &model, int stage, const Target &target)
+      : blk(model.stages[stage]), stage(stage), needs_dx(stage > 0), token_input(model.token_input()),
+        target(target), args(Float(32)), L(Float(32), v), tr(L, model.rows_per_sample()), sched(target, v) {
+    for (int k = 0; k < blk.n_layers; ++k)
+      if (blk.layers[k].op == Op::dropout || blk.layers[k].op == Op::attention) {
+        Param<uint64_t> seed("seed"), threshold("drop_threshold");
+        Param<int> step("step"), site("rng_block");
+        Param<float> scale("drop_scale");
+        for (Argument a : {seed.operator Argument(), step.operator Argument(), site.operator Argument(),
+                           threshold.operator Argument(), scale.operator Argument()})
+          args.order.push_back(a);
+        drop = gen::Dropout(seed, step, site, threshold, scale);
+        break;
+      }
+  }
 
-  Pipeline forward(Mode mode) {
+  Pipeline forward(Keep keep) {
+    const KernelTensors kt = forward_tensors(blk, keep);
     std::vector<Func> outputs;
-    ForwardFuncs f = build_forward(mode, outputs);
+    Values f = build_forward(kt, false, outputs);
     outputs.insert(outputs.begin(), f.y);
     return Pipeline(outputs);
   }
 
-  Pipeline backward(Mode mode) {
+  Pipeline backward(Keep keep) {
+    const KernelTensors kt = backward_tensors(blk, keep, needs_dx);
     std::vector<Func> outputs;
-    ForwardFuncs f;
-    if (mode == Mode::recompute) {
-      f = build_forward(mode, outputs);
-    } else {
-      for (int k = 0; k + 1 < blk.n_layers; ++k)
-        f.h.push_back(args.tensor(rows(cat("h", k), blk.width_after(k))));
-      for (int k = 0; k < blk.n_layers; ++k)
-        if (blk.layers[k].op == Op::layer_norm)
-          f.stats[k] = {args.tensor(row_stat(cat("mean", k))), args.tensor(row_stat(cat("rstd", k)))};
-    }
+    Values f = build_forward(kt, true, outputs);
     build_backward(f, outputs);
     return Pipeline(outputs);
   }
@@ -175,101 +199,217 @@ public:
   std::vector<Argument> arguments() const { return args.order; }
 
 private:
-  Func x() { return args.tensor(rows("x", blk.in())); }
+  Func x() {
+    if (token_input && stage == 0) return args.tensor("x", 1, {-1, 0}, Int(32));
+    return args.tensor(rows("x", blk.in()));
+  }
   Func param(int k, const char *which) {
     for (const LocalTensor &lt : params(blk))
       if (lt.name == cat("p", k, "_", which)) return args.tensor(lt);
     throw std::runtime_error("no parameter");
   }
+  gen::Dropout dropout_at(int k) const { return drop.enabled ? drop.at(drop.block + k) : drop; }
   // Output buffers get the same layout constraints as inputs.
   void output(std::vector<Func> &outputs, Func f, const LocalTensor &lt) {
     Arguments::constrain(f.output_buffer(), lt.dims, lt.extent);
     outputs.push_back(f);
   }
+  static bool listed(const std::vector<LocalTensor> &list, const Name &name) {
+    for (const LocalTensor &lt : list)
+      if (lt.name == name) return true;
+    return false;
+  }
 
-  ForwardFuncs build_forward(Mode mode, std::vector<Func> &outputs) {
-    ForwardFuncs f;
-    Func cur = x();
+  Func build_gemm(const std::string &name, const PendingGemm &p, int width) {
+    MatMul m = L.matmul(name, p.a, p.w, p.inner, [&](Expr sum) {
+      Expr e = sum + p.bias(v.c);
+      for (const auto &op : p.epilogue) e = op(e);
+      return e;
+    });
+    sched.matmul(m, -1, width);
+    return m.out;
+  }
+
+  // The forward chain. In a forward kernel, the saved and scratch tensors of kt are outputs. In
+  // a backward kernel, saved tensors are inputs and scratch tensors (what it rebuilds) outputs.
+  Values build_forward(const KernelTensors &kt, bool backward, std::vector<Func> &outputs) {
+    Values f;
+    f.x = x();
+    f.out.resize(blk.n_layers);
     const int n = blk.n_layers;
-    for (int k = 0; k < n; ++k) {
-      const Layer &l = blk.layers[k];
-      const bool last = k + 1 == n;
-      const std::string name = last ? "y" : str(cat("h", k));
+    auto value = [&](int j) { return j < 0 ? f.x : f.out[j]; };
+    for (int j = 0; j < n; ++j) {
+      const Layer &l = blk.layers[j];
+      const bool last = j + 1 == n;
+      const std::string name = last ? "y" : str(cat("h", j));
+      const int src = blk.source(j);
+      // statistics: read when saved (backward), otherwise computed and written
+      if (l.op == Op::layer_norm) {
+        const LocalTensor mean = row_stat(cat("mean", j)), rstd = row_stat(cat("rstd", j));
+        if (backward && listed(kt.saved, mean.name)) {
+          f.stats[j] = {args.tensor(mean), args.tensor(rstd)};
+        } else {
+          Layers::LayerNormStats st = L.layer_norm_stats(str(mean.name), str(rstd.name), value(src), l.in);
+          sched.row_reduction(st.mean, {st.sum});
+          sched.row_reduction(st.rstd, {st.sq});
+          output(outputs, st.mean, mean);
+          output(outputs, st.rstd, rstd);
+          f.stats[j] = st;
+        }
+      }
+      if (!last && backward && listed(kt.saved, cat("h", j))) {  // saved by the forward
+        f.out[j] = args.tensor(output_of(blk, j));
+        if (l.op == Op::attention) f.lse[j] = args.tensor(stats_of(blk, j)[0]);
+        continue;
+      }
       Func out;
+      bool gemm_or_reduction = false;
       switch (l.op) {
+      case Op::residual_begin:
+        f.out[j] = value(src);
+        continue;
       case Op::linear: {
-        Func input = x();
-        MatMul m = L.matmul(name, cur, param(k, "w"), l.in, [&](Expr sum) {
-          Expr e = sum + param(k, "b")(v.c);
-          return last && blk.residual ? e + input(v.c, v.b) : e;  // residual folded in
-        });
-        sched.matmul(m, -1, l.out);
-        out = m.out;
+        PendingGemm p{value(src), param(j, "w"), param(j, "b"), l.in, {}};
+        if (fused(blk, j)) {
+          f.pending[j] = p;
+          continue;
+        }
+        out = build_gemm(name, p, l.out);
+        gemm_or_reduction = true;
         break;
       }
-      case Op::layer_norm: {
-        Layers::LayerNormStats st = L.layer_norm_stats(str(cat("mean", k)), str(cat("rstd", k)), cur, l.in);
-        sched.row_reduction(st.mean, {st.sum});
-        sched.row_reduction(st.rstd, {st.sq});
-        output(outputs, st.mean, row_stat(cat("mean", k)));
-        output(outputs, st.rstd, row_stat(cat("rstd", k)));
-        f.stats[k] = st;
-        out = L.layer_norm(name, cur, st, param(k, "w"), param(k, "b"));
+      case Op::dropout:
+      case Op::residual_end: {
+        std::function<Expr(Expr)> op;
+        if (l.op == Op::dropout) {
+          const gen::Dropout d = dropout_at(j);
+          op = [this, d, w = l.out](Expr e) {
+            return d.enabled ? e * tr.dropout_factor(d, tr.activation_element(v.c, v.b, w)) : e;
+          };
+        } else {
+          Func skip = value(blk.skip_source(j));
+          op = [this, skip](Expr e) { return e + skip(v.c, v.b); };
+        }
+        if (f.pending.count(src)) {  // continue the epilogue chain of a linear
+          PendingGemm p = f.pending.at(src);
+          p.epilogue.push_back(op);
+          if (!last && fused(blk, j)) {
+            f.pending[j] = p;
+            continue;
+          }
+          out = build_gemm(name, p, l.out);
+          gemm_or_reduction = true;
+        } else {
+          out = Func(name);
+          Func in = value(src);
+          out(v.c, v.b) = op(in(v.c, v.b));
+        }
         break;
       }
-      case Op::gelu: out = L.gelu(name, cur); break;
-      case Op::relu: out = L.relu(name, cur); break;
+      case Op::layer_norm:
+        out = L.layer_norm(name, value(src), f.stats[j], param(j, "w"), param(j, "b"));
+        break;
+      case Op::gelu: out = L.gelu(name, value(src)); break;
+      case Op::relu: out = L.relu(name, value(src)); break;
+      case Op::embedding: out = tr.embedding(name, f.x, param(j, "w"), param(j, "b"), l.vocab); break;
+      case Op::attention: {
+        const LocalTensor lse = stats_of(blk, j)[0];
+        std::optional<Func> saved_lse;
+        if (backward && listed(kt.saved, lse.name)) saved_lse = args.tensor(lse);
+        gen::Attention a = tr.attention(str(cat("att", j)), value(src), l.out, l.heads, dropout_at(j),
+                                        saved_lse, name);
+        if (!saved_lse) {
+          a.lse.compute_root().parallel(v.b);
+          a.lse_dot.compute_at(a.lse, v.b);
+          a.row_max.compute_at(a.lse, v.b);
+          a.sum_exp.compute_at(a.lse, v.b);
+          output(outputs, a.lse, lse);
+        }
+        f.lse[j] = saved_lse ? *saved_lse : a.lse;
+        a.out.compute_root().parallel(v.b);
+        a.out.update().parallel(v.b);
+        a.dot.compute_at(a.out, v.b);
+        a.kept.compute_at(a.out, v.b);
+        out = a.out;
+        gemm_or_reduction = true;
+        break;
+      }
       }
       if (last) {
-        if (l.op != Op::linear && blk.residual) {
-          Func input = x(), y("y");
-          y(v.c, v.b) = out(v.c, v.b) + input(v.c, v.b);
-          out = y;
-        }
-        if (l.op != Op::linear) sched.pointwise(out);
+        if (!gemm_or_reduction) sched.pointwise(out);
         Arguments::constrain(out.output_buffer(), 2, {l.out, -1});
         f.y = out;
       } else {
-        f.h.push_back(out);
-        const bool materialize = mode == Mode::save || !cheap_to_recompute(l.op);
-        if (materialize) {
-          if (l.op != Op::linear) sched.pointwise(out);
-          output(outputs, out, rows(cat("h", k), l.out));
+        f.out[j] = out;
+        if (listed(kt.saved, cat("h", j)) || listed(kt.scratch, cat("h", j))) {
+          if (!gemm_or_reduction) sched.pointwise(out);
+          output(outputs, out, output_of(blk, j));
         }
       }
-      cur = out;
     }
     return f;
   }
 
   // Accumulating parameter gradient: g = (accumulate ? g_prev : 0) + new.
-  Expr accumulated(const std::string &grad, const LocalTensor &lt, Expr value,
-                   std::vector<Expr> at) {
+  Expr accumulated(const std::string &grad, const LocalTensor &lt, Expr value, std::vector<Expr> at) {
     ImageParam prev = args.tensor(grad + "_prev", lt.dims, lt.extent);
     return select(args.flag("accumulate"), prev(at), L.constant(0)) + value;
   }
+  std::pair<std::string, LocalTensor> grad_of(int k, const char *which) {
+    for (const LocalTensor &lt : params(blk))
+      if (lt.name == cat("p", k, "_", which)) return {str(grad_name(lt.name)), lt};
+    throw std::runtime_error("no parameter");
+  }
 
-  void build_backward(ForwardFuncs &f, std::vector<Func> &outputs) {
-    ImageParam dy = args.tensor(rows("dy", blk.out()));
-    Expr batch = args.tensor(rows("x", blk.in())).dim(1).extent();
-    Func d = dy;  // gradient of the current layer's output
-    auto grad_of = [&](int k, const char *which) -> std::pair<std::string, LocalTensor> {
-      for (const LocalTensor &lt : params(blk))
-        if (lt.name == cat("p", k, "_", which)) return {str(grad_name(lt.name)), lt};
-      throw std::runtime_error("no parameter");
+  // The gradient of one tensor, written to its buffer.
+  Func materialize(std::vector<Func> &outputs, const std::string &name, const std::vector<Contribution> &parts, int width) {
+    Func out;
+    const Contribution *product = nullptr;
+    for (const Contribution &c : parts)
+      if (c.product) {
+        if (product) throw std::runtime_error("two linear input gradients into one tensor are not supported");
+        product = &c;
+      }
+    auto others = [&](Expr e) {
+      for (const Contribution &c : parts)
+        if (!c.product) e = e + c.f(v.c, v.b);
+      return e;
     };
+    if (product) {
+      MatMul m = L.matmul(name, product->product->first, product->product->second, product->inner, others);
+      sched.matmul(m, -1, width);
+      out = m.out;
+    } else {
+      out = Func(name);
+      out(v.c, v.b) = others(L.constant(0));
+      sched.pointwise(out);
+    }
+    for (const Contribution &c : parts)
+      if (c.schedule) c.schedule(out);
+    output(outputs, out, rows(Name{}.append(name), width));
+    return out;
+  }
+
+  void build_backward(Values &f, std::vector<Func> &outputs) {
+    ImageParam dy = args.tensor(rows("dy", blk.out()));
+    Expr batch = (token_input && stage == 0) ? args.tensor("x", 1, {-1, 0}, Int(32)).dim(0).extent()
+                                             : args.tensor(rows("x", blk.in())).dim(1).extent();
+    std::map<int, std::vector<Contribution>> grads;  // by tensor; -1 is the block input
+    auto value = [&](int j) { return j < 0 ? f.x : f.out[j]; };
+    auto flows = [&](int j) { return j >= 0 || needs_dx; };
     for (int k = blk.n_layers - 1; k >= 0; --k) {
       const Layer &l = blk.layers[k];
-      Func in = k == 0 ? x() : f.h[k - 1];
-      const bool grad_in = k > 0 || needs_dx;
-      const bool to_dx = k == 0;
-      const std::string din_name = to_dx ? "dx" : str(cat("dh", k - 1));
-      auto add_residual = [&](Expr e) { return to_dx && blk.residual ? e + dy(v.c, v.b) : e; };
-      std::optional<Func> din;
+      const int src = blk.source(k);
+      if (!blk.produces(k)) {  // residual( passes its gradient to its source
+        if (flows(src))
+          for (Contribution &c : grads[k]) grads[src].push_back(c);
+        continue;
+      }
+      Func d = k + 1 == blk.n_layers ? Func(dy) : materialize(outputs, str(cat("dh", k)), grads[k], l.out);
       switch (l.op) {
       case Op::linear: {
         auto [gw_name, gw_spec] = grad_of(k, "w");
-        MatMul gw = L.linear_weight_grad(gw_name, in, d, batch, [&](Expr sum) {
+        MatMul gw = L.linear_weight_grad(gw_name, value(src), d, batch, [&](Expr sum) {
           return accumulated(gw_name, gw_spec, sum, {v.c, v.b});
         });
         sched.matmul(gw, l.in, l.out);
@@ -279,19 +419,17 @@ private:
         gb(v.c) = accumulated(gb_name, gb_spec, gb_sum(v.c), {v.c});
         sched.column_sum(gb, gb_sum, gb_sum.rvars(0)[0], l.out);
         output(outputs, gb, gb_spec);
-        if (grad_in) {
+        if (flows(src)) {
           Func wt = L.transpose(str(cat("p", k, "_wt")), param(k, "w"));
           sched.transpose(wt);
           output(outputs, wt, {cat("p", k, "_wt"), 2, {l.in, l.out}});
-          MatMul dx = L.matmul(din_name, d, wt, l.out, add_residual);
-          sched.matmul(dx, -1, l.in);
-          din = dx.out;
+          grads[src].push_back({Func(), std::pair{d, wt}, l.out, {}});
         }
         break;
       }
       case Op::layer_norm: {
-        auto g = L.layer_norm_grad(str(cat("s", k, "_1")), str(cat("s", k, "_2")), din_name + "_ln",
-                                   in, f.stats[k], param(k, "w"), d, l.in, batch);
+        auto g = L.layer_norm_grad(str(cat("s", k, "_1")), str(cat("s", k, "_2")), str(cat("ln", k, "_dx")),
+                                   value(src), f.stats[k], param(k, "w"), d, l.in, batch);
         auto [gw_name, gw_spec] = grad_of(k, "w");
         auto [gb_name, gb_spec] = grad_of(k, "b");
         Func gw(gw_name), gb(gb_name);
@@ -301,43 +439,78 @@ private:
         sched.column_sum(gb, g.dbeta, g.dbeta.rvars(0)[0], l.in);
         output(outputs, gw, gw_spec);
         output(outputs, gb, gb_spec);
-        if (grad_in) {
+        if (flows(src)) {
           sched.row_reduction(g.s1);
           sched.row_reduction(g.s2);
           output(outputs, g.s1, row_stat(cat("s", k, "_1")));
           output(outputs, g.s2, row_stat(cat("s", k, "_2")));
-          Func dx(din_name);
-          dx(v.c, v.b) = add_residual(g.dx(v.c, v.b));
-          sched.pointwise(dx);
-          din = dx;
+          grads[src].push_back({g.dx});
         }
         break;
       }
       case Op::gelu:
-      case Op::relu: {
-        Func raw = l.op == Op::gelu ? L.gelu_grad(din_name + "_raw", in, d)
-                                    : L.relu_grad(din_name + "_raw", in, d);
-        Func dx(din_name);
-        dx(v.c, v.b) = add_residual(raw(v.c, v.b));
-        sched.pointwise(dx);
-        din = dx;
+        if (flows(src)) grads[src].push_back({L.gelu_grad(str(cat("gelu", k, "_dx")), value(src), d)});
+        break;
+      case Op::relu:
+        if (flows(src)) grads[src].push_back({L.relu_grad(str(cat("relu", k, "_dx")), value(src), d)});
+        break;
+      case Op::dropout:
+        if (flows(src)) grads[src].push_back({tr.dropout_grad(str(cat("drop", k, "_dx")), d, l.out, dropout_at(k))});
+        break;
+      case Op::residual_end:
+        if (flows(src)) grads[src].push_back({d});
+        if (flows(blk.skip_source(k))) grads[blk.skip_source(k)].push_back({d});
+        break;
+      case Op::attention: {
+        gen::AttentionGrad g = tr.attention_grad(str(cat("att", k)), value(src), value(k), f.lse[k], d,
+                                                 l.out, l.heads, dropout_at(k));
+        g.delta.compute_root().parallel(v.b);
+        g.delta.update().parallel(v.b);
+        output(outputs, g.delta, {cat("att", k, "_delta"), 2, {l.heads, -1}});
+        grads[src].push_back({g.dqkv, {}, 0, [this, g](Func consumer) {
+          consumer.compute_root().parallel(v.b);
+          for (Func fn : {g.dq, g.dk, g.dv, g.q.dot, g.q.dprob_kept, g.q.dscore, g.kv.dot, g.kv.dprob_kept,
+                          g.kv.dscore, g.kv.kept})
+            fn.compute_at(consumer, v.b);
+        }});
         break;
       }
+      case Op::embedding: {
+        auto [gw_name, gw_spec] = grad_of(k, "w");
+        auto [gb_name, gb_spec] = grad_of(k, "b");
+        Func tokens = f.x, gw(gw_name), gb(gb_name);
+        RDom r(0, batch, gw_name + "_r");
+        gw(v.c, v.b) = accumulated(gw_name, gw_spec, L.constant(0), {v.c, v.b});
+        gw(v.c, clamp(tokens(r), 0, l.vocab - 1)) += d(v.c, r);  // scatter-add of the rows
+        const int T = l.block_size;
+        RDom rn(0, batch / T, gb_name + "_n");
+        gb(v.c, v.b) = accumulated(gb_name, gb_spec, L.constant(0), {v.c, v.b});
+        gb(v.c, v.b) += d(v.c, rn * T + v.b);
+        Var co("co"), ci("ci");
+        gw.compute_root().vectorize(v.c, sched.vec, TailStrategy::GuardWithIf);
+        gw.update().vectorize(v.c, sched.vec, TailStrategy::GuardWithIf);
+        gb.compute_root().vectorize(v.c, sched.vec, TailStrategy::GuardWithIf).parallel(v.b);
+        gb.update().vectorize(v.c, sched.vec, TailStrategy::GuardWithIf).parallel(v.b);
+        output(outputs, gw, gw_spec);
+        output(outputs, gb, gb_spec);
+        break;
       }
-      if (din) {
-        output(outputs, *din, rows(Name{}.append(din_name), l.in));
-        d = *din;
+      case Op::residual_begin: break;
       }
     }
+    if (needs_dx) materialize(outputs, "dx", grads[-1], blk.in());
   }
 
   const Block &blk;
-  bool needs_dx;
+  int stage;
+  bool needs_dx, token_input;
   Target target;
   gen::Vars v;
   Arguments args;
   Layers L;
+  gen::Transformer tr;
   Scheduler sched;
+  gen::Dropout drop;
 };
 
 }  // namespace
@@ -434,17 +607,17 @@ int main(int argc, char **argv, const Model &model, std::string_view model_name)
     Emitter e{out_dir, std::filesystem::path(out_dir) / "staging", Target(cpu_target)};
     std::filesystem::create_directories(e.staging);
     for (int s = 0; s < model.n_stages; ++s) {
-      const Block &blk = model.stages[s];
-      std::vector<Variant> variants = {Variant::forward_save, Variant::forward_discard,
-                                       Variant::backward_saved};
-      if (blk.checkpointable) variants.push_back(Variant::backward_recompute);
-      for (Variant var : variants) {
-        StageKernels k(blk, s > 0, e.target);
-        Pipeline p = var == Variant::forward_save      ? k.forward(Mode::save)
-                     : var == Variant::forward_discard ? k.forward(Mode::discard)
-                     : var == Variant::backward_saved  ? k.backward(Mode::save)
-                                                       : k.backward(Mode::recompute);
-        e.emit(str(kernel_name(name, s, var)), p, k.arguments());
+      // Plain stages keep everything (and evaluation runs forward_discard); blocks of a repeat
+      // stage get every variant the policies use.
+      const bool checkpointable = model.stages[s].checkpointable;
+      for (Keep keep : {Keep::all, Keep::nothing, Keep::selective}) {
+        for (bool backward : {false, true}) {
+          if (!checkpointable && (keep == Keep::selective || (backward && keep == Keep::nothing))) continue;
+          StageKernels k(model, s, e.target);
+          Pipeline p = backward ? k.backward(keep) : k.forward(keep);
+          e.emit(str(kernel_name(name, s, backward ? backward_variant(keep) : forward_variant(keep))), p,
+                 k.arguments());
+        }
       }
     }
     {

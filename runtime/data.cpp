@@ -2,11 +2,16 @@ module;
 #include <fmt/format.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
+#include <memory>
+#include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 module remat.runtime;
+import remat;
 
 namespace remat::runtime {
 namespace {
@@ -71,6 +76,127 @@ Dataset load_idx(const std::string &images_path, const std::string &labels_path,
                                    ds.labels[i], i, classes));
   }
   return ds;
+}
+
+}  // namespace remat::runtime
+
+// ---- sources ---------------------------------------------------------------------------------
+namespace remat::runtime {
+namespace {
+
+class FashionMnist final : public DataSource {
+public:
+  FashionMnist(const Model &model, const DataOptions &o)
+      : train(load_idx(o.dir + "/train-images-idx3-ubyte.gz", o.dir + "/train-labels-idx1-ubyte.gz", model.classes())),
+        test(load_idx(o.dir + "/t10k-images-idx3-ubyte.gz", o.dir + "/t10k-labels-idx1-ubyte.gz", model.classes())),
+        batch(o.batch), rng(o.seed ^ 0x5eedf00dull) {
+    if (train.width != model.input.width || test.width != model.input.width)
+      throw InputError(fmt::format("{}: images have {} pixels but the model takes {}", o.dir, train.width, model.input.width));
+    order.resize(train.rows);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+  }
+  std::string describe() const override {
+    return fmt::format("Fashion-MNIST: {} training and {} test images", train.rows, test.rows);
+  }
+  long train_samples() const override { return train.rows; }
+  long eval_samples() const override { return test.rows; }
+  void next_train_batch(Executor &ex) override {
+    if (cursor + batch > order.size()) {  // next epoch
+      std::shuffle(order.begin(), order.end(), rng);
+      cursor = 0;
+    }
+    copy(train, [&](std::size_t r) { return order[cursor + r]; }, ex);
+    cursor += batch;
+  }
+  void load_eval_batch(Executor &ex, long first) override {
+    copy(test, [&](std::size_t r) { return first + long(r) < test.rows ? int(first + r) : 0; }, ex);
+  }
+
+private:
+  template <class Row> void copy(const Dataset &ds, Row row, Executor &ex) {
+    auto images = ex.tensor<float>("inputs");
+    auto labels = ex.tensor<std::int32_t>("labels");
+    for (std::size_t r = 0; r < labels.size(); ++r) {
+      const int i = row(r);
+      std::copy_n(ds.images.begin() + std::size_t(i) * ds.width, ds.width, images.begin() + r * ds.width);
+      labels[r] = ds.labels[i];
+    }
+  }
+  Dataset train, test;
+  std::size_t batch;
+  std::mt19937_64 rng;
+  std::vector<int> order;
+  std::size_t cursor = 0;
+};
+
+// Next-token prediction: a sample is a window of T tokens; its labels are the window shifted
+// by one. Training windows start at random offsets; evaluation windows tile the validation text.
+class TextCorpus final : public DataSource {
+public:
+  TextCorpus(const Model &model, const DataOptions &o)
+      : corpus(load_corpus(o.dir, model.input.vocab, 0.1)), T(model.input.block_size), rng(o.seed ^ 0x7e87ull) {
+    if (corpus.val.size() < std::size_t(T) + 1 || corpus.train.size() < std::size_t(T) + 1)
+      throw InputError(fmt::format("{}: {} characters are too few for sequences of {}", o.dir,
+                                   corpus.train.size() + corpus.val.size(), T));
+  }
+  std::string describe() const override {
+    return fmt::format("text: {} files, {} training and {} validation characters", corpus.files,
+                       corpus.train.size(), corpus.val.size());
+  }
+  long train_samples() const override { return long(corpus.train.size()) / T; }
+  long eval_samples() const override { return long(corpus.val.size() - 1) / T; }
+  void next_train_batch(Executor &ex) override {
+    std::uniform_int_distribution<std::size_t> start(0, corpus.train.size() - T - 1);
+    fill(ex, [&](std::size_t) { return start(rng); }, corpus.train);
+  }
+  void load_eval_batch(Executor &ex, long first) override {
+    fill(ex, [&](std::size_t s) { return std::size_t(first + long(s) < eval_samples() ? first + s : 0) * T; }, corpus.val);
+  }
+
+private:
+  template <class Start> void fill(Executor &ex, Start start, const std::vector<std::int32_t> &text) {
+    auto inputs = ex.tensor<std::int32_t>("inputs");
+    auto labels = ex.tensor<std::int32_t>("labels");
+    for (std::size_t s = 0; s < inputs.size() / T; ++s) {
+      const std::size_t at = start(s);
+      std::copy_n(text.begin() + at, T, inputs.begin() + s * T);
+      std::copy_n(text.begin() + at + 1, T, labels.begin() + s * T);
+    }
+  }
+  Corpus corpus;
+  int T;
+  std::mt19937_64 rng;
+};
+
+}  // namespace
+
+Corpus load_corpus(const std::string &dir, int vocab, double val_fraction) {
+  if (!std::filesystem::is_directory(dir))
+    throw InputError(fmt::format("{}: no such folder (install the text package or pass --data-dir)", dir));
+  std::vector<std::filesystem::path> files;
+  for (const auto &e : std::filesystem::directory_iterator(dir)) {
+    const auto ext = e.path().extension();
+    if (e.is_regular_file() && !e.is_symlink() && ext != ".dat" && ext != ".u8") files.push_back(e.path());
+  }
+  std::sort(files.begin(), files.end());
+  std::vector<std::int32_t> text;
+  for (const auto &f : files)
+    for (std::uint8_t c : read_file(f.string())) text.push_back(c < vocab ? c : '?');
+  if (files.empty() || text.empty()) throw InputError(fmt::format("{}: no text files", dir));
+  Corpus out;
+  out.files = files.size();
+  const auto split = std::size_t(double(text.size()) * (1 - val_fraction));
+  out.train.assign(text.begin(), text.begin() + split);
+  out.val.assign(text.begin() + split, text.end());
+  return out;
+}
+
+std::unique_ptr<DataSource> fashion_mnist(const Model &model, const DataOptions &o) {
+  return std::make_unique<FashionMnist>(model, o);
+}
+std::unique_ptr<DataSource> text_corpus(const Model &model, const DataOptions &o) {
+  return std::make_unique<TextCorpus>(model, o);
 }
 
 }  // namespace remat::runtime

@@ -4,6 +4,7 @@ module;
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -53,6 +54,7 @@ std::size_t Arena::high_water() const {
 // ---- Executor ----------------------------------------------------------------------------------
 struct Executor::Bound {
   const Kernel *kernel;
+  std::int32_t rng_block = 0;
   std::vector<halide_buffer_t> buffers;
   std::vector<std::array<halide_dimension_t, 2>> shapes;
   std::vector<void *> argv;
@@ -69,7 +71,9 @@ void *scalar_field(Scalars &s, std::string_view name) {
   const std::pair<std::string_view, void *> fields[] = {
       {"accumulate", &s.accumulate}, {"grad_scale", &s.grad_scale}, {"lr", &s.lr},
       {"beta1", &s.beta1},           {"beta2", &s.beta2},           {"eps", &s.eps},
-      {"weight_decay", &s.weight_decay}, {"bias1", &s.bias1},       {"bias2", &s.bias2}};
+      {"weight_decay", &s.weight_decay}, {"bias1", &s.bias1},       {"bias2", &s.bias2},
+      {"seed", &s.seed},             {"step", &s.step},             {"drop_threshold", &s.drop_threshold},
+      {"drop_scale", &s.drop_scale}};
   for (auto [n, p] : fields)
     if (n == name) return p;
   throw std::runtime_error(fmt::format("no value for the scalar kernel argument {}", name));
@@ -81,6 +85,7 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
     : plan(plan), arena(arena) {
   auto bind = [&](const Step &st) {
     auto b = std::make_unique<Bound>();
+    b->rng_block = st.rng_block;
     b->kernel = &find_kernel(kernels, kernel_name(model_name, st.stage, st.variant));
     const halide_filter_metadata_t *md = b->kernel->metadata();
     b->buffers.resize(md->num_arguments);
@@ -89,7 +94,7 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
     for (int a = 0; a < md->num_arguments; ++a) {
       const halide_filter_argument_t &arg = md->arguments[a];
       if (arg.kind == halide_argument_kind_input_scalar) {
-        b->argv[a] = scalar_field(scalars, arg.name);
+        b->argv[a] = std::string_view(arg.name) == "rng_block" ? &b->rng_block : scalar_field(scalars, arg.name);
         continue;
       }
       // Halide makes Func names unique per process ("y$2"); the plan's name is the part before '$'.
@@ -148,11 +153,17 @@ std::pair<std::byte *, std::size_t> Executor::locate(std::string_view name) cons
   return {arena.data() + offset, t.bytes()};
 }
 
+void Scalars::set_dropout(double p) {
+  drop_threshold = std::uint64_t(std::llround(p * 4294967296.0));  // as generators/attention.h
+  drop_scale = float(1.0 / (1.0 - p));
+}
+
 // ---- small helpers -----------------------------------------------------------------------------
 Policy parse_policy(std::string_view text) {
   if (text == "none") return none;
   if (text == "full") return full;
   if (text == "sqrt_n") return sqrt_n;
+  if (text == "selective") return selective;
   constexpr std::string_view every = "every_n_layers=";
   if (text.starts_with(every)) {
     const auto digits = text.substr(every.size());
@@ -167,7 +178,7 @@ Policy parse_policy(std::string_view text) {
     return {Policy::Kind::every_n_layers, n};
   }
   throw InputError(fmt::format(
-      "--checkpoint-policy {}: unknown policy (use none, full, every_n_layers=N or sqrt_n)", text));
+      "--checkpoint-policy {}: unknown policy (use none, full, every_n_layers=N, sqrt_n or selective)", text));
 }
 
 std::string digest(std::span<const std::byte> bytes) {

@@ -5,6 +5,7 @@ module;
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <span>
 #include <stdexcept>
@@ -35,6 +36,12 @@ struct Scalars {
   float grad_scale = 1.f;   // 1 / (rows per optimizer step)
   float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.f;
   float bias1 = 1.f, bias2 = 1.f;  // AdamW bias corrections 1 - beta^t
+  // Dropout: the mask is a hash of (seed, step, rng_block, element); rng_block is per kernel
+  // call (the executor binds it from the plan). Threshold 0 and scale 1 keep everything.
+  std::uint64_t seed = 0, drop_threshold = 0;
+  std::int32_t step = 0;
+  float drop_scale = 1.f;
+  void set_dropout(double p);  // p in [0, 1)
 };
 
 // Bytes Halide kernels allocated themselves (through halide_malloc): now and at most.
@@ -91,21 +98,59 @@ struct Dataset {
 };
 Dataset load_idx(const std::string &images_path, const std::string &labels_path, int classes);
 
+// A text corpus as byte tokens (bytes >= vocab become '?'), split into train and validation.
+struct Corpus {
+  std::vector<std::int32_t> train, val;
+  std::size_t files = 0;
+};
+// Every regular file of `dir` (sorted; fortune's .dat/.u8 index files skipped), concatenated.
+Corpus load_corpus(const std::string &dir, int vocab, double val_fraction);
+
+// Where a trainer's batches come from. A sample is one image or one sequence of block_size
+// tokens (then every row is a next-token prediction).
+class DataSource {
+public:
+  virtual ~DataSource() = default;
+  virtual std::string describe() const = 0;
+  virtual long train_samples() const = 0;  // one epoch
+  virtual void next_train_batch(Executor &ex) = 0;
+  virtual long eval_samples() const = 0;
+  // Samples [first, first + batch) of the evaluation split; past its end, the batch is padded.
+  virtual void load_eval_batch(Executor &ex, long first) = 0;
+};
+
+struct DataOptions {
+  std::string dir;
+  int batch = 0;
+  std::uint64_t seed = 0;
+};
+std::unique_ptr<DataSource> fashion_mnist(const Model &model, const DataOptions &o);
+std::unique_ptr<DataSource> text_corpus(const Model &model, const DataOptions &o);
+
 // What a trainer example passes to the shared trainer loop.
 struct ModelInfo {
   std::string_view name;
   const Model &model;
   Policy default_policy;
   std::span<const Kernel> kernels;
+  std::unique_ptr<DataSource> (*data)(const Model &, const DataOptions &);
+  std::string_view default_data_dir;
   // Trainer defaults for this example (flags override them).
   int default_batch = 128;
   int default_epochs = 3;
+  long default_max_steps = 0;  // 0: default_epochs worth
   double default_learning_rate = 1e-3;
   int default_warmup_steps = 0;
+  int default_eval_samples = -1;  // -1: the whole evaluation split
+  int default_eval_steps = 0;     // 0: evaluate only at the end
+  int sample_length = 0;          // token models: characters to generate at the end
 };
 
 // The trainer shared by every example: flags, data, training, evaluation, JSON summary.
 int train_main(int argc, char **argv, const ModelInfo &info);
+
+// Prints every tensor the policy saves for backward (block, name, shape, bytes, why) and totals.
+void print_plan_report(std::FILE *out, const Model &model, const Plan &plan);
 
 // Policy from its flag spelling: none | full | every_n_layers=N | sqrt_n.
 Policy parse_policy(std::string_view text);

@@ -9,7 +9,7 @@ module;
 #include <cstdint>
 #include <cstdio>
 #include <exception>
-#include <numeric>
+#include <memory>
 #include <optional>
 #include <random>
 #include <string>
@@ -20,23 +20,26 @@ import remat;
 namespace remat::runtime {
 namespace {
 
-constexpr int min_batch = 8;  // GEMM register tiles are up to 6 rows; see generators/modelc.cpp
+constexpr int min_batch_rows = 8;  // GEMM register tiles are up to 6 rows; see generators/modelc.cpp
 
 struct Options {
-  int max_steps = 0;  // 0: derived from num_train_epochs
+  long max_steps = 0;  // 0: derived from num_train_epochs
   int num_train_epochs = 0;
   int batch_size = 0;
   int gradient_accumulation_steps = 1;
-  double learning_rate = 1e-3;
+  double learning_rate = 0;
   double weight_decay = 0.01;
   std::string lr_scheduler_type = "cosine";
   int warmup_steps = 0;
   std::uint64_t seed = 42;
   std::string checkpoint_policy;
-  std::string data_dir = "/usr/share/datasets/fashion-mnist";
-  int eval_samples = -1;  // -1: the whole test split
+  double dropout = 0;
+  std::string data_dir;
+  int eval_samples = -1;
+  int eval_steps = 0;
   int logging_steps = 50;
   bool json = false;
+  bool plan_report = false;
 };
 
 // Deterministic uniform in [-1, 1) from a 64-bit generator (the same on every platform).
@@ -49,7 +52,7 @@ void init_params(const Plan &plan, Executor &ex, std::uint64_t seed) {
       continue;
     auto values = ex.tensor<float>(t.name.view());
     const bool weight = t.name.view().ends_with("_w");
-    if (weight && t.dims == 2) {  // linear weight [K, O]: U(-1/sqrt(K), 1/sqrt(K)) as PyTorch
+    if (t.dims == 2) {  // linear [K, O] or embedding tables: U(-1/sqrt(K), 1/sqrt(K)) as PyTorch
       const float bound = 1.f / std::sqrt(float(t.extent[1]));
       for (float &v : values) v = bound * uniform(rng);
     } else {
@@ -59,51 +62,150 @@ void init_params(const Plan &plan, Executor &ex, std::uint64_t seed) {
   for (auto name : {"adam_m", "adam_v"}) std::ranges::fill(ex.tensor<float>(name), 0.f);
 }
 
-double learning_rate(const Options &o, int step, int max_steps) {  // step counts from 1
+double learning_rate(const Options &o, long step, long max_steps) {  // step counts from 1
   if (step <= o.warmup_steps) return o.learning_rate * step / std::max(1, o.warmup_steps);
   if (o.lr_scheduler_type == "constant") return o.learning_rate;
-  const double progress = double(step - o.warmup_steps) / std::max(1, max_steps - o.warmup_steps);
+  const double progress = double(step - o.warmup_steps) / std::max(1L, max_steps - o.warmup_steps);
   return o.learning_rate * 0.5 * (1.0 + std::cos(M_PI * std::min(1.0, progress)));
 }
 
-// Copies rows order[first .. first + B) into the images/labels tensors; rows past the end of
-// `order` repeat its first row (only evaluation asks for a partial batch).
-void load_batch(const Dataset &ds, const std::vector<int> &order, std::size_t first, Executor &ex) {
-  auto images = ex.tensor<float>("images");
-  auto labels = ex.tensor<std::int32_t>("labels");
-  const std::size_t batch = labels.size();
-  for (std::size_t r = 0; r < batch; ++r) {
-    const int row = order[first + r < order.size() ? first + r : 0];
-    std::copy_n(ds.images.begin() + std::size_t(row) * ds.width, ds.width, images.begin() + r * ds.width);
-    labels[r] = ds.labels[row];
+bool has_dropout(const Model &m) {
+  for (int s = 0; s < m.n_stages; ++s)
+    for (int k = 0; k < m.stages[s].n_layers; ++k)
+      if (m.stages[s].layers[k].op == Op::dropout) return true;
+  return false;
+}
+
+struct Evaluation {
+  double loss = 0, accuracy = 0;
+  long samples = 0;
+};
+
+// Forward-discard over `samples` evaluation samples (dropout off).
+Evaluation evaluate(DataSource &data, Executor &ex, Scalars &scalars, const Plan &plan, long samples, double dropout) {
+  Evaluation e;
+  e.samples = std::min(samples, data.eval_samples());
+  const long rows_per_sample = plan.rows / plan.batch;
+  double loss_sum = 0;
+  long correct = 0;
+  scalars.set_dropout(0);
+  for (long first = 0; first < e.samples; first += plan.batch) {
+    data.load_eval_batch(ex, first);
+    ex.run(Executor::Phase::eval);
+    const auto l = ex.tensor<float>("row_loss");
+    const auto c = ex.tensor<std::int32_t>("row_correct");
+    const long rows = std::min<long>(plan.batch, e.samples - first) * rows_per_sample;
+    for (long r = 0; r < rows; ++r) {
+      loss_sum += l[r];
+      correct += c[r];
+    }
   }
+  scalars.set_dropout(dropout);
+  e.loss = loss_sum / double(e.samples * rows_per_sample);
+  e.accuracy = double(correct) / double(e.samples * rows_per_sample);
+  return e;
+}
+
+// Autoregressive sampling from a token model: a plan for one sequence, the trained parameters,
+// and the logits of the last filled position, at temperature 0.8.
+std::string generate(const ModelInfo &info, Executor &trained, int length, std::uint64_t seed) {
+  const int T = info.model.input.block_size, V = info.model.input.vocab;
+  const Plan plan = make_plan(info.model, none, 1);
+  Arena arena(std::max(plan.peak_bytes, plan.eval_peak_bytes));
+  Scalars scalars;
+  Executor ex(plan, info.name, info.kernels, arena, scalars);
+  std::ranges::copy(trained.tensor<float>("params"), ex.tensor<float>("params").begin());
+  const std::string logits_name = fmt::format("eval.s{}.b0.y", info.model.n_stages - 1);
+  std::mt19937_64 rng(seed);
+  std::vector<std::int32_t> text = {'\n'};
+  std::string out;
+  auto inputs = ex.tensor<std::int32_t>("inputs");
+  for (int i = 0; i < length; ++i) {
+    const int n = std::min<int>(int(text.size()), T);
+    std::fill(inputs.begin(), inputs.end(), std::int32_t{' '});
+    std::copy(text.end() - n, text.end(), inputs.begin());
+    ex.run(Executor::Phase::eval);
+    const auto logits = ex.tensor<float>(logits_name).subspan(std::size_t(n - 1) * V, V);
+    const float top = *std::ranges::max_element(logits);
+    std::vector<double> p(V);
+    double z = 0;
+    for (int v = 0; v < V; ++v) z += p[v] = std::exp((logits[v] - top) / 0.8);
+    double u = std::uniform_real_distribution<double>(0, z)(rng);
+    int pick = 0;
+    while (pick + 1 < V && (u -= p[pick]) > 0) ++pick;
+    text.push_back(pick);
+    out.push_back(char(pick));
+  }
+  return out;
 }
 
 std::string mib(std::size_t bytes) { return fmt::format("{:.1f} MiB", bytes / 1048576.0); }
 
 }  // namespace
 
+void print_plan_report(std::FILE *out, const Model &model, const Plan &plan) {
+  fmt::print(out, "saved for backward under policy {} (batch {}, {} rows):\n", policy_name(plan.policy).view(),
+             plan.batch, plan.rows);
+  fmt::print(out, "{:<8} {:<22} {:>16} {:>12}  {}\n", "block", "tensor", "shape", "bytes", "why");
+  std::size_t total = 0;
+  for (const Step &st : plan.train)
+    for (int t : st.alloc) {
+      const Tensor &x = plan.tensors[t];
+      if (x.role != Role::internal && x.role != Role::block_input) continue;
+      // saved = lives past the kernel that wrote it until a backward kernel reads it
+      bool read_by_backward = false;
+      for (const Step &later : plan.train)
+        if (later.variant == Variant::backward_saved || later.variant == Variant::backward_selective ||
+            later.variant == Variant::backward_recompute)
+          for (const Arg &a : later.args) read_by_backward |= a.tensor == t;
+      if (!read_by_backward) continue;
+      const Block &blk = model.stages[x.stage];
+      std::string why;
+      if (x.name.view().ends_with(".y")) {
+        why = "block output: the next block's input";
+      } else if (x.layer >= 0) {
+        const Layer &l = blk.layers[x.layer];
+        const bool stat = !x.name.view().substr(x.name.view().rfind('.') + 1).starts_with("h");
+        why = stat ? fmt::format("{} statistics, read by its backward", op_name(l.op))
+                   : fmt::format("{} output, read by the backward of the layer after it", op_name(l.op));
+      }
+      const std::string shape = x.dims == 1 ? fmt::format("[{}]", x.extent[0]) : fmt::format("[{}, {}]", x.extent[1], x.extent[0]);
+      fmt::print(out, "s{}.b{:<4} {:<22} {:>16} {:>12}  {}\n", x.stage, x.block,
+                 x.name.view().substr(x.name.view().find('.', 3) + 1), shape, x.bytes(), why);
+      total += x.bytes();
+    }
+  fmt::print(out, "total saved {} B ({}); peak activations {} B; planned arena peak {} B; {} kernel launches ({} recompute)\n",
+             total, mib(total), plan.activation_bytes, plan.peak_bytes, plan.total_launches, plan.recompute_launches);
+}
+
 int train_main(int argc, char **argv, const ModelInfo &info) {
   const std::string program = std::string("train-") + std::string(info.name);
   Options o;
   o.num_train_epochs = info.default_epochs;
+  o.max_steps = info.default_max_steps;
   o.learning_rate = info.default_learning_rate;
   o.warmup_steps = info.default_warmup_steps;
+  o.eval_samples = info.default_eval_samples;
+  o.eval_steps = info.default_eval_steps;
+  o.data_dir = info.default_data_dir;
   CLI::App app{fmt::format("Train the {} model with remat (checkpoint policies, AdamW).", info.name), program};
   app.add_option("--max-steps", o.max_steps, "optimizer steps (default: --num-train-epochs worth)")->check(CLI::PositiveNumber);
   app.add_option("--num-train-epochs", o.num_train_epochs, "epochs when --max-steps is not given")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--batch-size", o.batch_size, fmt::format("rows per micro-batch (default {})", info.default_batch))->check(CLI::PositiveNumber);
+  app.add_option("--batch-size", o.batch_size, fmt::format("samples per micro-batch (default {})", info.default_batch))->check(CLI::PositiveNumber);
   app.add_option("--gradient-accumulation-steps", o.gradient_accumulation_steps, "micro-batches per optimizer step")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--learning-rate", o.learning_rate, "peak AdamW learning rate")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--weight-decay", o.weight_decay, "AdamW decoupled weight decay on linear weights")->check(CLI::NonNegativeNumber)->capture_default_str();
   app.add_option("--lr-scheduler-type", o.lr_scheduler_type, "learning-rate schedule after warm-up")->check(CLI::IsMember({"constant", "cosine"}))->capture_default_str();
   app.add_option("--warmup-steps", o.warmup_steps, "linear warm-up steps")->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--seed", o.seed, "seed for initialization and shuffling")->capture_default_str();
-  app.add_option("--checkpoint-policy", o.checkpoint_policy, fmt::format("none | full | every_n_layers=N | sqrt_n (default {})", policy_name(info.default_policy).view()));
-  app.add_option("--data-dir", o.data_dir, "folder with the idx files")->capture_default_str();
-  app.add_option("--eval-samples", o.eval_samples, "test rows to evaluate at the end (default all, 0 skips)")->check(CLI::NonNegativeNumber);
+  app.add_option("--seed", o.seed, "seed for initialization, shuffling and dropout")->capture_default_str();
+  app.add_option("--checkpoint-policy", o.checkpoint_policy, fmt::format("none | full | every_n_layers=N | sqrt_n | selective (default {})", policy_name(info.default_policy).view()));
+  app.add_option("--dropout", o.dropout, "dropout probability of the model's dropout layers")->check(CLI::Range(0.0, 0.99))->capture_default_str();
+  app.add_option("--data-dir", o.data_dir, "dataset folder")->capture_default_str();
+  app.add_option("--eval-samples", o.eval_samples, "evaluation samples (default all, 0 skips evaluation)")->check(CLI::NonNegativeNumber);
+  app.add_option("--eval-steps", o.eval_steps, "also evaluate every N steps (0: only at the end)")->check(CLI::NonNegativeNumber)->capture_default_str();
   app.add_option("--logging-steps", o.logging_steps, "print progress every N steps")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_flag("--json", o.json, "print a JSON summary as the last line of stdout (progress goes to stderr)");
+  app.add_flag("--plan-report", o.plan_report, "print every tensor saved for backward under the policy, then exit");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp &e) {
@@ -114,24 +216,27 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
   }
 
   try {
+    const Model &model = info.model;
     const Policy policy = o.checkpoint_policy.empty() ? info.default_policy : parse_policy(o.checkpoint_policy);
     const int batch = o.batch_size ? o.batch_size : info.default_batch;
     const int micro = o.gradient_accumulation_steps;
+    if (long(batch) * model.rows_per_sample() < min_batch_rows)
+      throw InputError(fmt::format("--batch-size {}: the CPU kernels need at least {} rows per micro-batch", batch, min_batch_rows));
+    if (o.dropout > 0 && !has_dropout(model))
+      throw InputError(fmt::format("--dropout {}: model {} has no dropout layers", o.dropout, info.name));
+    const Plan plan = make_plan(model, policy, batch);
+    if (o.plan_report) {
+      print_plan_report(stdout, model, plan);
+      return 0;
+    }
+    const Plan baseline = make_plan(model, none, batch);
     std::FILE *progress = o.json ? stderr : stdout;
-
-    const Dataset train = load_idx(o.data_dir + "/train-images-idx3-ubyte.gz", o.data_dir + "/train-labels-idx1-ubyte.gz", info.model.classes());
-    const Dataset test = load_idx(o.data_dir + "/t10k-images-idx3-ubyte.gz", o.data_dir + "/t10k-labels-idx1-ubyte.gz", info.model.classes());
-    if (train.width != info.model.input_width || test.width != info.model.input_width)
-      throw InputError(fmt::format("{}: images have {} pixels but the model takes {}", o.data_dir, train.width, info.model.input_width));
-    if (batch < min_batch)
-      throw InputError(fmt::format("--batch-size {}: the CPU kernels need at least {} rows per micro-batch", batch, min_batch));
-    if (long(batch) * micro > train.rows)
-      throw InputError(fmt::format("--batch-size {} x --gradient-accumulation-steps {} exceeds the {} training rows", batch, micro, train.rows));
-
-    const Plan plan = make_plan(info.model, policy, batch, info.name);
-    const Plan baseline = make_plan(info.model, none, batch, info.name);
-    const int steps_per_epoch = train.rows / (batch * micro);
-    const int max_steps = o.max_steps ? o.max_steps : o.num_train_epochs * steps_per_epoch;
+    std::unique_ptr<DataSource> data = info.data(model, {o.data_dir, batch, o.seed});
+    if (long(batch) * micro > data->train_samples())
+      throw InputError(fmt::format("--batch-size {} x --gradient-accumulation-steps {} exceeds the {} training samples", batch, micro, data->train_samples()));
+    const long steps_per_epoch = data->train_samples() / (long(batch) * micro);
+    const long max_steps = o.max_steps ? o.max_steps : o.num_train_epochs * steps_per_epoch;
+    const long eval_samples = o.eval_samples < 0 ? data->eval_samples() : o.eval_samples;
 
     Arena arena(std::max(plan.peak_bytes, plan.eval_peak_bytes));
     arena.fill_canary();
@@ -139,17 +244,15 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     Executor ex(plan, info.name, info.kernels, arena, scalars);
     init_params(plan, ex, o.seed);
     reset_halide_heap_peak();
+    scalars.seed = o.seed;
+    scalars.set_dropout(o.dropout);
+    scalars.grad_scale = float(1.0 / (double(plan.rows) * micro));
+    scalars.weight_decay = float(o.weight_decay);
 
-    fmt::print(progress, "{}: policy {}, batch {} x {}, {} steps, {} parameters, arena {} (activations {}; {} under none)\n",
-               program, policy_name(policy).view(), batch, micro, max_steps, plan.param_count,
-               mib(plan.peak_bytes), mib(plan.activation_bytes), mib(baseline.activation_bytes));
+    fmt::print(progress, "{}: {}\n{}: policy {}, batch {} x {}, {} steps, {} parameters, arena {} (activations {}; {} under none)\n",
+               program, data->describe(), program, policy_name(policy).view(), batch, micro, max_steps,
+               plan.param_count, mib(plan.peak_bytes), mib(plan.activation_bytes), mib(baseline.activation_bytes));
     std::fflush(progress);
-
-    std::mt19937_64 shuffle_rng(o.seed ^ 0x5eedf00dull);
-    std::vector<int> order(train.rows);
-    std::iota(order.begin(), order.end(), 0);
-    std::shuffle(order.begin(), order.end(), shuffle_rng);
-    std::size_t cursor = 0;
 
     std::vector<double> step_ms;
     double loss_first = 0, loss_last = 0, window_loss = 0;
@@ -157,74 +260,59 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     std::string grad_digest;
     std::size_t measured_peak = 0;
     double train_seconds = 0;
-    scalars.grad_scale = float(1.0 / (double(batch) * micro));
-    scalars.weight_decay = float(o.weight_decay);
-    for (int step = 1; step <= max_steps; ++step) {
+    for (long step = 1; step <= max_steps; ++step) {
       const auto t0 = std::chrono::steady_clock::now();
       double loss_sum = 0;
+      scalars.step = std::int32_t(step);
       for (int m = 0; m < micro; ++m) {
-        if (cursor + batch > order.size()) {  // next epoch
-          std::shuffle(order.begin(), order.end(), shuffle_rng);
-          cursor = 0;
-        }
-        load_batch(train, order, cursor, ex);
-        cursor += batch;
+        data->next_train_batch(ex);
         scalars.accumulate = m > 0;
         ex.run(Executor::Phase::train);
         for (float l : ex.tensor<float>("row_loss")) loss_sum += l;
         for (std::int32_t c : ex.tensor<std::int32_t>("row_correct")) window_correct += c;
-        window_rows += batch;
+        window_rows += plan.rows;
       }
       if (step == 1) grad_digest = digest(std::as_bytes(ex.tensor<float>("grads")));
       const double lr = learning_rate(o, step, max_steps);
       scalars.lr = float(lr);
-      scalars.bias1 = float(1.0 - std::pow(double(scalars.beta1), step));
-      scalars.bias2 = float(1.0 - std::pow(double(scalars.beta2), step));
+      scalars.bias1 = float(1.0 - std::pow(double(scalars.beta1), double(step)));
+      scalars.bias2 = float(1.0 - std::pow(double(scalars.beta2), double(step)));
       ex.run(Executor::Phase::optimize);
       const auto t1 = std::chrono::steady_clock::now();
       if (step == 1) measured_peak = arena.high_water() + halide_heap().peak;
       const double ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
       step_ms.push_back(ms);
       train_seconds += ms / 1000;
-      const double loss = loss_sum / (double(batch) * micro);
+      const double loss = loss_sum / (double(plan.rows) * micro);
       if (!std::isfinite(loss))
         throw std::runtime_error(fmt::format("loss is {} at step {}; lower --learning-rate", loss, step));
       if (step == 1) loss_first = loss;
       loss_last = loss;
       window_loss += loss;
       if (step % o.logging_steps == 0 || step == max_steps) {
-        const int n = step % o.logging_steps ? step % o.logging_steps : o.logging_steps;
+        const long n = step % o.logging_steps ? step % o.logging_steps : o.logging_steps;
         fmt::print(progress, "step {:>5}/{} | epoch {:5.2f} | loss {:.4f} | train acc {:5.1f}% | lr {:.2e} | {:.0f} samples/s\n",
-                   step, max_steps, double(step) / std::max(1, steps_per_epoch), window_loss / n,
-                   100.0 * window_correct / std::max(1L, window_rows), lr,
-                   double(step) * batch * micro / train_seconds);
+                   step, max_steps, double(step) / std::max(1L, steps_per_epoch), window_loss / n,
+                   100.0 * window_correct / std::max(1L, window_rows), lr, double(step) * batch * micro / train_seconds);
         std::fflush(progress);
         window_loss = 0;
         window_correct = window_rows = 0;
       }
+      if (o.eval_steps > 0 && step % o.eval_steps == 0 && step < max_steps && eval_samples > 0) {
+        const Evaluation e = evaluate(*data, ex, scalars, plan, eval_samples, o.dropout);
+        fmt::print(progress, "step {:>5}/{} | eval loss {:.4f} | eval accuracy {:.2f}% ({} samples)\n", step,
+                   max_steps, e.loss, 100 * e.accuracy, e.samples);
+        std::fflush(progress);
+      }
     }
 
-    // ---- evaluation on the test split ----
-    std::optional<double> eval_accuracy, eval_loss;
-    const int eval_rows = o.eval_samples < 0 ? test.rows : std::min(o.eval_samples, test.rows);
-    if (eval_rows > 0) {
-      std::vector<int> rows(eval_rows);
-      std::iota(rows.begin(), rows.end(), 0);
-      double loss_sum = 0;
-      long correct = 0;
-      for (int first = 0; first < eval_rows; first += batch) {
-        load_batch(test, rows, first, ex);
-        ex.run(Executor::Phase::eval);
-        const auto l = ex.tensor<float>("row_loss");
-        const auto c = ex.tensor<std::int32_t>("row_correct");
-        for (int r = 0; r < batch && first + r < eval_rows; ++r) {
-          loss_sum += l[r];
-          correct += c[r];
-        }
-      }
-      eval_accuracy = double(correct) / eval_rows;
-      eval_loss = loss_sum / eval_rows;
-      fmt::print(progress, "eval: {} test rows | loss {:.4f} | accuracy {:.2f}%\n", eval_rows, *eval_loss, 100 * *eval_accuracy);
+    std::optional<Evaluation> eval;
+    if (eval_samples > 0) {
+      eval = evaluate(*data, ex, scalars, plan, eval_samples, o.dropout);
+      fmt::print(progress, "eval: {} samples | loss {:.4f} | accuracy {:.2f}%\n", eval->samples, eval->loss, 100 * eval->accuracy);
+    }
+    if (info.sample_length > 0) {
+      fmt::print(progress, "sample:\n{}\n", generate(info, ex, info.sample_length, o.seed));
     }
 
     std::vector<double> sorted = step_ms;
@@ -233,23 +321,27 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     const double samples_per_s = double(max_steps) * batch * micro / train_seconds;
     fmt::print(progress,
                "memory: planned peak {} B, measured peak {} B ({}); activations {} under {} vs {} under none ({:.1f}%)\n"
-               "speed: {:.0f} samples/s, median step {:.1f} ms, {} kernel launches per micro-batch ({} recompute)\n",
+               "speed: {:.0f} samples/s ({:.0f} rows/s), median step {:.1f} ms, {} kernel launches per micro-batch ({} recompute)\n",
                plan.peak_bytes, measured_peak, measured_peak == plan.peak_bytes ? "equal" : "DIFFERENT",
                mib(plan.activation_bytes), policy_name(policy).view(), mib(baseline.activation_bytes),
-               100.0 * plan.activation_bytes / baseline.activation_bytes, samples_per_s, median,
-               plan.total_launches, plan.recompute_launches);
+               100.0 * plan.activation_bytes / baseline.activation_bytes, samples_per_s,
+               samples_per_s * model.rows_per_sample(), median, plan.total_launches, plan.recompute_launches);
     if (o.json) {
+      auto optional = [&](auto f) { return eval ? nlohmann::json(f(*eval)) : nlohmann::json(); };
       nlohmann::json j = {
           {"model", std::string(info.name)},
           {"policy", std::string(policy_name(policy).view())},
           {"batch_size", batch},
           {"gradient_accumulation_steps", micro},
+          {"dropout", o.dropout},
           {"steps", max_steps},
           {"loss_first", loss_first},
           {"loss_last", loss_last},
-          {"eval_accuracy", eval_accuracy ? nlohmann::json(*eval_accuracy) : nlohmann::json()},
-          {"eval_loss", eval_loss ? nlohmann::json(*eval_loss) : nlohmann::json()},
+          {"eval_accuracy", optional([](const Evaluation &e) { return e.accuracy; })},
+          {"eval_loss", optional([](const Evaluation &e) { return e.loss; })},
+          {"val_loss", optional([](const Evaluation &e) { return e.loss; })},
           {"samples_per_s", samples_per_s},
+          {"tokens_per_s", samples_per_s * model.rows_per_sample()},
           {"step_ms_median", median},
           {"planned_peak_bytes", plan.peak_bytes},
           {"measured_peak_bytes", measured_peak},

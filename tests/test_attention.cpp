@@ -221,9 +221,10 @@ BOOST_FIXTURE_TEST_CASE(attention_dropout_backward, AttentionFixture) {
 // for bit, matches the C++ hash, and a second evaluation changes nothing.
 BOOST_FIXTURE_TEST_CASE(attention_dropout_mask_recompute, AttentionFixture) {
   Run r = run(drop);
-  Buffer<double> fwd = r.fwd.keep.realize({T, H, rows}), bwd = r.bwd.keep.realize({T, H, rows});
+  Buffer<double> fwd = r.fwd.keep.realize({T, H, rows}), bwd = r.bwd.q.keep.realize({T, H, rows}), bwd_kv = r.bwd.kv.keep.realize({T, H, rows});
   Buffer<double> again = tr.attention("attn2", qkvp, C, H, drop).keep.realize({T, H, rows});
   BOOST_TEST(identical(fwd, bwd));
+  BOOST_TEST(identical(fwd, bwd_kv));
   BOOST_TEST(identical(fwd, again));
   int dropped = 0;
   fwd.for_each_element([&](const int *q) {

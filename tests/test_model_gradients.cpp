@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -34,7 +35,7 @@ struct Run {
   Scalars scalars;
   Executor ex;
   explicit Run(Policy p)
-      : plan(make_plan(mlp::model, p, batch, "mlp")), arena(std::max(plan.peak_bytes, plan.eval_peak_bytes)),
+      : plan(make_plan(mlp::model, p, batch)), arena(std::max(plan.peak_bytes, plan.eval_peak_bytes)),
         ex(plan, "mlp", mlp_kernels::table, arena, scalars) {
     std::mt19937_64 rng(7);
     std::uniform_real_distribution<float> u(-1.f, 1.f);
@@ -43,7 +44,7 @@ struct Run {
         const float scale = t.dims == 2 ? 1.f / std::sqrt(float(t.extent[1])) : 0.2f;
         for (float &x : ex.tensor<float>(t.name.view())) x = scale * u(rng) + (t.dims == 1 && t.name.view().ends_with("_w") ? 1.f : 0.f);
       }
-    for (float &x : ex.tensor<float>("images")) x = 0.5f * (u(rng) + 1);
+    for (float &x : ex.tensor<float>("inputs")) x = 0.5f * (u(rng) + 1);
     auto labels = ex.tensor<std::int32_t>("labels");
     for (int b = 0; b < batch; ++b) labels[b] = b % mlp::classes;
     scalars.grad_scale = 1.f / batch;
@@ -155,22 +156,31 @@ struct Reference {
 
   // Runs forward, loss and backward; returns the mean loss.
   double run() {
-    auto images = ex.tensor<float>("images");
+    auto images = ex.tensor<float>("inputs");
     auto labels = ex.tensor<std::int32_t>("labels");
     Rows x(images.begin(), images.end());
-    struct Unit { const Block *blk; std::string prefix; std::vector<Saved> saved; };
+    struct Unit { const Block *blk; std::string prefix; Rows input; std::vector<Rows> out; std::vector<Saved> saved; };
     std::vector<Unit> units;
     for (int s = 0; s < m.n_stages; ++s)
       for (int b = 0; b < m.stages[s].repeat; ++b) {
-        Unit u{&m.stages[s], "s" + std::to_string(s) + ".b" + std::to_string(b) + ".", {}};
-        Rows h = x;
-        for (int k = 0; k < u.blk->n_layers; ++k) {
+        Unit u{&m.stages[s], "s" + std::to_string(s) + ".b" + std::to_string(b) + ".", x, {}, {}};
+        const Block &blk = *u.blk;
+        auto value = [&](int j) -> const Rows & { return j < 0 ? u.input : u.out[j]; };
+        for (int k = 0; k < blk.n_layers; ++k) {
           u.saved.emplace_back();
-          h = layer_forward(u.blk->layers[k], u.prefix, k, h, u.saved.back());
+          const Layer &l = blk.layers[k];
+          if (l.op == Op::residual_begin) {
+            u.out.push_back(value(blk.source(k)));
+          } else if (l.op == Op::residual_end) {
+            Rows sum = value(blk.source(k));
+            const Rows &skip = value(blk.skip_source(k));
+            for (std::size_t e = 0; e < sum.size(); ++e) sum[e] += skip[e];
+            u.out.push_back(sum);
+          } else {
+            u.out.push_back(layer_forward(l, u.prefix, k, value(blk.source(k)), u.saved.back()));
+          }
         }
-        if (u.blk->residual)
-          for (std::size_t e = 0; e < h.size(); ++e) h[e] += x[e];
-        x = h;
+        x = u.out.back();
         units.push_back(std::move(u));
       }
     const int K = m.classes();
@@ -184,11 +194,27 @@ struct Reference {
       for (int k = 0; k < K; ++k) d[b * K + k] = (std::exp(x[b * K + k] - mx) / z - (k == labels[b])) / batch;
     }
     for (auto u = units.rbegin(); u != units.rend(); ++u) {
-      Rows dblock = d;
-      for (int k = u->blk->n_layers - 1; k >= 0; --k) dblock = layer_backward(u->blk->layers[k], u->prefix, k, u->saved[k], dblock);
-      if (u->blk->residual)
-        for (std::size_t e = 0; e < d.size(); ++e) dblock[e] += d[e];
-      d = dblock;
+      const Block &blk = *u->blk;
+      std::map<int, Rows> grad;  // by layer output; -1 is the block input
+      auto add = [&](int j, const Rows &g) {
+        auto [it, fresh] = grad.try_emplace(j, g);
+        if (!fresh)
+          for (std::size_t e = 0; e < g.size(); ++e) it->second[e] += g[e];
+      };
+      add(blk.n_layers - 1, d);
+      for (int k = blk.n_layers - 1; k >= 0; --k) {
+        const Layer &l = blk.layers[k];
+        if (!grad.count(k)) continue;
+        const Rows g = grad.at(k);
+        if (l.op == Op::residual_begin) add(blk.source(k), g);
+        else if (l.op == Op::residual_end) {
+          add(blk.source(k), g);
+          add(blk.skip_source(k), g);
+        } else {
+          add(blk.source(k), layer_backward(l, u->prefix, k, u->saved[k], g));
+        }
+      }
+      d = grad.count(-1) ? grad.at(-1) : Rows{};
     }
     return loss;
   }

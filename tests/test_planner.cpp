@@ -70,7 +70,7 @@ BOOST_AUTO_TEST_CASE(mistakes_are_named) {
              "remat: softmax_cross_entropy(3) follows a stack of width 4");
   BOOST_TEST(error(make_model(input(8), repeat(0, residual(linear(8, 8))), softmax_cross_entropy())) ==
              "remat: stage 0: repeat(n, ...) needs n >= 1, got 0");
-  BOOST_TEST(error(make_model(linear(8, 4))) == "remat: the model needs input(width) with width >= 1");
+  BOOST_TEST(error(make_model(linear(8, 4))) == "remat: the model needs input(width) or tokens(vocab, block_size)");
 }
 
 BOOST_AUTO_TEST_CASE(policies_choose_segments) {
@@ -93,7 +93,7 @@ BOOST_AUTO_TEST_CASE(every_schedule_replays_without_overlap) {
   for (const Model &m : {small_model(), mlp::model})
     for (Policy p : all_policies)
       for (int batch : {8, 256}) {
-        const Plan plan = make_plan(m, p, batch, "m");
+        const Plan plan = make_plan(m, p, batch);
         check_schedule(plan, plan.train);
         check_schedule(plan, plan.optimize);
         check_schedule(plan, plan.eval);
@@ -109,28 +109,28 @@ BOOST_AUTO_TEST_CASE(every_schedule_replays_without_overlap) {
 //         LayerNorm output stays in registers):          4B (17C + 2H + 2)
 BOOST_AUTO_TEST_CASE(activation_bytes_match_the_hand_count) {
   const long B = 256, C = mlp::width, H = mlp::hidden;
-  const Plan p_none = make_plan(mlp::model, none, B, "mlp"), p_full = make_plan(mlp::model, full, B, "mlp");
+  const Plan p_none = make_plan(mlp::model, none, B), p_full = make_plan(mlp::model, full, B);
   BOOST_TEST(p_none.activation_bytes == std::size_t(4 * B * (17 * C + 16 * (C + 2 * H + 2) + C + 2 + 10)));
   BOOST_TEST(p_full.activation_bytes == std::size_t(4 * B * (17 * C + 2 * H + 2)));
   BOOST_TEST(p_full.activation_bytes <= p_none.activation_bytes / 4);
-  const Plan p_sqrt = make_plan(mlp::model, sqrt_n, B, "mlp"), p_two = make_plan(mlp::model, every_2, B, "mlp");
+  const Plan p_sqrt = make_plan(mlp::model, sqrt_n, B), p_two = make_plan(mlp::model, every_2, B);
   BOOST_TEST(p_sqrt.activation_bytes < p_two.activation_bytes);
   BOOST_TEST(p_two.activation_bytes < p_none.activation_bytes);
 }
 
 BOOST_AUTO_TEST_CASE(recompute_launches_per_policy) {
-  auto launches = [](Policy p) { return make_plan(mlp::model, p, 64, "mlp").recompute_launches; };
+  auto launches = [](Policy p) { return make_plan(mlp::model, p, 64).recompute_launches; };
   BOOST_TEST(launches(none) == 0);
   BOOST_TEST(launches(full) == 16);     // one fused recompute-backward per block
   BOOST_TEST(launches(every_2) == 8);   // blocks 0, 2, ..., 14
   BOOST_TEST(launches(sqrt_n) == 16);   // per segment of 4: 3 forward replays + 1 fused backward
   // Recompute kernels appear only under policies that checkpoint.
-  const Plan plan = make_plan(mlp::model, none, 64, "mlp");
+  const Plan plan = make_plan(mlp::model, none, 64);
   BOOST_TEST(!ranges::any_of(plan.train, [](const Step &s) { return s.variant == Variant::backward_recompute; }));
 }
 
 // The compile-time plan and the run-time plan are the same function of the same inputs.
 BOOST_AUTO_TEST_CASE(plan_is_known_at_compile_time) {
-  constexpr std::size_t peak = make_plan(mlp::model, full, 32, "mlp").peak_bytes;
-  BOOST_TEST(peak == make_plan(mlp::model, full, 32, "mlp").peak_bytes);
+  constexpr std::size_t peak = make_plan(mlp::model, full, 32).peak_bytes;
+  BOOST_TEST(peak == make_plan(mlp::model, full, 32).peak_bytes);
 }

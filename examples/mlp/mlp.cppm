@@ -20,6 +20,6 @@ inline constexpr remat::Policy policy = remat::full;
 
 // The plan is known at compile time: activation memory under this policy at the default batch.
 inline constexpr int default_batch = 128;
-static_assert(remat::make_plan(model, policy, default_batch, "mlp").activation_bytes <
-              remat::make_plan(model, remat::none, default_batch, "mlp").activation_bytes / 4);
+static_assert(remat::make_plan(model, policy, default_batch).activation_bytes <
+              remat::make_plan(model, remat::none, default_batch).activation_bytes / 4);
 }  // namespace mlp

@@ -9,6 +9,8 @@ int main(int argc, char **argv) {
                                      .model = mlp::model,
                                      .default_policy = mlp::policy,
                                      .kernels = mlp_kernels::table,
+                                     .data = remat::runtime::fashion_mnist,
+                                     .default_data_dir = "/usr/share/datasets/fashion-mnist",
                                      .default_batch = mlp::default_batch,
                                      .default_epochs = 6,
                                      .default_learning_rate = 2e-3,
