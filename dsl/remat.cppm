@@ -464,6 +464,12 @@ constexpr bool materialized(const Block &b, int j) {
   return (op == Op::dropout || op == Op::residual_end) && b.source(j) >= 0 && fused(b, b.source(j));
 }
 
+constexpr bool feeds_linear(const Block &b, int j) {
+  for (int k = j + 1; k < b.n_layers; ++k)
+    if (b.source(k) == j && b.layers[k].op == Op::linear) return true;
+  return false;
+}
+
 constexpr bool saved(const Block &b, int j, Keep keep) {
   switch (keep) {
   case Keep::all: return read_by_backward(b, j);
@@ -508,7 +514,10 @@ constexpr KernelTensors backward_tensors(const Block &b, Keep keep, bool needs_i
   }
   for (int j = 0; j < b.n_layers; ++j) {
     if (is_internal(b, j) && saved(b, j, keep)) t.saved.push_back(output_of(b, j));
-    if (is_internal(b, j) && needed[j] && materialized(b, j)) t.scratch.push_back(output_of(b, j));
+    // A rebuilt value that a linear's weight gradient reads is buffered even when cheap: the
+    // gradient GEMM reads each element once per output tile.
+    if (is_internal(b, j) && needed[j] && (materialized(b, j) || feeds_linear(b, j)))
+      t.scratch.push_back(output_of(b, j));
     for (const LocalTensor &st : stats_of(b, j)) (keep == Keep::nothing ? t.scratch : t.saved).push_back(st);
   }
   for (int j = 0; j < b.n_layers; ++j) {  // workspace

@@ -118,7 +118,8 @@ struct AttentionGrad {
   Halide::Func dqkv;       // dqkv(c, b), c in [0, 3C): [dq | dk | dv]
   Halide::Func dq, dk, dv; // each (c, b), c in [0, C)
   Halide::Func delta;      // delta(h, b) = sum_d dout * out over the head
-  ScoreGradChain q, kv;    // the chains read by dq and by dk, dv
+  ScoreGradChain q;        // query side: f(s, h, b) for query row b and key position s (read by dq)
+  ScoreGradChain kv;       // key side: f(t, h, b) for key row b and query position t (dk, dv)
 };
 struct EmbeddingGrad { Halide::Func dwte, dwpe; };
 
@@ -219,22 +220,23 @@ public:
     g.delta(h, v.b) = L.constant(0);
     g.delta(h, v.b) += dout(h * D + rd, v.b) * out(h * D + rd, v.b);
     g.q = score_grad_chain(name + "_q", qkv, lse, dout, g.delta, C, H, drop);
-    g.kv = score_grad_chain(name + "_kv", qkv, lse, dout, g.delta, C, H, drop);
+    g.kv = key_side_chain(name + "_kv", qkv, lse, dout, g.delta, C, H, drop);
 
     // dq(b) = sum_{s <= t} dS(s) k(n T + s) / sqrt(D)
     RDom rq(0, T, name + "_dq_s");
     rq.where(rq <= t);
     g.dq(v.c, v.b) = L.constant(0);
     g.dq(v.c, v.b) += g.q.dscore(rq, v.c / D, v.b) * qkv(C + v.c, n * T + rq) * scale;
-    // Key/value row b = n T + s: sums over the queries t' >= s of the same sequence.
+    // Key/value row b = n T + s: sums over the queries t' >= s of the same sequence, from the
+    // key-side chain (indexed by query position, head and key row).
     RDom rk(0, T, name + "_dk_t");
     rk.where(rk >= t);
     g.dk(v.c, v.b) = L.constant(0);
-    g.dk(v.c, v.b) += g.kv.dscore(t, v.c / D, n * T + rk) * qkv(v.c, n * T + rk) * scale;
+    g.dk(v.c, v.b) += g.kv.dscore(rk, v.c / D, v.b) * qkv(v.c, n * T + rk) * scale;
     RDom rv(0, T, name + "_dv_t");
     rv.where(rv >= t);
     g.dv(v.c, v.b) = L.constant(0);
-    g.dv(v.c, v.b) += g.kv.kept(t, v.c / D, n * T + rv) * dout(v.c, n * T + rv);
+    g.dv(v.c, v.b) += g.kv.kept(rv, v.c / D, v.b) * dout(v.c, n * T + rv);
 
     g.dqkv(v.c, v.b) = select(v.c < C, g.dq(clamp(v.c, 0, C - 1), v.b),
                               v.c < 2 * C, g.dk(clamp(v.c - C, 0, C - 1), v.b),
@@ -310,6 +312,42 @@ private:
                                       : Expr(c.dprob_kept(s, h, v.b));
     c.dscore = Func(name + "_dscore");
     c.dscore(s, h, v.b) = c.prob(s, h, v.b) * (c.dprob(s, h, v.b) - delta(h, v.b));
+    return c;
+  }
+  // The same quantities seen from key row b = n T + s, for query positions t (meaningful for
+  // t >= s): every Func is indexed by the key row, so a schedule computes it per key row.
+  ScoreGradChain key_side_chain(const std::string &name, Halide::Func qkv, Halide::Func lse,
+                                Halide::Func dout, Halide::Func delta, int C, int H,
+                                const Dropout &drop) const {
+    using namespace Halide;
+    const int D = C / H;
+    const Expr n = v.b / T, sk = v.b % T, tq = s;  // s is the Var of the first dimension
+    const Expr query = n * T + tq;
+    ScoreGradChain c;
+    RDom rd(0, D, name + "_d");
+    c.dot = Func(name + "_dot");
+    c.dot(s, h, v.b) = L.constant(0);
+    c.dot(s, h, v.b) += qkv(h * D + rd, query) * qkv(C + h * D + rd, v.b);
+    c.score = Func(name + "_score");
+    c.score(s, h, v.b) = c.dot(s, h, v.b) * L.constant(1 / std::sqrt(double(D)));
+    c.prob = Func(name + "_prob");
+    c.prob(s, h, v.b) = exp(c.score(s, h, v.b) - lse(h, query));
+    if (drop.enabled) {
+      c.keep = Func(name + "_keep");
+      c.keep(s, h, v.b) = dropout_factor(drop, attention_element(sk, h, query, H));
+      c.kept = Func(name + "_kept");
+      c.kept(s, h, v.b) = c.prob(s, h, v.b) * c.keep(s, h, v.b);
+    } else {
+      c.kept = c.prob;
+    }
+    c.dprob_kept = Func(name + "_dprob_kept");
+    c.dprob_kept(s, h, v.b) = L.constant(0);
+    c.dprob_kept(s, h, v.b) += dout(h * D + rd, query) * qkv(2 * C + h * D + rd, v.b);
+    c.dprob = Func(name + "_dprob");
+    c.dprob(s, h, v.b) = drop.enabled ? c.dprob_kept(s, h, v.b) * c.keep(s, h, v.b)
+                                      : Expr(c.dprob_kept(s, h, v.b));
+    c.dscore = Func(name + "_dscore");
+    c.dscore(s, h, v.b) = c.prob(s, h, v.b) * (c.dprob(s, h, v.b) - delta(h, query));
     return c;
   }
   Halide::Func probabilities(const std::string &name, Halide::Func score, Halide::Func lse) const {

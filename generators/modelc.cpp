@@ -4,7 +4,9 @@ module;
 #include "attention.h"
 #include "layers.h"
 
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -77,7 +79,9 @@ public:
   // never run past a static extent (tile sizes divide it), and a dynamic row count (the batch)
   // uses overlapping last tiles (ShiftInwards), which needs rows >= min_batch.
   static constexpr int min_batch = 8;
-  void matmul(MatMul &m, int rows /* -1: the batch */, int cols) {
+  // `computed`: an operand a(k, b) that is not in memory (e.g. a LayerNorm output); it is
+  // computed once per row tile, which then runs through every column tile.
+  void matmul(MatMul &m, int rows /* -1: the batch */, int cols, std::optional<Func> computed = {}) {
     Var co("co"), bo("bo"), ci("ci"), bi("bi");
     int tile_c = 0, tile_b = 1;
     for (int t : {2 * vec, vec})
@@ -94,12 +98,17 @@ public:
     m.out.compute_root()
         .split(v.c, co, ci, tile_c, TailStrategy::GuardWithIf)
         .split(v.b, bo, bi, tile_b, row_tail)
-        .reorder(ci, bi, bo, co)
         .vectorize(ci, vec)
         .unroll(ci)
-        .unroll(bi)
-        .parallel(co);
-    m.acc.compute_at(m.out, bo).vectorize(v.c, vec).unroll(v.c).unroll(v.b);
+        .unroll(bi);
+    if (computed) {
+      m.out.reorder(ci, bi, co, bo).parallel(bo);
+      computed->compute_at(m.out, bo).vectorize(v.c, vec, TailStrategy::GuardWithIf);
+    } else {
+      m.out.reorder(ci, bi, bo, co).parallel(co);
+    }
+    // the accumulator tile lives in registers inside the innermost tile loop
+    m.acc.compute_at(m.out, computed ? co : bo).vectorize(v.c, vec).unroll(v.c).unroll(v.b);
     m.acc.update().reorder(v.c, v.b, m.k).vectorize(v.c, vec).unroll(v.c).unroll(v.b);
   }
   void pointwise(Func f) {
@@ -120,6 +129,11 @@ public:
     if (f.has_update_definition()) f.update().parallel(v.b, 16, TailStrategy::GuardWithIf);
     for (Func &p : partial) p.compute_at(f, v.b);
   }
+  // A dot product over a head's features: the reduction itself is vectorized (vector partial
+  // sums, then a horizontal add).
+  void dot(Func f) { f.update().atomic().vectorize(f.rvars(0)[0], vec); }
+  // out(c, b) = sum over positions of weights(., c / D, b) * rows(c): vectors along c.
+  void weighted_sum(Func f) { f.update().vectorize(v.c, vec); }
   // out(c) = epilogue(sum over rows of ...): `sum` is computed vector by vector inside `out`
   void column_sum(Func out, Func sum, RVar rows, int cols) {
     Var co("co"), ci("ci");
@@ -143,10 +157,12 @@ struct PendingGemm {
   Func a, w, bias;
   int inner = 0;
   std::vector<std::function<Expr(Expr)>> epilogue;  // applied in order to sum + bias
+  bool operand_buffered = true;                      // a is in memory
 };
 
 struct Values {
   std::vector<Func> out;                        // output of layer k (undefined while pending)
+  std::vector<bool> buffered;                   // out[k] is in memory (an input or an output)
   std::map<int, PendingGemm> pending;           // by layer
   std::map<int, Layers::LayerNormStats> stats;  // LayerNorm statistics, by layer
   std::map<int, Func> lse;                      // attention statistics, by layer
@@ -220,13 +236,13 @@ private:
     return false;
   }
 
-  Func build_gemm(const std::string &name, const PendingGemm &p, int width) {
+  Func build_gemm(const std::string &name, const PendingGemm &p, int width, bool operand_buffered) {
     MatMul m = L.matmul(name, p.a, p.w, p.inner, [&](Expr sum) {
       Expr e = sum + p.bias(v.c);
       for (const auto &op : p.epilogue) e = op(e);
       return e;
     });
-    sched.matmul(m, -1, width);
+    sched.matmul(m, -1, width, operand_buffered ? std::nullopt : std::optional<Func>(p.a));
     return m.out;
   }
 
@@ -236,8 +252,10 @@ private:
     Values f;
     f.x = x();
     f.out.resize(blk.n_layers);
+    f.buffered.resize(blk.n_layers);
     const int n = blk.n_layers;
     auto value = [&](int j) { return j < 0 ? f.x : f.out[j]; };
+    auto buffered = [&](int j) { return j < 0 || f.buffered[j]; };
     for (int j = 0; j < n; ++j) {
       const Layer &l = blk.layers[j];
       const bool last = j + 1 == n;
@@ -259,6 +277,7 @@ private:
       }
       if (!last && backward && listed(kt.saved, cat("h", j))) {  // saved by the forward
         f.out[j] = args.tensor(output_of(blk, j));
+        f.buffered[j] = true;
         if (l.op == Op::attention) f.lse[j] = args.tensor(stats_of(blk, j)[0]);
         continue;
       }
@@ -267,14 +286,15 @@ private:
       switch (l.op) {
       case Op::residual_begin:
         f.out[j] = value(src);
+        f.buffered[j] = buffered(src);
         continue;
       case Op::linear: {
-        PendingGemm p{value(src), param(j, "w"), param(j, "b"), l.in, {}};
+        PendingGemm p{value(src), param(j, "w"), param(j, "b"), l.in, {}, buffered(src)};
         if (fused(blk, j)) {
           f.pending[j] = p;
           continue;
         }
-        out = build_gemm(name, p, l.out);
+        out = build_gemm(name, p, l.out, p.operand_buffered);
         gemm_or_reduction = true;
         break;
       }
@@ -297,7 +317,7 @@ private:
             f.pending[j] = p;
             continue;
           }
-          out = build_gemm(name, p, l.out);
+          out = build_gemm(name, p, l.out, p.operand_buffered);
           gemm_or_reduction = true;
         } else {
           out = Func(name);
@@ -326,10 +346,13 @@ private:
           output(outputs, a.lse, lse);
         }
         f.lse[j] = saved_lse ? *saved_lse : a.lse;
-        a.out.compute_root().parallel(v.b);
+        a.out.compute_root().parallel(v.b).vectorize(v.c, sched.vec);
         a.out.update().parallel(v.b);
+        sched.weighted_sum(a.out);
         a.dot.compute_at(a.out, v.b);
         a.kept.compute_at(a.out, v.b);
+        sched.dot(a.dot);
+        if (!saved_lse) sched.dot(a.lse_dot);
         out = a.out;
         gemm_or_reduction = true;
         break;
@@ -344,6 +367,7 @@ private:
         if (listed(kt.saved, cat("h", j)) || listed(kt.scratch, cat("h", j))) {
           if (!gemm_or_reduction) sched.pointwise(out);
           output(outputs, out, output_of(blk, j));
+          f.buffered[j] = true;
         }
       }
     }
@@ -382,7 +406,8 @@ private:
     } else {
       out = Func(name);
       out(v.c, v.b) = others(L.constant(0));
-      sched.pointwise(out);
+      const bool scheduled_by_part = std::any_of(parts.begin(), parts.end(), [](const Contribution &c) { return bool(c.schedule); });
+      if (!scheduled_by_part) sched.pointwise(out);
     }
     for (const Contribution &c : parts)
       if (c.schedule) c.schedule(out);
@@ -466,12 +491,18 @@ private:
                                                  l.out, l.heads, dropout_at(k));
         g.delta.compute_root().parallel(v.b);
         g.delta.update().parallel(v.b);
+        sched.dot(g.delta);
         output(outputs, g.delta, {cat("att", k, "_delta"), 2, {l.heads, -1}});
-        grads[src].push_back({g.dqkv, {}, 0, [this, g](Func consumer) {
+        grads[src].push_back({g.dqkv, {}, 0, [this, g](Func consumer) mutable {
           consumer.compute_root().parallel(v.b);
           for (Func fn : {g.dq, g.dk, g.dv, g.q.dot, g.q.dprob_kept, g.q.dscore, g.kv.dot, g.kv.dprob_kept,
                           g.kv.dscore, g.kv.kept})
             fn.compute_at(consumer, v.b);
+          for (Func fn : {g.q.dot, g.q.dprob_kept, g.kv.dot, g.kv.dprob_kept}) sched.dot(fn);
+          for (Func fn : {g.dq, g.dk, g.dv}) {
+            fn.vectorize(v.c, sched.vec);
+            sched.weighted_sum(fn);
+          }
         }});
         break;
       }
@@ -582,8 +613,10 @@ struct Emitter {
 
   void emit(const std::string &name, Pipeline p, const std::vector<Argument> &args) {
     const auto base = (staging / name).string();
-    p.compile_to({{OutputFileType::object, base + ".o"}, {OutputFileType::c_header, base + ".h"}},
-                 args, name, target.with_feature(Target::NoRuntime));
+    std::map<OutputFileType, std::string> files = {{OutputFileType::object, base + ".o"},
+                                                   {OutputFileType::c_header, base + ".h"}};
+    if (std::getenv("REMAT_STMT")) files[OutputFileType::stmt] = base + ".stmt";  // for reading schedules
+    p.compile_to(files, args, name, target.with_feature(Target::NoRuntime));
     objects.push_back(base + ".o");
     names.push_back(name);
   }

@@ -4,6 +4,7 @@ module;
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <atomic>
 #include <cstdint>
@@ -54,6 +55,8 @@ std::size_t Arena::high_water() const {
 // ---- Executor ----------------------------------------------------------------------------------
 struct Executor::Bound {
   const Kernel *kernel;
+  double seconds = 0;  // with REMAT_PROFILE set: time spent in this call
+  long calls = 0;
   std::int32_t rng_block = 0;
   std::vector<halide_buffer_t> buffers;
   std::vector<std::array<halide_dimension_t, 2>> shapes;
@@ -131,14 +134,35 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
   for (const Step &st : plan.eval) eval_calls.push_back(bind(st));
 }
 
-Executor::~Executor() = default;
 
 void Executor::run(Phase phase) {
+  static const bool trace = std::getenv("REMAT_TRACE_HEAP") != nullptr;
+  static const bool profile = std::getenv("REMAT_PROFILE") != nullptr;
   auto &calls = phase == Phase::train ? train_calls : phase == Phase::optimize ? optimize_calls : eval_calls;
-  for (auto &b : calls)
+  for (auto &b : calls) {
+    if (trace) std::fprintf(stderr, "kernel %s\n", b->kernel->name);
+    const auto t0 = profile ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
     if (int err = b->kernel->argv(b->argv.data()); err != 0)
       throw std::runtime_error(fmt::format("kernel {} failed (Halide error {}): {}", b->kernel->name, err,
                                            remat_halide_error));
+    if (profile) {
+      b->seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      ++b->calls;
+    }
+  }
+}
+
+// With REMAT_PROFILE set, the time per kernel, summed over its calls, on stderr.
+Executor::~Executor() {
+  if (!std::getenv("REMAT_PROFILE")) return;
+  std::map<std::string, std::pair<double, long>> by_kernel;
+  for (auto *list : {&train_calls, &optimize_calls, &eval_calls})
+    for (auto &b : *list) {
+      by_kernel[b->kernel->name].first += b->seconds;
+      by_kernel[b->kernel->name].second += b->calls;
+    }
+  for (const auto &[name, t] : by_kernel)
+    if (t.second) std::fprintf(stderr, "profile %-32s %8.3f s %6ld calls\n", name.c_str(), t.first, t.second);
 }
 
 int Executor::launches(Phase phase) const {

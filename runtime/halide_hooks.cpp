@@ -3,6 +3,7 @@
 #include <HalideRuntime.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -15,6 +16,7 @@ void *halide_malloc(void *, size_t bytes) {
   auto *raw = static_cast<unsigned char *>(std::aligned_alloc(header, (bytes + 2 * header - 1) / header * header));
   if (!raw) return nullptr;
   std::memcpy(raw, &bytes, sizeof bytes);
+  if (std::getenv("REMAT_TRACE_HEAP")) std::fprintf(stderr, "halide_malloc %zu bytes\n", bytes);
   const size_t now = remat_halide_heap_current += bytes;
   size_t peak = remat_halide_heap_peak.load();
   while (now > peak && !remat_halide_heap_peak.compare_exchange_weak(peak, now)) {}
