@@ -3,11 +3,11 @@ SHELL := /bin/bash
 VENV  := .venv
 BUILD := build
 DEBS  := clang-19 clang-tools-19 lld-19 ninja-build libboost-test-dev librange-v3-dev libcli11-dev \
-         nlohmann-json3-dev libfmt-dev zlib1g-dev dataset-fashion-mnist python3-venv
+         nlohmann-json3-dev libfmt-dev zlib1g-dev dataset-fashion-mnist fortunes python3-venv
 PY_PKGS := halide==21.0.0 cmake>=3.28
 TRAIN_ARGS ?=
 
-.PHONY: all deps build train train-mlp test bench clean
+.PHONY: all deps build train train-gpt train-mlp test bench clean
 
 all: build
 
@@ -38,7 +38,11 @@ $(BUILD)/build.ninja: CMakeLists.txt | deps
 build: deps $(BUILD)/build.ninja
 	$(VENV)/bin/cmake --build $(BUILD)
 
-train: train-mlp
+# The main example: the character-level GPT on the fortune cookie corpus.
+train: train-gpt
+
+train-gpt: build
+	$(BUILD)/bin/train-gpt $(TRAIN_ARGS)
 
 train-mlp: build
 	$(BUILD)/bin/train-mlp $(TRAIN_ARGS)

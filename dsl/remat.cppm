@@ -71,7 +71,7 @@ constexpr std::string_view op_name(Op op) {
   case Op::attention: return "causal_self_attention";
   case Op::embedding: return "embedding";
   case Op::residual_begin: return "residual(";
-  case Op::residual_end: return ")residual";
+  case Op::residual_end: return "residual sum";
   }
   return "?";
 }

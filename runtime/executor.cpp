@@ -5,6 +5,7 @@ module;
 
 #include <algorithm>
 #include <chrono>
+#include <cctype>
 #include <cmath>
 #include <atomic>
 #include <cstdint>
@@ -100,8 +101,14 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
         b->argv[a] = std::string_view(arg.name) == "rng_block" ? &b->rng_block : scalar_field(scalars, arg.name);
         continue;
       }
-      // Halide makes Func names unique per process ("y$2"); the plan's name is the part before '$'.
-      const std::string_view arg_name = std::string_view(arg.name).substr(0, std::string_view(arg.name).find('$'));
+      // Halide makes Func names unique per process ("y$2", "adamw$1.0"); the plan's name is the
+      // name without the "$<digits>".
+      std::string arg_name = arg.name;
+      if (const auto dollar = arg_name.find('$'); dollar != std::string::npos) {
+        auto end = dollar + 1;
+        while (end < arg_name.size() && std::isdigit((unsigned char)arg_name[end])) ++end;
+        arg_name.erase(dollar, end - dollar);
+      }
       auto it = std::find_if(st.args.begin(), st.args.end(),
                              [&](const Arg &x) { return x.name.view() == arg_name; });
       if (it == st.args.end())

@@ -161,13 +161,29 @@ void print_plan_report(std::FILE *out, const Model &model, const Plan &plan) {
       if (!read_by_backward) continue;
       const Block &blk = model.stages[x.stage];
       std::string why;
-      if (x.name.view().ends_with(".y")) {
-        why = "block output: the next block's input";
+      if (x.name.view().ends_with(".y")) {  // the input of the next block
+        const bool last_of_stage = x.block + 1 == blk.repeat;
+        const int stage = last_of_stage ? x.stage + 1 : x.stage, block = last_of_stage ? 0 : x.block + 1;
+        bool checkpoint = false;
+        for (const Step &st : plan.train)
+          checkpoint |= st.stage == stage && st.block == block && st.variant == Variant::backward_recompute;
+        why = checkpoint ? fmt::format("checkpoint: input of s{}.b{}, whose backward recomputes from it", stage, block)
+                         : fmt::format("input of s{}.b{}, read by its backward", stage, block);
       } else if (x.layer >= 0) {
         const Layer &l = blk.layers[x.layer];
-        const bool stat = !x.name.view().substr(x.name.view().rfind('.') + 1).starts_with("h");
-        why = stat ? fmt::format("{} statistics, read by its backward", op_name(l.op))
-                   : fmt::format("{} output, read by the backward of the layer after it", op_name(l.op));
+        const std::string_view local = x.name.view().substr(x.name.view().rfind('.') + 1);
+        if (!local.starts_with("h")) {
+          why = fmt::format("{} row statistics, read by its backward", op_name(l.op));
+        } else {
+          int reader = x.layer;  // an attention output is read by its own backward too
+          for (int k = x.layer + 1; k < blk.n_layers && l.op != Op::attention; ++k)
+            if (blk.source(k) == x.layer && reads_input(blk.layers[k].op)) {
+              reader = k;
+              break;
+            }
+          why = fmt::format("{} output, read by the backward of {} (layer {})", op_name(l.op),
+                            op_name(blk.layers[reader].op), reader);
+        }
       }
       const std::string shape = x.dims == 1 ? fmt::format("[{}]", x.extent[0]) : fmt::format("[{}, {}]", x.extent[1], x.extent[0]);
       fmt::print(out, "s{}.b{:<4} {:<22} {:>16} {:>12}  {}\n", x.stage, x.block,

@@ -8,6 +8,7 @@
 #include <vector>
 import remat;
 import mlp;
+import gpt;
 
 using namespace remat;
 
@@ -133,4 +134,50 @@ BOOST_AUTO_TEST_CASE(recompute_launches_per_policy) {
 BOOST_AUTO_TEST_CASE(plan_is_known_at_compile_time) {
   constexpr std::size_t peak = make_plan(mlp::model, full, 32).peak_bytes;
   BOOST_TEST(peak == make_plan(mlp::model, full, 32).peak_bytes);
+}
+
+// GPT activation bytes against a hand count, per Korthikanti et al. 2022 adapted to fp32 and to
+// this layout. Per token and transformer block, Korthikanti counts 34 C bytes in fp16 (2 bytes
+// per value for the LayerNorm input and output, q/k/v, attention output, the residual sum, the
+// second LayerNorm's input and output, the 4C MLP hidden values before and after GELU: 16 C
+// values, plus 2 C one-byte dropout masks) and 5 H T bytes for the T x T attention matrices.
+// remat keeps 16 C values in fp32 (64 C bytes), no masks (they are recomputed from counters) and
+// no attention matrix: only the per-head log-sum-exp (H values) and four LayerNorm statistics.
+// With R = B T rows, L = 6 blocks, V the vocabulary:
+//   none:      4R (L (16C + H + 4) + C + (C + 2) + V)    (+ head input, its LayerNorm, logits)
+//   selective: 4R (L (9C + H + 4) + 7C)   each block keeps x, qkv (3C), the residual sum (C), the
+//              4C MLP hidden; the peak adds the last block's rebuilt LayerNorm outputs (2C),
+//              attention output (C) and GELU output (4C) during its backward
+//   full:      4R (L C + 15C + H + 4)     one input per block plus one block's internals
+BOOST_AUTO_TEST_CASE(gpt_activation_bytes_match_the_hand_count) {
+  const long B = 8, T = gpt::block_size, R = B * T, C = gpt::n_embd, H = gpt::n_head, V = gpt::vocab, L = gpt::n_layer;
+  auto bytes = [&](Policy p) { return make_plan(gpt::model, p, B).activation_bytes; };
+  BOOST_TEST(bytes(none) == std::size_t(4 * R * (L * (16 * C + H + 4) + C + (C + 2) + V)));
+  BOOST_TEST(bytes(selective) == std::size_t(4 * R * (L * (9 * C + H + 4) + 7 * C)));
+  BOOST_TEST(bytes(full) == std::size_t(4 * R * (L * C + 15 * C + H + 4)));
+}
+
+// No plan ever holds a [B, H, T, T] tensor: every activation is [R] or [R, w] with w one of the
+// model's widths (H T is none of them).
+BOOST_AUTO_TEST_CASE(gpt_never_stores_attention_matrices) {
+  const long C = gpt::n_embd, H = gpt::n_head;
+  const std::set<long> widths = {C, 3 * C, 4 * C, H, gpt::vocab};
+  BOOST_TEST(!widths.count(H * gpt::block_size));
+  for (Policy p : {none, selective, full, sqrt_n}) {
+    const Plan plan = make_plan(gpt::model, p, 4);
+    for (const Tensor &t : plan.tensors)
+      if ((is_activation(t.role) || t.role == Role::scratch || t.role == Role::gradient) &&
+          !t.name.view().ends_with("_wt")) {  // transposed weights are [O, K] workspace
+        BOOST_TEST_REQUIRE(t.extent[t.dims - 1] == plan.rows, t.name.view());
+        if (t.dims == 2) BOOST_TEST(widths.count(t.extent[0]) == 1u, t.name.view() << " width " << t.extent[0]);
+      }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(gpt_schedules_replay_without_overlap) {
+  for (Policy p : {none, selective, full, every_2, sqrt_n}) {
+    const Plan plan = make_plan(gpt::model, p, 4);
+    check_schedule(plan, plan.train);
+    check_schedule(plan, plan.eval);
+  }
 }

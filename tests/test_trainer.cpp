@@ -42,12 +42,15 @@ fs::path scratch_dir() {
   return dir;
 }
 
-Result train(const std::string &args) {
+Result run(const std::string &program, const std::string &args) {
   const fs::path out = scratch_dir() / "stdout", err = scratch_dir() / "stderr";
-  const std::string cmd = std::string(TRAIN_MLP) + " " + args + " >" + out.string() + " 2>" + err.string() + " </dev/null";
+  const std::string cmd = program + " " + args + " >" + out.string() + " 2>" + err.string() + " </dev/null";
   const int status = std::system(cmd.c_str());
   return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), slurp(out), slurp(err)};
 }
+
+Result train(const std::string &args) { return run(TRAIN_MLP, args); }
+Result train_gpt(const std::string &args) { return run(TRAIN_GPT, args); }
 
 nlohmann::json summary(const Result &r) {
   const auto last = r.out.find_last_of('\n', r.out.size() - 2);
@@ -134,4 +137,40 @@ BOOST_AUTO_TEST_CASE(bad_datasets_are_one_line_errors) {
   const std::string bad_gzip =
       broken_dataset("bad-gzip", images, "head -c 5000 " + real_data + "/" + images);
   expect_one_line_error("--max-steps 1 --data-dir " + bad_gzip, "gzip");
+}
+
+// The GPT with dropout: every policy, selective included, gives the same gradients.
+BOOST_AUTO_TEST_CASE(gpt_policies_agree_with_dropout) {
+  std::map<std::string, nlohmann::json> runs;
+  for (std::string policy : {"none", "full", "every_n_layers=2", "sqrt_n", "selective"}) {
+    const Result r = train_gpt("--max-steps 1 --batch-size 8 --json --eval-samples 0 --dropout 0.1 --checkpoint-policy " + policy);
+    BOOST_TEST_REQUIRE(r.exit_code == 0, r.err);
+    runs[policy] = summary(r);
+    BOOST_TEST(runs[policy]["measured_peak_bytes"] == runs[policy]["planned_peak_bytes"], policy);
+    BOOST_TEST(runs[policy]["halide_heap_peak_bytes"] == 0, policy);
+    BOOST_TEST(runs[policy].contains("val_loss"));
+    BOOST_TEST(runs[policy].contains("tokens_per_s"));
+  }
+  for (const auto &[policy, j] : runs)
+    BOOST_TEST(j["grad_digest"] == runs["none"]["grad_digest"], policy << " changes the gradients");
+  // dropout changes the gradients (the mask is applied), and only through the mask
+  const Result no_dropout = train_gpt("--max-steps 1 --batch-size 8 --json --eval-samples 0 --checkpoint-policy selective");
+  BOOST_TEST_REQUIRE(no_dropout.exit_code == 0, no_dropout.err);
+  BOOST_TEST(summary(no_dropout)["grad_digest"] != runs["none"]["grad_digest"]);
+}
+
+BOOST_AUTO_TEST_CASE(gpt_plan_report_lists_saved_tensors) {
+  const Result sel = train_gpt("--plan-report --checkpoint-policy selective");
+  BOOST_TEST_REQUIRE(sel.exit_code == 0, sel.err);
+  BOOST_TEST(sel.out.find("causal_self_attention statistics") != std::string::npos, sel.out);
+  BOOST_TEST(sel.out.find("att3_lse") != std::string::npos);
+  BOOST_TEST(sel.out.find("total saved") != std::string::npos);
+  // selective saves the fused q/k/v GEMM output but not the attention output h3 or the GELU h10
+  BOOST_TEST(sel.out.find(" h2 ") != std::string::npos);
+  BOOST_TEST(sel.out.find(" h3 ") == std::string::npos);
+  BOOST_TEST(sel.out.find(" h10 ") == std::string::npos);
+  const Result full = train_gpt("--plan-report --checkpoint-policy full");
+  BOOST_TEST_REQUIRE(full.exit_code == 0, full.err);
+  BOOST_TEST(full.out.find(" h2 ") == std::string::npos);  // full keeps only block inputs
+  expect_one_line_error("--dropout 0.1 --max-steps 1", "no dropout layers");
 }
