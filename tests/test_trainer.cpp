@@ -162,7 +162,7 @@ BOOST_AUTO_TEST_CASE(gpt_policies_agree_with_dropout) {
 BOOST_AUTO_TEST_CASE(gpt_plan_report_lists_saved_tensors) {
   const Result sel = train_gpt("--plan-report --checkpoint-policy selective");
   BOOST_TEST_REQUIRE(sel.exit_code == 0, sel.err);
-  BOOST_TEST(sel.out.find("causal_self_attention statistics") != std::string::npos, sel.out);
+  BOOST_TEST(sel.out.find("causal_self_attention row statistics") != std::string::npos, sel.out);
   BOOST_TEST(sel.out.find("att3_lse") != std::string::npos);
   BOOST_TEST(sel.out.find("total saved") != std::string::npos);
   // selective saves the fused q/k/v GEMM output but not the attention output h3 or the GELU h10
