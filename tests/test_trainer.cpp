@@ -143,7 +143,7 @@ BOOST_AUTO_TEST_CASE(bad_datasets_are_one_line_errors) {
 BOOST_AUTO_TEST_CASE(gpt_policies_agree_with_dropout) {
   std::map<std::string, nlohmann::json> runs;
   for (std::string policy : {"none", "full", "every_n_layers=2", "sqrt_n", "selective"}) {
-    const Result r = train_gpt("--max-steps 1 --batch-size 8 --json --eval-samples 0 --dropout 0.1 --checkpoint-policy " + policy);
+    const Result r = train_gpt("--max-steps 1 --json --eval-samples 0 --dropout 0.1 --checkpoint-policy " + policy);
     BOOST_TEST_REQUIRE(r.exit_code == 0, r.err);
     runs[policy] = summary(r);
     BOOST_TEST(runs[policy]["measured_peak_bytes"] == runs[policy]["planned_peak_bytes"], policy);
@@ -154,7 +154,7 @@ BOOST_AUTO_TEST_CASE(gpt_policies_agree_with_dropout) {
   for (const auto &[policy, j] : runs)
     BOOST_TEST(j["grad_digest"] == runs["none"]["grad_digest"], policy << " changes the gradients");
   // dropout changes the gradients (the mask is applied), and only through the mask
-  const Result no_dropout = train_gpt("--max-steps 1 --batch-size 8 --json --eval-samples 0 --checkpoint-policy selective");
+  const Result no_dropout = train_gpt("--max-steps 1 --json --eval-samples 0 --checkpoint-policy selective");
   BOOST_TEST_REQUIRE(no_dropout.exit_code == 0, no_dropout.err);
   BOOST_TEST(summary(no_dropout)["grad_digest"] != runs["none"]["grad_digest"]);
 }
