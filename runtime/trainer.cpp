@@ -42,6 +42,24 @@ struct Options {
   bool plan_report = false;
 };
 
+// Flag validators with short messages (CLI11's ranges print the whole double range).
+CLI::Validator number(bool (*ok)(double), const char *what) {
+  return CLI::Validator(
+      [ok, what](std::string &text) -> std::string {
+        try {
+          std::size_t used = 0;
+          const double v = std::stod(text, &used);
+          if (used == text.size() && ok(v)) return {};
+        } catch (const std::exception &) {
+        }
+        return fmt::format("'{}' is not {}", text, what);
+      },
+      what);
+}
+const CLI::Validator positive = number([](double v) { return v > 0; }, "a positive number");
+const CLI::Validator non_negative = number([](double v) { return v >= 0; }, "a number >= 0");
+const CLI::Validator probability = number([](double v) { return v >= 0 && v < 1; }, "a probability in [0, 1)");
+
 // Deterministic uniform in [-1, 1) from a 64-bit generator (the same on every platform).
 float uniform(std::mt19937_64 &rng) { return float(double(rng() >> 11) * 0x1.0p-53 * 2.0 - 1.0); }
 
@@ -205,21 +223,21 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
   o.eval_steps = info.default_eval_steps;
   o.data_dir = info.default_data_dir;
   CLI::App app{fmt::format("Train the {} model with remat (checkpoint policies, AdamW).", info.name), program};
-  app.add_option("--max-steps", o.max_steps, "optimizer steps (default: --num-train-epochs worth)")->check(CLI::PositiveNumber);
-  app.add_option("--num-train-epochs", o.num_train_epochs, "epochs when --max-steps is not given")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--batch-size", o.batch_size, fmt::format("samples per micro-batch (default {})", info.default_batch))->check(CLI::PositiveNumber);
-  app.add_option("--gradient-accumulation-steps", o.gradient_accumulation_steps, "micro-batches per optimizer step")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--learning-rate", o.learning_rate, "peak AdamW learning rate")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--weight-decay", o.weight_decay, "AdamW decoupled weight decay on linear weights")->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--max-steps", o.max_steps, "optimizer steps (default: --num-train-epochs worth)")->check(positive);
+  app.add_option("--num-train-epochs", o.num_train_epochs, "epochs when --max-steps is not given")->check(positive)->capture_default_str();
+  app.add_option("--batch-size", o.batch_size, fmt::format("samples per micro-batch (default {})", info.default_batch))->check(positive);
+  app.add_option("--gradient-accumulation-steps", o.gradient_accumulation_steps, "micro-batches per optimizer step")->check(positive)->capture_default_str();
+  app.add_option("--learning-rate", o.learning_rate, "peak AdamW learning rate")->check(positive)->capture_default_str();
+  app.add_option("--weight-decay", o.weight_decay, "AdamW decoupled weight decay on linear weights")->check(non_negative)->capture_default_str();
   app.add_option("--lr-scheduler-type", o.lr_scheduler_type, "learning-rate schedule after warm-up")->check(CLI::IsMember({"constant", "cosine"}))->capture_default_str();
-  app.add_option("--warmup-steps", o.warmup_steps, "linear warm-up steps")->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--warmup-steps", o.warmup_steps, "linear warm-up steps")->check(non_negative)->capture_default_str();
   app.add_option("--seed", o.seed, "seed for initialization, shuffling and dropout")->capture_default_str();
   app.add_option("--checkpoint-policy", o.checkpoint_policy, fmt::format("none | full | every_n_layers=N | sqrt_n | selective (default {})", policy_name(info.default_policy).view()));
-  app.add_option("--dropout", o.dropout, "dropout probability of the model's dropout layers")->check(CLI::Range(0.0, 0.99))->capture_default_str();
+  app.add_option("--dropout", o.dropout, "dropout probability of the model's dropout layers")->check(probability)->capture_default_str();
   app.add_option("--data-dir", o.data_dir, "dataset folder")->capture_default_str();
-  app.add_option("--eval-samples", o.eval_samples, "evaluation samples (default all, 0 skips evaluation)")->check(CLI::NonNegativeNumber);
-  app.add_option("--eval-steps", o.eval_steps, "also evaluate every N steps (0: only at the end)")->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--logging-steps", o.logging_steps, "print progress every N steps")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--eval-samples", o.eval_samples, "evaluation samples (default all, 0 skips evaluation)")->check(non_negative);
+  app.add_option("--eval-steps", o.eval_steps, "also evaluate every N steps (0: only at the end)")->check(non_negative)->capture_default_str();
+  app.add_option("--logging-steps", o.logging_steps, "print progress every N steps")->check(positive)->capture_default_str();
   app.add_flag("--json", o.json, "print a JSON summary as the last line of stdout (progress goes to stderr)");
   app.add_flag("--plan-report", o.plan_report, "print every tensor saved for backward under the policy, then exit");
   try {
