@@ -133,7 +133,7 @@ public:
   // sums, then a horizontal add).
   void dot(Func f) { f.update().atomic().vectorize(f.rvars(0)[0], vec); }
   // out(c, b) = sum over positions of weights(., c / D, b) * rows(c): vectors along c.
-  void weighted_sum(Func f) { f.update().vectorize(v.c, vec); }
+  void weighted_sum(Func f) { f.update().vectorize(v.c, vec, TailStrategy::GuardWithIf); }
   // out(c) = epilogue(sum over rows of ...): `sum` is computed vector by vector inside `out`
   void column_sum(Func out, Func sum, RVar rows, int cols) {
     Var co("co"), ci("ci");
@@ -346,7 +346,7 @@ private:
           output(outputs, a.lse, lse);
         }
         f.lse[j] = saved_lse ? *saved_lse : a.lse;
-        a.out.compute_root().parallel(v.b).vectorize(v.c, sched.vec);
+        a.out.compute_root().parallel(v.b).vectorize(v.c, sched.vec, TailStrategy::GuardWithIf);
         a.out.update().parallel(v.b);
         sched.weighted_sum(a.out);
         a.dot.compute_at(a.out, v.b);
@@ -500,7 +500,7 @@ private:
             fn.compute_at(consumer, v.b);
           for (Func fn : {g.q.dot, g.q.dprob_kept, g.kv.dot, g.kv.dprob_kept}) sched.dot(fn);
           for (Func fn : {g.dq, g.dk, g.dv}) {
-            fn.vectorize(v.c, sched.vec);
+            fn.vectorize(v.c, sched.vec, TailStrategy::GuardWithIf);
             sched.weighted_sum(fn);
           }
         }});
