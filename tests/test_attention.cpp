@@ -22,6 +22,7 @@
 #include <Halide.h>
 #include <attention.h>
 
+#include "counter_hash_ref.h"
 #include "gradient_check.h"
 
 #include <cmath>
@@ -37,24 +38,6 @@ using remat::gen::Transformer;
 using namespace remat::testing;
 
 namespace {
-
-// The documented hash, written out again in plain C++ (not through the header's Exprs).
-uint64_t mix64_ref(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ULL;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebULL;
-  x ^= x >> 31;
-  return x;
-}
-bool keep_ref(uint64_t seed, uint64_t step, uint64_t block, uint64_t element, double p) {
-  const uint64_t G = 0x9e3779b97f4a7c15ULL;
-  uint64_t key = mix64_ref(seed + G);
-  key = mix64_ref(key + (step + 1) * G);
-  key = mix64_ref(key + (block + 1) * G);
-  const uint64_t h = mix64_ref(key + (element + 1) * G);
-  return (h >> 32) >= static_cast<uint64_t>(std::llround(p * 4294967296.0));
-}
 
 bool identical(const Buffer<double> &a, const Buffer<double> &b) {
   bool same = a.number_of_elements() == b.number_of_elements();

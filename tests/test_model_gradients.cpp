@@ -1,23 +1,29 @@
-// The generated float32 kernels of the MLP, run through the executor, against a plain C++
-// float64 implementation of the same model; and the policies against each other, bit for bit.
+// The generated float32 kernels of the example models, run through the executor, against a
+// plain C++ float64 implementation of the same model (the MLP, and the GPT with dropout); and
+// the policies against each other, bit for bit.
 //
-// Tolerance: float32 rounding (2^-24 relative) accumulates through 18 layers with sums of up to
-// 1024 terms; a relative error of 1e-4 is typical. Each gradient tensor must agree within
+// Tolerance: float32 rounding (2^-24 relative) accumulates through up to 18 layers with sums of
+// up to 1024 terms; a relative error of 1e-4 is typical. Each gradient tensor must agree within
 // 2e-3 of its largest reference magnitude: an error in any rule (a missing term, a transposed
-// index) moves entries by far more than that.
+// index, a dropout mask from the wrong counters) moves entries by far more than that.
 #include <boost/test/unit_test.hpp>
+
+#include "counter_hash_ref.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 import remat;
 import remat.runtime;
 import mlp;
 import mlp.kernels;
+import gpt;
+import gpt.kernels;
 
 using namespace remat;
 using remat::runtime::Arena;
@@ -30,13 +36,15 @@ constexpr int batch = 8;
 constexpr double tolerance = 2e-3;
 
 struct Run {
+  const Model &model;
   Plan plan;
   Arena arena;
   Scalars scalars;
   Executor ex;
-  explicit Run(Policy p)
-      : plan(make_plan(mlp::model, p, batch)), arena(std::max(plan.peak_bytes, plan.eval_peak_bytes)),
-        ex(plan, "mlp", mlp_kernels::table, arena, scalars) {
+  Run(const Model &m, std::string_view name, std::span<const runtime::Kernel> kernels, Policy p, int samples,
+      double dropout = 0)
+      : model(m), plan(make_plan(m, p, samples)), arena(std::max(plan.peak_bytes, plan.eval_peak_bytes)),
+        ex(plan, name, kernels, arena, scalars) {
     std::mt19937_64 rng(7);
     std::uniform_real_distribution<float> u(-1.f, 1.f);
     for (const Tensor &t : plan.tensors)
@@ -44,11 +52,18 @@ struct Run {
         const float scale = t.dims == 2 ? 1.f / std::sqrt(float(t.extent[1])) : 0.2f;
         for (float &x : ex.tensor<float>(t.name.view())) x = scale * u(rng) + (t.dims == 1 && t.name.view().ends_with("_w") ? 1.f : 0.f);
       }
-    for (float &x : ex.tensor<float>("inputs")) x = 0.5f * (u(rng) + 1);
+    if (m.token_input())
+      for (auto &t : ex.tensor<std::int32_t>("inputs")) t = int(rng() % m.input.vocab);
+    else
+      for (float &x : ex.tensor<float>("inputs")) x = 0.5f * (u(rng) + 1);
     auto labels = ex.tensor<std::int32_t>("labels");
-    for (int b = 0; b < batch; ++b) labels[b] = b % mlp::classes;
-    scalars.grad_scale = 1.f / batch;
+    for (std::size_t b = 0; b < labels.size(); ++b) labels[b] = int((b * 7 + 3) % m.classes());
+    scalars.grad_scale = 1.f / float(plan.rows);
+    scalars.seed = 1234;
+    scalars.step = 3;
+    scalars.set_dropout(dropout);
   }
+  explicit Run(Policy p) : Run(mlp::model, "mlp", mlp_kernels::table, p, batch) {}
   std::vector<float> grads() {
     auto g = ex.tensor<float>("grads");
     return {g.begin(), g.end()};
@@ -56,34 +71,52 @@ struct Run {
 };
 
 // ---- float64 reference of a remat model ----
-using Rows = std::vector<double>;  // [B, width] row-major
+using Rows = std::vector<double>;  // [R, width] row-major
 
 struct Reference {
   const Model &m;
   Executor &ex;
+  double dropout = 0;
+  std::uint64_t seed = 0, step = 0;
+  long rows = 0;
   std::vector<std::pair<std::string, Rows>> grads;  // by tensor name
 
   std::vector<double> param(const std::string &name) {
     auto p = ex.tensor<float>(name);
     return {p.begin(), p.end()};
   }
-  struct Saved { Rows in; std::vector<double> mean, rstd; };
+  // Everything a layer's backward needs.
+  struct Saved { Rows in, out; std::vector<double> mean, rstd; std::vector<double> prob; std::vector<std::int32_t> tokens; };
+  struct Site { std::string prefix; int k; std::uint64_t rng; };
 
-  Rows layer_forward(const Layer &l, const std::string &prefix, int k, const Rows &x, Saved &s) {
-    const int B = batch, I = l.in, O = l.out;
-    Rows y(std::size_t(B) * O);
+  std::string name(const Site &s, const char *kind, const char *which) const {
+    return s.prefix + kind + std::to_string(s.k) + "_" + which;
+  }
+  double keep(const Site &s, std::uint64_t element) const {  // 0 or 1 / (1 - p), as the kernels
+    if (dropout == 0) return 1;
+    const double scale = double(float(1.0 / (1.0 - dropout)));
+    return testing::keep_ref(seed, step, s.rng + s.k, element, dropout) ? scale : 0.0;
+  }
+
+  Rows layer_forward(const Layer &l, const Site &site, const Rows &x, Saved &s) {
+    const long R = rows;
+    const int I = l.in, O = l.out;
+    Rows y(std::size_t(R) * O);
     s.in = x;
-    if (l.op == Op::linear) {
-      auto w = param(prefix + "p" + std::to_string(k) + "_w"), bias = param(prefix + "p" + std::to_string(k) + "_b");
-      for (int b = 0; b < B; ++b)
+    switch (l.op) {
+    case Op::linear: {
+      auto w = param(name(site, "p", "w")), bias = param(name(site, "p", "b"));
+      for (long b = 0; b < R; ++b)
         for (int o = 0; o < O; ++o) {
           double acc = bias[o];
           for (int i = 0; i < I; ++i) acc += x[b * I + i] * w[i * O + o];
           y[b * O + o] = acc;
         }
-    } else if (l.op == Op::layer_norm) {
-      auto g = param(prefix + "p" + std::to_string(k) + "_w"), be = param(prefix + "p" + std::to_string(k) + "_b");
-      for (int b = 0; b < B; ++b) {
+      break;
+    }
+    case Op::layer_norm: {
+      auto g = param(name(site, "p", "w")), be = param(name(site, "p", "b"));
+      for (long b = 0; b < R; ++b) {
         double mean = 0, var = 0;
         for (int i = 0; i < I; ++i) mean += x[b * I + i] / I;
         for (int i = 0; i < I; ++i) var += (x[b * I + i] - mean) * (x[b * I + i] - mean) / I;
@@ -92,26 +125,69 @@ struct Reference {
         s.rstd.push_back(rstd);
         for (int i = 0; i < I; ++i) y[b * I + i] = (x[b * I + i] - mean) * rstd * g[i] + be[i];
       }
-    } else {
+      break;
+    }
+    case Op::embedding: {
+      auto wte = param(name(site, "p", "w")), wpe = param(name(site, "p", "b"));
+      auto tokens = ex.tensor<std::int32_t>("inputs");
+      s.tokens.assign(tokens.begin(), tokens.end());
+      for (long b = 0; b < R; ++b)
+        for (int c = 0; c < O; ++c) y[b * O + c] = wte[s.tokens[b] * O + c] + wpe[(b % l.block_size) * O + c];
+      break;
+    }
+    case Op::dropout:
+      for (long b = 0; b < R; ++b)
+        for (int c = 0; c < O; ++c) y[b * O + c] = x[b * O + c] * keep(site, std::uint64_t(c) + std::uint64_t(O) * b);
+      break;
+    case Op::attention: {  // P = softmax of scaled causal scores; out = drop(P) v
+      const int C = O, H = l.heads, D = C / H, T = l.block_size;
+      s.prob.assign(std::size_t(R) * H * T, 0.0);
+      for (long b = 0; b < R; ++b)
+        for (int h = 0; h < H; ++h) {
+          const long n = b / T, t = b % T;
+          std::vector<double> sc(t + 1);
+          double mx = -INFINITY, z = 0;
+          for (long j = 0; j <= t; ++j) {
+            double d = 0;
+            for (int e = 0; e < D; ++e) d += x[b * 3 * C + h * D + e] * x[(n * T + j) * 3 * C + C + h * D + e];
+            sc[j] = d / std::sqrt(double(D));
+            mx = std::max(mx, sc[j]);
+          }
+          for (long j = 0; j <= t; ++j) z += std::exp(sc[j] - mx);
+          for (long j = 0; j <= t; ++j) {
+            const std::uint64_t element = ((std::uint64_t(n) * H + h) * T + t) * T + j;
+            s.prob[(b * H + h) * T + j] = std::exp(sc[j] - mx) / z * keep(site, element);
+          }
+          for (int e = 0; e < D; ++e) {
+            double acc = 0;
+            for (long j = 0; j <= t; ++j) acc += s.prob[(b * H + h) * T + j] * x[(n * T + j) * 3 * C + 2 * C + h * D + e];
+            y[b * C + h * D + e] = acc;
+          }
+        }
+      break;
+    }
+    default:
       for (std::size_t e = 0; e < y.size(); ++e) {
         const double a = x[e];
         y[e] = l.op == Op::relu ? std::max(a, 0.0)
                                 : 0.5 * a * (1 + std::tanh(0.7978845608028654 * (a + 0.044715 * a * a * a)));
       }
     }
+    s.out = y;
     return y;
   }
 
-  Rows layer_backward(const Layer &l, const std::string &prefix, int k, const Saved &s, const Rows &dy) {
-    const int B = batch, I = l.in, O = l.out;
+  Rows layer_backward(const Layer &l, const Site &site, const Saved &s, const Rows &dy) {
+    const long R = rows;
+    const int I = l.in, O = l.out;
     const Rows &x = s.in;
-    Rows dx(std::size_t(B) * I, 0.0);
-    const std::string pw = prefix + "p" + std::to_string(k) + "_w";
-    const std::string gw = prefix + "g" + std::to_string(k) + "_w", gb = prefix + "g" + std::to_string(k) + "_b";
-    if (l.op == Op::linear) {
-      auto w = param(pw);
+    Rows dx(std::size_t(R) * I, 0.0);
+    const std::string gw = name(site, "g", "w"), gb = name(site, "g", "b");
+    switch (l.op) {
+    case Op::linear: {
+      auto w = param(name(site, "p", "w"));
       Rows dw(std::size_t(I) * O, 0.0), db(O, 0.0);
-      for (int b = 0; b < B; ++b)
+      for (long b = 0; b < R; ++b)
         for (int o = 0; o < O; ++o) {
           db[o] += dy[b * O + o];
           for (int i = 0; i < I; ++i) {
@@ -121,10 +197,12 @@ struct Reference {
         }
       grads.push_back({gw, dw});
       grads.push_back({gb, db});
-    } else if (l.op == Op::layer_norm) {
-      auto g = param(pw);
+      break;
+    }
+    case Op::layer_norm: {
+      auto g = param(name(site, "p", "w"));
       Rows dg(I, 0.0), dbeta(I, 0.0);
-      for (int b = 0; b < B; ++b) {
+      for (long b = 0; b < R; ++b) {
         double s1 = 0, s2 = 0;
         for (int i = 0; i < I; ++i) {
           const double u = (x[b * I + i] - s.mean[b]) * s.rstd[b], du = dy[b * I + i] * g[i];
@@ -140,7 +218,63 @@ struct Reference {
       }
       grads.push_back({gw, dg});
       grads.push_back({gb, dbeta});
-    } else {
+      break;
+    }
+    case Op::embedding: {
+      Rows dwte(std::size_t(l.vocab) * O, 0.0), dwpe(std::size_t(l.block_size) * O, 0.0);
+      for (long b = 0; b < R; ++b)
+        for (int c = 0; c < O; ++c) {
+          dwte[s.tokens[b] * O + c] += dy[b * O + c];
+          dwpe[(b % l.block_size) * O + c] += dy[b * O + c];
+        }
+      grads.push_back({gw, dwte});
+      grads.push_back({gb, dwpe});
+      break;
+    }
+    case Op::dropout:
+      for (long b = 0; b < R; ++b)
+        for (int c = 0; c < O; ++c) dx[b * O + c] = dy[b * O + c] * keep(site, std::uint64_t(c) + std::uint64_t(O) * b);
+      break;
+    case Op::attention: {  // textbook softmax Jacobian on the undropped probabilities
+      const int C = O, H = l.heads, D = C / H, T = l.block_size;
+      for (long b = 0; b < R; ++b)
+        for (int h = 0; h < H; ++h) {
+          const long n = b / T, t = b % T;
+          std::vector<double> p(t + 1), kp(t + 1), dp(t + 1);
+          double dot = 0;
+          for (long j = 0; j <= t; ++j) {
+            const std::uint64_t element = ((std::uint64_t(n) * H + h) * T + t) * T + j;
+            const double k = keep(site, element);
+            kp[j] = s.prob[(b * H + h) * T + j];
+            p[j] = k == 0 ? -1 : kp[j] / k;  // the undropped probability (recomputed when dropped)
+            double g = 0;
+            for (int e = 0; e < D; ++e) g += dy[b * C + h * D + e] * x[(n * T + j) * 3 * C + 2 * C + h * D + e];
+            dp[j] = g * k;
+            for (int e = 0; e < D; ++e) dx[(n * T + j) * 3 * C + 2 * C + h * D + e] += kp[j] * dy[b * C + h * D + e];
+          }
+          // dropped entries: rebuild P from the scores
+          double mx = -INFINITY, z = 0;
+          std::vector<double> sc(t + 1);
+          for (long j = 0; j <= t; ++j) {
+            double d = 0;
+            for (int e = 0; e < D; ++e) d += x[b * 3 * C + h * D + e] * x[(n * T + j) * 3 * C + C + h * D + e];
+            sc[j] = d / std::sqrt(double(D));
+            mx = std::max(mx, sc[j]);
+          }
+          for (long j = 0; j <= t; ++j) z += std::exp(sc[j] - mx);
+          for (long j = 0; j <= t; ++j) p[j] = std::exp(sc[j] - mx) / z;
+          for (long j = 0; j <= t; ++j) dot += p[j] * dp[j];
+          for (long j = 0; j <= t; ++j) {
+            const double ds = p[j] * (dp[j] - dot) / std::sqrt(double(D));
+            for (int e = 0; e < D; ++e) {
+              dx[b * 3 * C + h * D + e] += ds * x[(n * T + j) * 3 * C + C + h * D + e];
+              dx[(n * T + j) * 3 * C + C + h * D + e] += ds * x[b * 3 * C + h * D + e];
+            }
+          }
+        }
+      break;
+    }
+    default:
       for (std::size_t e = 0; e < dx.size(); ++e) {
         const double a = x[e];
         if (l.op == Op::relu) {
@@ -156,14 +290,17 @@ struct Reference {
 
   // Runs forward, loss and backward; returns the mean loss.
   double run() {
-    auto images = ex.tensor<float>("inputs");
+    Rows x;
+    if (!m.token_input()) {
+      auto images = ex.tensor<float>("inputs");
+      x.assign(images.begin(), images.end());
+    }
     auto labels = ex.tensor<std::int32_t>("labels");
-    Rows x(images.begin(), images.end());
-    struct Unit { const Block *blk; std::string prefix; Rows input; std::vector<Rows> out; std::vector<Saved> saved; };
+    struct Unit { const Block *blk; std::string prefix; std::uint64_t rng; Rows input; std::vector<Rows> out; std::vector<Saved> saved; };
     std::vector<Unit> units;
     for (int s = 0; s < m.n_stages; ++s)
       for (int b = 0; b < m.stages[s].repeat; ++b) {
-        Unit u{&m.stages[s], "s" + std::to_string(s) + ".b" + std::to_string(b) + ".", x, {}, {}};
+        Unit u{&m.stages[s], "s" + std::to_string(s) + ".b" + std::to_string(b) + ".", units.size() * 64, x, {}, {}};
         const Block &blk = *u.blk;
         auto value = [&](int j) -> const Rows & { return j < 0 ? u.input : u.out[j]; };
         for (int k = 0; k < blk.n_layers; ++k) {
@@ -177,7 +314,7 @@ struct Reference {
             for (std::size_t e = 0; e < sum.size(); ++e) sum[e] += skip[e];
             u.out.push_back(sum);
           } else {
-            u.out.push_back(layer_forward(l, u.prefix, k, value(blk.source(k)), u.saved.back()));
+            u.out.push_back(layer_forward(l, {u.prefix, k, u.rng}, value(blk.source(k)), u.saved.back()));
           }
         }
         x = u.out.back();
@@ -186,12 +323,12 @@ struct Reference {
     const int K = m.classes();
     double loss = 0;
     Rows d(x.size());
-    for (int b = 0; b < batch; ++b) {
+    for (long b = 0; b < rows; ++b) {
       double mx = x[b * K], z = 0;
       for (int k = 0; k < K; ++k) mx = std::max(mx, x[b * K + k]);
       for (int k = 0; k < K; ++k) z += std::exp(x[b * K + k] - mx);
-      loss += (mx + std::log(z) - x[b * K + labels[b]]) / batch;
-      for (int k = 0; k < K; ++k) d[b * K + k] = (std::exp(x[b * K + k] - mx) / z - (k == labels[b])) / batch;
+      loss += (mx + std::log(z) - x[b * K + labels[b]]) / rows;
+      for (int k = 0; k < K; ++k) d[b * K + k] = (std::exp(x[b * K + k] - mx) / z - (k == labels[b])) / rows;
     }
     for (auto u = units.rbegin(); u != units.rend(); ++u) {
       const Block &blk = *u->blk;
@@ -211,7 +348,7 @@ struct Reference {
           add(blk.source(k), g);
           add(blk.skip_source(k), g);
         } else {
-          add(blk.source(k), layer_backward(l, u->prefix, k, u->saved[k], g));
+          add(blk.source(k), layer_backward(l, {u->prefix, k, u->rng}, u->saved[k], g));
         }
       }
       d = grad.count(-1) ? grad.at(-1) : Rows{};
@@ -220,17 +357,15 @@ struct Reference {
   }
 };
 
-}  // namespace
-
-BOOST_AUTO_TEST_CASE(kernels_match_the_float64_reference) {
-  Run run(none);
+// Kernels against the reference: the loss and every parameter gradient.
+void check_against_reference(Run &run, double dropout, std::size_t expected_grads) {
   run.ex.run(Executor::Phase::train);
-  Reference ref{mlp::model, run.ex, {}};
+  Reference ref{run.model, run.ex, dropout, run.scalars.seed, std::uint64_t(run.scalars.step), run.plan.rows, {}};
   const double loss = ref.run();
   double kernel_loss = 0;
-  for (float l : run.ex.tensor<float>("row_loss")) kernel_loss += l / batch;
+  for (float l : run.ex.tensor<float>("row_loss")) kernel_loss += l / double(run.plan.rows);
   BOOST_TEST(std::abs(kernel_loss - loss) <= 1e-5 * std::abs(loss));
-  BOOST_TEST(ref.grads.size() == 2u * (1 + 3 * 16 + 2));
+  BOOST_TEST(ref.grads.size() == expected_grads);
   for (const auto &[name, g] : ref.grads) {
     auto got = run.ex.tensor<float>(name);
     BOOST_TEST_REQUIRE(got.size() == g.size());
@@ -240,6 +375,22 @@ BOOST_AUTO_TEST_CASE(kernels_match_the_float64_reference) {
       worst = std::max(worst, std::abs(g[i] - got[i]));
     }
     BOOST_TEST(worst <= tolerance * scale, name << ": max error " << worst << " of scale " << scale);
+  }
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(kernels_match_the_float64_reference) {
+  Run run(none);
+  check_against_reference(run, 0, 2u * (1 + 3 * 16 + 2));
+}
+
+// The GPT at two sequences with dropout 0.1: attention, embedding and the dropout masks (from
+// the same counters as the kernels) against the reference, under selective recompute.
+BOOST_AUTO_TEST_CASE(gpt_kernels_match_the_float64_reference) {
+  for (Policy p : {none, selective}) {
+    Run run(gpt::model, "gpt", gpt_kernels::table, p, 2, 0.1);
+    check_against_reference(run, 0.1, 2u * (1 + 6 * 6 + 2));
   }
 }
 
