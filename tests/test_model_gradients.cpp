@@ -98,6 +98,23 @@ struct Reference {
     return testing::keep_ref(seed, step, s.rng + s.k, element, dropout) ? scale : 0.0;
   }
 
+  // Causal softmax of row b's scaled scores for head h over positions 0..t (x is [R, 3C] qkv).
+  static std::vector<double> softmax_row(const Rows &x, long b, int h, const Layer &l) {
+    const int C = l.out, D = C / l.heads, T = l.block_size;
+    const long n = b / T, t = b % T;
+    std::vector<double> p(t + 1);
+    double mx = -INFINITY, z = 0;
+    for (long j = 0; j <= t; ++j) {
+      double d = 0;
+      for (int e = 0; e < D; ++e) d += x[b * 3 * C + h * D + e] * x[(n * T + j) * 3 * C + C + h * D + e];
+      p[j] = d / std::sqrt(double(D));
+      mx = std::max(mx, p[j]);
+    }
+    for (long j = 0; j <= t; ++j) z += std::exp(p[j] - mx);
+    for (long j = 0; j <= t; ++j) p[j] = std::exp(p[j] - mx) / z;
+    return p;
+  }
+
   Rows layer_forward(const Layer &l, const Site &site, const Rows &x, Saved &s) {
     const long R = rows;
     const int I = l.in, O = l.out;
@@ -145,18 +162,10 @@ struct Reference {
       for (long b = 0; b < R; ++b)
         for (int h = 0; h < H; ++h) {
           const long n = b / T, t = b % T;
-          std::vector<double> sc(t + 1);
-          double mx = -INFINITY, z = 0;
-          for (long j = 0; j <= t; ++j) {
-            double d = 0;
-            for (int e = 0; e < D; ++e) d += x[b * 3 * C + h * D + e] * x[(n * T + j) * 3 * C + C + h * D + e];
-            sc[j] = d / std::sqrt(double(D));
-            mx = std::max(mx, sc[j]);
-          }
-          for (long j = 0; j <= t; ++j) z += std::exp(sc[j] - mx);
+          const std::vector<double> p = softmax_row(x, b, h, l);
           for (long j = 0; j <= t; ++j) {
             const std::uint64_t element = ((std::uint64_t(n) * H + h) * T + t) * T + j;
-            s.prob[(b * H + h) * T + j] = std::exp(sc[j] - mx) / z * keep(site, element);
+            s.prob[(b * H + h) * T + j] = p[j] * keep(site, element);
           }
           for (int e = 0; e < D; ++e) {
             double acc = 0;
@@ -240,29 +249,18 @@ struct Reference {
       for (long b = 0; b < R; ++b)
         for (int h = 0; h < H; ++h) {
           const long n = b / T, t = b % T;
-          std::vector<double> p(t + 1), kp(t + 1), dp(t + 1);
+          std::vector<double> p, kp(t + 1), dp(t + 1);
           double dot = 0;
           for (long j = 0; j <= t; ++j) {
             const std::uint64_t element = ((std::uint64_t(n) * H + h) * T + t) * T + j;
             const double k = keep(site, element);
             kp[j] = s.prob[(b * H + h) * T + j];
-            p[j] = k == 0 ? -1 : kp[j] / k;  // the undropped probability (recomputed when dropped)
             double g = 0;
             for (int e = 0; e < D; ++e) g += dy[b * C + h * D + e] * x[(n * T + j) * 3 * C + 2 * C + h * D + e];
             dp[j] = g * k;
             for (int e = 0; e < D; ++e) dx[(n * T + j) * 3 * C + 2 * C + h * D + e] += kp[j] * dy[b * C + h * D + e];
           }
-          // dropped entries: rebuild P from the scores
-          double mx = -INFINITY, z = 0;
-          std::vector<double> sc(t + 1);
-          for (long j = 0; j <= t; ++j) {
-            double d = 0;
-            for (int e = 0; e < D; ++e) d += x[b * 3 * C + h * D + e] * x[(n * T + j) * 3 * C + C + h * D + e];
-            sc[j] = d / std::sqrt(double(D));
-            mx = std::max(mx, sc[j]);
-          }
-          for (long j = 0; j <= t; ++j) z += std::exp(sc[j] - mx);
-          for (long j = 0; j <= t; ++j) p[j] = std::exp(sc[j] - mx) / z;
+          p = softmax_row(x, b, h, l);  // the undropped probabilities
           for (long j = 0; j <= t; ++j) dot += p[j] * dp[j];
           for (long j = 0; j <= t; ++j) {
             const double ds = p[j] * (dp[j] - dot) / std::sqrt(double(D));
