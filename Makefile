@@ -51,8 +51,8 @@ test: build
 	$(VENV)/bin/ctest --test-dir $(BUILD) --output-on-failure
 
 bench: build
-	$(BUILD)/bin/bench-policies
-	$(BUILD)/bin/bench-gemm
+	$(BUILD)/bin/bench-policies 6
+	$(BUILD)/bin/bench-gemm 30
 
 clean:
 	rm -rf $(BUILD)

@@ -174,7 +174,7 @@ constexpr Block repeat(int n, Block b) {
 // Model inputs: feature rows, or token ids with `block_size` rows per sequence.
 struct Input { int width = 0; int vocab = 0; int block_size = 0; };
 constexpr Input input(int width) { return {width}; }
-constexpr Input tokens(int vocab, int block_size) { return {1, vocab, block_size}; }
+constexpr Input tokens(int vocab, int block_size) { return {1, vocab == 0 ? -1 : vocab, block_size}; }
 
 struct Loss { int classes = 0; };
 constexpr Loss softmax_cross_entropy(int classes = 0) { return {classes}; }
@@ -235,7 +235,8 @@ struct Checked {
 constexpr Checked check(Model m) {
   auto fail = [&](const Message &why) { return Checked{m, cat<Message>("remat: ", why.view())}; };
   if (m.input.width <= 0) return fail("the model needs input(width) or tokens(vocab, block_size)");
-  if (m.token_input() && m.input.vocab <= 0) return fail("tokens(vocab, block_size) needs vocab >= 1");
+  if (m.input.vocab != 0 && (m.input.vocab <= 0 || m.input.block_size <= 0))
+    return fail("tokens(vocab, block_size) needs vocab >= 1 and block_size >= 1");
   if (m.stage_overflow > 0) return fail(cat<Message>("a model holds at most ", max_stages, " stages"));
   if (m.n_stages == 0) return fail("the model has no layers");
   int width = m.input.width;
@@ -244,6 +245,7 @@ constexpr Checked check(Model m) {
     if (b.overflow > 0) return fail(cat<Message>("stage ", s, " has more than ", max_block_layers, " layers"));
     if (b.repeat < 1) return fail(cat<Message>("stage ", s, ": repeat(n, ...) needs n >= 1, got ", b.repeat));
     if (b.n_layers == 0) return fail(cat<Message>("stage ", s, " has no layers"));
+    const int block_in = width;
     int open[max_block_layers]{}, depth = 0, written = 0;  // messages count the layers as written
     for (int k = 0; k < b.n_layers; ++k) {
       Layer &l = b.layers[k];
@@ -295,8 +297,15 @@ constexpr Checked check(Model m) {
       }
       if (m.token_input() && first && l.op != Op::embedding)
         return fail("a token model starts with embedding(vocab, width)");
+      if (l.op == Op::embedding && b.repeat > 1)
+        return fail(cat<Message>(where, ": an embedding cannot be repeated"));
+      if (l.op == Op::attention && k + 1 == b.n_layers)
+        return fail(cat<Message>(where, ": attention cannot end a block (its backward reads its output)"));
       width = l.out;
     }
+    if (b.repeat > 1 && width != block_in)
+      return fail(cat<Message>("stage ", s, ": repeat(", b.repeat, ", ...) needs a block that keeps its width, but it maps ",
+                               block_in, " features to ", width));
   }
   if (m.loss.classes == 0) m.loss.classes = width;
   if (m.loss.classes != width)
@@ -333,6 +342,10 @@ consteval Policy every_n_layers(int n) {
   return {Policy::Kind::every_n_layers, n};
 }
 
+// Whether a stage's backward computes the gradient of its block input: every stage but the
+// model's first, and the first too when it is repeated (its later blocks feed each other).
+constexpr bool needs_input_grad(const Model &m, int stage) { return stage > 0 || m.stages[0].repeat > 1; }
+
 constexpr Name policy_name(Policy p) {
   switch (p.kind) {
   case Policy::Kind::none: return "none";
@@ -356,6 +369,7 @@ constexpr int ceil_sqrt(int n) {
 
 constexpr std::vector<Segment> segments(Policy p, int n_blocks) {
   std::vector<Segment> out;
+  if (n_blocks <= 0) return out;
   switch (p.kind) {
   case Policy::Kind::none:
   case Policy::Kind::selective: break;
@@ -615,7 +629,8 @@ constexpr bool is_activation(Role r) {
 }
 
 struct Tensor {
-  Name name;        // unique: s<stage>.b<block>.<local> or a global name
+  Name name;        // s<stage>.b<block>.<local> (eval.<...> for evaluation) or a global name; a
+                    // segment replay's rebuilt copies reuse the names of the originals
   Role role{};
   int dims = 1;
   std::array<long long, 2> extent{};
@@ -641,6 +656,7 @@ struct Step {
   int block = 0;           // index of the block within its stage
   int rng_block = 0;       // dropout counter key of this block (unique per block of the model)
   bool recompute = false;  // runs forward work a second time
+  bool weight_decay = true;  // adamw: whether this range of parameters is decayed
   std::vector<Arg> args;
   std::vector<int> alloc;  // tensors that become live before the kernel runs
   std::vector<int> free;   // tensors that die after it
@@ -806,7 +822,7 @@ struct Builder {
       const int t = local(u.stage, u.block, role, lt);
       st.alloc.push_back(t);
       st.args.push_back({lt.name, t});
-      kept->push_back(t);
+      if (kept) kept->push_back(t);
     }
     for (const LocalTensor &lt : kt.scratch) {
       const int t = local(u.stage, u.block, Role::recomputed, lt);
@@ -822,7 +838,7 @@ struct Builder {
   constexpr int backward(std::vector<Step> &out, const Unit &u, int x, int dy,
                          const std::vector<int> &kept, Keep keep) {
     const Block &blk = m.stages[u.stage];
-    const bool needs_dx = u.stage > 0;
+    const bool needs_dx = needs_input_grad(m, u.stage);
     Step st = step(u.stage, backward_variant(keep), u.block, u.rng);
     st.recompute = keep != Keep::all;
     int dx = -1;
@@ -871,7 +887,13 @@ struct Builder {
     for (int s = 0; s < m.n_stages; ++s)
       for (int b = 0; b < m.stages[s].repeat; ++b)
         units.push_back({s, b, m.stages[s].checkpointable ? index++ : -1, int(units.size()) * 64});
-    const std::vector<Segment> segs = segments(policy, m.n_blocks());
+    // Each repeat stage is its own stack: segments never cross a stage boundary.
+    std::vector<Segment> segs;
+    for (int s = 0, first = 0; s < m.n_stages; ++s)
+      if (m.stages[s].checkpointable) {
+        for (Segment g : segments(policy, m.stages[s].repeat)) segs.push_back({first + g.first, first + g.last});
+        first += m.stages[s].repeat;
+      }
     auto segment_of = [&](int i) -> int {
       for (int k = 0; k < int(segs.size()); ++k)
         if (i >= 0 && segs[k].first <= i && i <= segs[k].last) return k;
@@ -936,6 +958,7 @@ struct Builder {
       const long long end = decayed ? decayed_count : plan.param_count;
       if (begin == end) continue;
       Step st = step(-1, Variant::adamw, decayed ? 0 : 1, 0);
+      st.weight_decay = decayed;
       for (auto [name, root] : {std::pair{"p", params_root}, {"g", grads_root},
                                 {"m", m_root}, {"v", v_root}}) {
         Tensor view{cat(name, decayed ? "_decayed" : "_plain"), plan.tensors[root].role, 1,

@@ -255,15 +255,20 @@ public:
   }
   // dwte(c, token) = sum over rows b with tokens(b) == token of dx(c, b) (scatter-add over rows);
   // dwpe(c, t) = sum_n dx(c, n T + t). rows must be a multiple of T.
+  // dwte and dwpe start from `initial_wte` / `initial_wpe` (zero by default; the model compiler
+  // passes the previous gradient when it accumulates) and are the Funcs' own names.
   EmbeddingGrad embedding_grad(const std::string &name, Halide::Func tokens, Halide::Func dx,
-                               int V, Halide::Expr rows) const {
+                               int V, Halide::Expr rows, std::optional<Halide::Expr> initial_wte = {},
+                               std::optional<Halide::Expr> initial_wpe = {},
+                               const std::string &wte_name = {}, const std::string &wpe_name = {}) const {
     using namespace Halide;
-    EmbeddingGrad g{Func(name + "_dwte"), Func(name + "_dwpe")};
+    EmbeddingGrad g{Func(wte_name.empty() ? name + "_dwte" : wte_name),
+                    Func(wpe_name.empty() ? name + "_dwpe" : wpe_name)};
     RDom r(0, rows, name + "_r");
-    g.dwte(v.c, v.b) = L.constant(0);
-    g.dwte(v.c, clamp(tokens(r), 0, V - 1)) += dx(v.c, r);
+    g.dwte(v.c, v.b) = initial_wte.value_or(L.constant(0));
+    g.dwte(v.c, clamp(tokens(r), 0, V - 1)) += dx(v.c, r);  // scatter-add of the rows
     RDom rn(0, rows / T, name + "_n");
-    g.dwpe(v.c, v.b) = L.constant(0);
+    g.dwpe(v.c, v.b) = initial_wpe.value_or(L.constant(0));
     g.dwpe(v.c, v.b) += dx(v.c, rn * T + v.b);
     return g;
   }

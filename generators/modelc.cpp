@@ -100,8 +100,9 @@ struct Contribution {
 class StageKernels {
 public:
   StageKernels(const Model &model, int stage, const Target &target)
-      : blk(model.stages[stage]), stage(stage), needs_dx(stage > 0), token_input(model.token_input()),
-        target(target), args(Float(32)), L(Float(32), v), tr(L, model.rows_per_sample()), sched(target, v) {
+      : blk(model.stages[stage]), stage(stage), needs_dx(needs_input_grad(model, stage)),
+        token_input(model.token_input()), args(Float(32)), L(Float(32), v), tr(L, model.rows_per_sample()),
+        sched(target, v) {
     for (int k = 0; k < blk.n_layers; ++k)
       if (blk.layers[k].op == Op::dropout || blk.layers[k].op == Op::attention) {
         Param<uint64_t> seed("seed"), threshold("drop_threshold");
@@ -155,13 +156,13 @@ private:
     return false;
   }
 
-  Func build_gemm(const std::string &name, const PendingGemm &p, int width, bool operand_buffered) {
+  Func build_gemm(const std::string &name, const PendingGemm &p, int width) {
     MatMul m = L.matmul(name, p.a, p.w, p.inner, [&](Expr sum) {
       Expr e = sum + p.bias(v.c);
       for (const auto &op : p.epilogue) e = op(e);
       return e;
     });
-    sched.matmul(m, -1, width, operand_buffered ? std::nullopt : std::optional<Func>(p.a));
+    sched.matmul(m, -1, width, p.operand_buffered ? std::nullopt : std::optional<Func>(p.a));
     return m.out;
   }
 
@@ -213,7 +214,7 @@ private:
           f.pending[j] = p;
           continue;
         }
-        out = build_gemm(name, p, l.out, p.operand_buffered);
+        out = build_gemm(name, p, l.out);
         gemm_or_reduction = true;
         break;
       }
@@ -236,7 +237,7 @@ private:
             f.pending[j] = p;
             continue;
           }
-          out = build_gemm(name, p, l.out, p.operand_buffered);
+          out = build_gemm(name, p, l.out);
           gemm_or_reduction = true;
         } else {
           out = Func(name);
@@ -428,21 +429,16 @@ private:
       case Op::embedding: {
         auto [gw_name, gw_spec] = grad_of(k, "w");
         auto [gb_name, gb_spec] = grad_of(k, "b");
-        Func tokens = f.x, gw(gw_name), gb(gb_name);
-        RDom r(0, batch, gw_name + "_r");
-        gw(v.c, v.b) = accumulated(gw_name, gw_spec, L.constant(0), {v.c, v.b});
-        gw(v.c, clamp(tokens(r), 0, l.vocab - 1)) += d(v.c, r);  // scatter-add of the rows
-        const int T = l.block_size;
-        RDom rn(0, batch / T, gb_name + "_n");
-        gb(v.c, v.b) = accumulated(gb_name, gb_spec, L.constant(0), {v.c, v.b});
-        gb(v.c, v.b) += d(v.c, rn * T + v.b);
-        Var co("co"), ci("ci");
-        gw.compute_root().vectorize(v.c, sched.vec, TailStrategy::GuardWithIf);
-        gw.update().vectorize(v.c, sched.vec, TailStrategy::GuardWithIf);
-        gb.compute_root().vectorize(v.c, sched.vec, TailStrategy::GuardWithIf).parallel(v.b);
-        gb.update().vectorize(v.c, sched.vec, TailStrategy::GuardWithIf).parallel(v.b);
-        output(outputs, gw, gw_spec);
-        output(outputs, gb, gb_spec);
+        gen::EmbeddingGrad g = tr.embedding_grad(str(cat("emb", k)), f.x, d, l.vocab, batch,
+                                                 accumulated(gw_name, gw_spec, L.constant(0), {v.c, v.b}),
+                                                 accumulated(gb_name, gb_spec, L.constant(0), {v.c, v.b}),
+                                                 gw_name, gb_name);
+        g.dwte.compute_root().vectorize(v.c, sched.vec, TailStrategy::GuardWithIf);
+        g.dwte.update().vectorize(v.c, sched.vec, TailStrategy::GuardWithIf);
+        g.dwpe.compute_root().vectorize(v.c, sched.vec, TailStrategy::GuardWithIf).parallel(v.b);
+        g.dwpe.update().vectorize(v.c, sched.vec, TailStrategy::GuardWithIf).parallel(v.b);
+        output(outputs, g.dwte, gw_spec);
+        output(outputs, g.dwpe, gb_spec);
         break;
       }
       case Op::residual_begin: break;
@@ -454,7 +450,6 @@ private:
   const Block &blk;
   int stage;
   bool needs_dx, token_input;
-  Target target;
   gen::Vars v;
   Arguments args;
   Layers L;
@@ -521,7 +516,11 @@ void write_if_changed(const std::filesystem::path &path, const std::string &text
   if (in.is_open() && old == text) return;
   in.close();
   const auto tmp = path.string() + ".tmp";
-  std::ofstream(tmp, std::ios::binary) << text;
+  {
+    std::ofstream out(tmp, std::ios::binary);
+    out << text;
+    if (!out.flush()) throw std::runtime_error("cannot write " + tmp);
+  }
   std::filesystem::rename(tmp, path);
 }
 
@@ -556,6 +555,10 @@ int main(int argc, char **argv, const Model &model, std::string_view model_name)
   }
   try {
     const std::string name(model_name);
+    // kernel names (<model>_s<stage>_backward_recompute) must fit remat::Name
+    if (kernel_name(name, 9, Variant::backward_selective).size() + 1 >= int(Name{}.chars.size()) ||
+        kernel_name(name, 9, Variant::backward_selective).view().find(name) != 0)
+      throw std::runtime_error("model name '" + name + "' is too long for kernel names");
     Emitter e{out_dir, std::filesystem::path(out_dir) / "staging", Target(cpu_target)};
     std::filesystem::create_directories(e.staging);
     for (int s = 0; s < model.n_stages; ++s) {
@@ -603,6 +606,7 @@ int main(int argc, char **argv, const Model &model, std::string_view model_name)
     for (const auto &n : e.names) published.push_back(n + ".h");
     for (const auto &file : published) {
       std::ifstream in(e.staging / file, std::ios::binary);
+      if (!in) throw std::runtime_error("cannot read " + (e.staging / file).string());
       write_if_changed(std::filesystem::path(out_dir) / file,
                        std::string((std::istreambuf_iterator<char>(in)),
                                    std::istreambuf_iterator<char>()));

@@ -90,8 +90,9 @@ public:
       : train(load_idx(o.dir + "/train-images-idx3-ubyte.gz", o.dir + "/train-labels-idx1-ubyte.gz", model.classes())),
         test(load_idx(o.dir + "/t10k-images-idx3-ubyte.gz", o.dir + "/t10k-labels-idx1-ubyte.gz", model.classes())),
         batch(o.batch), rng(o.seed ^ 0x5eedf00dull) {
-    if (train.width != model.input.width || test.width != model.input.width)
-      throw InputError(fmt::format("{}: images have {} pixels but the model takes {}", o.dir, train.width, model.input.width));
+    for (const Dataset *ds : {&train, &test})
+      if (ds->width != model.input.width)
+        throw InputError(fmt::format("{}: images have {} pixels but the model takes {}", o.dir, ds->width, model.input.width));
     order.resize(train.rows);
     std::iota(order.begin(), order.end(), 0);
     std::shuffle(order.begin(), order.end(), rng);
@@ -180,9 +181,10 @@ Corpus load_corpus(const std::string &dir, int vocab, double val_fraction) {
     if (e.is_regular_file() && !e.is_symlink() && ext != ".dat" && ext != ".u8") files.push_back(e.path());
   }
   std::sort(files.begin(), files.end());
+  const std::int32_t unknown = vocab > '?' ? '?' : 0;  // bytes past the vocabulary
   std::vector<std::int32_t> text;
   for (const auto &f : files)
-    for (std::uint8_t c : read_file(f.string())) text.push_back(c < vocab ? c : '?');
+    for (std::uint8_t c : read_file(f.string())) text.push_back(c < vocab ? c : unknown);
   if (files.empty() || text.empty()) throw InputError(fmt::format("{}: no text files", dir));
   Corpus out;
   out.files = files.size();

@@ -6,6 +6,7 @@ module;
 #include <algorithm>
 #include <chrono>
 #include <cctype>
+#include <climits>
 #include <cmath>
 #include <atomic>
 #include <cstdint>
@@ -56,6 +57,7 @@ std::size_t Arena::high_water() const {
 // ---- Executor ----------------------------------------------------------------------------------
 struct Executor::Bound {
   const Kernel *kernel;
+  float no_weight_decay = 0;  // AdamW over parameters that are not decayed
   double seconds = 0;  // with REMAT_PROFILE set: time spent in this call
   long calls = 0;
   std::int32_t rng_block = 0;
@@ -98,7 +100,10 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
     for (int a = 0; a < md->num_arguments; ++a) {
       const halide_filter_argument_t &arg = md->arguments[a];
       if (arg.kind == halide_argument_kind_input_scalar) {
-        b->argv[a] = std::string_view(arg.name) == "rng_block" ? &b->rng_block : scalar_field(scalars, arg.name);
+        const std::string_view scalar = arg.name;
+        b->argv[a] = scalar == "rng_block"                             ? &b->rng_block
+                     : scalar == "weight_decay" && !st.weight_decay ? &b->no_weight_decay
+                                                                    : scalar_field(scalars, arg.name);
         continue;
       }
       // Halide makes Func names unique per process ("y$2", "adamw$1.0"); the plan's name is the
@@ -128,6 +133,9 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
       buf.dimensions = t.dims;
       buf.dim = b->shapes[a].data();
       std::int32_t stride = 1;
+      if (t.bytes() > std::size_t(INT32_MAX))
+        throw std::runtime_error(fmt::format("tensor {} has {} bytes; Halide buffers hold at most 2 GiB",
+                                             t.name.view(), t.bytes()));
       for (int d = 0; d < t.dims; ++d) {
         b->shapes[a][d] = {0, std::int32_t(t.extent[d]), stride, 0};
         stride *= std::int32_t(t.extent[d]);
@@ -149,9 +157,11 @@ void Executor::run(Phase phase) {
   for (auto &b : calls) {
     if (trace) std::fprintf(stderr, "kernel %s\n", b->kernel->name);
     const auto t0 = profile ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
-    if (int err = b->kernel->argv(b->argv.data()); err != 0)
-      throw std::runtime_error(fmt::format("kernel {} failed (Halide error {}): {}", b->kernel->name, err,
-                                           remat_halide_error));
+    if (int err = b->kernel->argv(b->argv.data()); err != 0) {
+      const std::string message = remat_halide_error;
+      remat_halide_error[0] = 0;
+      throw std::runtime_error(fmt::format("kernel {} failed (Halide error {}): {}", b->kernel->name, err, message));
+    }
     if (profile) {
       b->seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       ++b->calls;
@@ -170,10 +180,6 @@ Executor::~Executor() {
     }
   for (const auto &[name, t] : by_kernel)
     if (t.second) std::fprintf(stderr, "profile %-32s %8.3f s %6ld calls\n", name.c_str(), t.first, t.second);
-}
-
-int Executor::launches(Phase phase) const {
-  return int(phase == Phase::train ? train_calls.size() : phase == Phase::optimize ? optimize_calls.size() : eval_calls.size());
 }
 
 std::pair<std::byte *, std::size_t> Executor::locate(std::string_view name) const {

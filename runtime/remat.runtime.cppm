@@ -76,7 +76,6 @@ public:
   ~Executor();
   enum class Phase { train, optimize, eval };
   void run(Phase phase);
-  int launches(Phase phase) const;
   template <class T> std::span<T> tensor(std::string_view name) const {
     auto [p, bytes] = locate(name);
     return {reinterpret_cast<T *>(p), bytes / sizeof(T)};
@@ -152,7 +151,7 @@ int train_main(int argc, char **argv, const ModelInfo &info);
 // Prints every tensor the policy saves for backward (block, name, shape, bytes, why) and totals.
 void print_plan_report(std::FILE *out, const Model &model, const Plan &plan);
 
-// Policy from its flag spelling: none | full | every_n_layers=N | sqrt_n.
+// Policy from its flag spelling: none | full | every_n_layers=N | sqrt_n | selective.
 Policy parse_policy(std::string_view text);
 
 // FNV-1a over bytes, as 16 hex digits.

@@ -4,6 +4,7 @@ module;
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <climits>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -20,7 +21,7 @@ import remat;
 namespace remat::runtime {
 namespace {
 
-constexpr int min_batch_rows = 8;  // GEMM register tiles are up to 6 rows; see generators/modelc.cpp
+constexpr int min_batch_rows = 8;  // Scheduler::min_batch in generators/schedules.h (GEMM row tiles)
 
 struct Options {
   long max_steps = 0;  // 0: derived from num_train_epochs
@@ -49,7 +50,7 @@ CLI::Validator number(bool (*ok)(double), const char *what) {
         try {
           std::size_t used = 0;
           const double v = std::stod(text, &used);
-          if (used == text.size() && ok(v)) return {};
+          if (used == text.size() && std::isfinite(v) && ok(v)) return {};
         } catch (const std::exception &) {
         }
         return fmt::format("'{}' is not {}", text, what);
@@ -70,7 +71,7 @@ void init_params(const Plan &plan, Executor &ex, std::uint64_t seed) {
       continue;
     auto values = ex.tensor<float>(t.name.view());
     const bool weight = t.name.view().ends_with("_w");
-    if (t.dims == 2) {  // linear [K, O] or embedding tables: U(-1/sqrt(K), 1/sqrt(K)) as PyTorch
+    if (t.dims == 2) {  // linear [K, O]: U(-1/sqrt(K), 1/sqrt(K)) as PyTorch; embedding tables likewise over their rows
       const float bound = 1.f / std::sqrt(float(t.extent[1]));
       for (float &v : values) v = bound * uniform(rng);
     } else {
@@ -87,10 +88,10 @@ double learning_rate(const Options &o, long step, long max_steps) {  // step cou
   return o.learning_rate * 0.5 * (1.0 + std::cos(M_PI * std::min(1.0, progress)));
 }
 
-bool has_dropout(const Model &m) {
+bool has_dropout(const Model &m) {  // dropout layers, or attention (dropout on its probabilities)
   for (int s = 0; s < m.n_stages; ++s)
     for (int k = 0; k < m.stages[s].n_layers; ++k)
-      if (m.stages[s].layers[k].op == Op::dropout) return true;
+      if (m.stages[s].layers[k].op == Op::dropout || m.stages[s].layers[k].op == Op::attention) return true;
   return false;
 }
 
@@ -103,6 +104,7 @@ struct Evaluation {
 Evaluation evaluate(DataSource &data, Executor &ex, Scalars &scalars, const Plan &plan, long samples, double dropout) {
   Evaluation e;
   e.samples = std::min(samples, data.eval_samples());
+  if (e.samples == 0) throw InputError("the evaluation split is empty (pass --eval-samples 0 to skip evaluation)");
   const long rows_per_sample = plan.rows / plan.batch;
   double loss_sum = 0;
   long correct = 0;
@@ -127,13 +129,16 @@ Evaluation evaluate(DataSource &data, Executor &ex, Scalars &scalars, const Plan
 // Autoregressive sampling from a token model: a plan for one sequence, the trained parameters,
 // and the logits of the last filled position, at temperature 0.8.
 std::string generate(const ModelInfo &info, Executor &trained, int length, std::uint64_t seed) {
-  const int T = info.model.input.block_size, V = info.model.input.vocab;
-  const Plan plan = make_plan(info.model, none, 1);
+  const Model &model = info.model;
+  const int T = model.input.block_size, V = model.classes();
+  const int samples = (min_batch_rows + T - 1) / T;  // the sequence is sample 0; the rest pad the batch
+  const Plan plan = make_plan(model, none, samples);
   Arena arena(std::max(plan.peak_bytes, plan.eval_peak_bytes));
   Scalars scalars;
   Executor ex(plan, info.name, info.kernels, arena, scalars);
   std::ranges::copy(trained.tensor<float>("params"), ex.tensor<float>("params").begin());
-  const std::string logits_name = fmt::format("eval.s{}.b0.y", info.model.n_stages - 1);
+  const int last = model.n_stages - 1;
+  const std::string logits_name = fmt::format("eval.s{}.b{}.y", last, model.stages[last].repeat - 1);
   std::mt19937_64 rng(seed);
   std::vector<std::int32_t> text = {'\n'};
   std::string out;
@@ -233,7 +238,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
   app.add_option("--warmup-steps", o.warmup_steps, "linear warm-up steps")->check(non_negative)->capture_default_str();
   app.add_option("--seed", o.seed, "seed for initialization, shuffling and dropout")->capture_default_str();
   app.add_option("--checkpoint-policy", o.checkpoint_policy, fmt::format("none | full | every_n_layers=N | sqrt_n | selective (default {})", policy_name(info.default_policy).view()));
-  app.add_option("--dropout", o.dropout, "dropout probability of the model's dropout layers")->check(probability)->capture_default_str();
+  app.add_option("--dropout", o.dropout, "dropout probability of the model's dropout layers and attention")->check(probability)->capture_default_str();
   app.add_option("--data-dir", o.data_dir, "dataset folder")->capture_default_str();
   app.add_option("--eval-samples", o.eval_samples, "evaluation samples (default all, 0 skips evaluation)")->check(non_negative);
   app.add_option("--eval-steps", o.eval_steps, "also evaluate every N steps (0: only at the end)")->check(non_negative)->capture_default_str();
@@ -259,6 +264,10 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     if (o.dropout > 0 && !has_dropout(model))
       throw InputError(fmt::format("--dropout {}: model {} has no dropout layers", o.dropout, info.name));
     const Plan plan = make_plan(model, policy, batch);
+    for (const Tensor &t : plan.tensors)
+      if (t.bytes() > std::size_t(INT32_MAX))
+        throw InputError(fmt::format("--batch-size {}: tensor {} would hold {} bytes; kernels take at most 2 GiB per tensor",
+                                     batch, t.name.view(), t.bytes()));
     if (o.plan_report) {
       print_plan_report(stdout, model, plan);
       return 0;

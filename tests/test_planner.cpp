@@ -74,6 +74,49 @@ BOOST_AUTO_TEST_CASE(mistakes_are_named) {
   BOOST_TEST(error(make_model(linear(8, 4))) == "remat: the model needs input(width) or tokens(vocab, block_size)");
 }
 
+BOOST_AUTO_TEST_CASE(more_mistakes_are_named) {
+  auto error = [](Model m) { return std::string(check(m).error.view()); };
+  Block widening;
+  widening.push(linear(4, 8));
+  BOOST_TEST(error(make_model(input(4), repeat(3, widening), softmax_cross_entropy())) ==
+             "remat: stage 0: repeat(3, ...) needs a block that keeps its width, but it maps 4 features to 8");
+  BOOST_TEST(error(make_model(tokens(16, 4), embedding(16, 6), linear(6, 18), causal_self_attention(2),
+                              softmax_cross_entropy())) ==
+             "remat: stage 0 layer 2 (causal_self_attention): attention cannot end a block (its backward reads its output)");
+  BOOST_TEST(error(make_model(tokens(16, 0), embedding(16, 6), softmax_cross_entropy())) ==
+             "remat: tokens(vocab, block_size) needs vocab >= 1 and block_size >= 1");
+  BOOST_TEST(error(make_model(input(4), linear(4, 9), causal_self_attention(3), softmax_cross_entropy())) ==
+             "remat: stage 0 layer 1 (causal_self_attention): attention needs sequences: tokens(vocab, block_size)");
+}
+
+// Plans for shapes the examples do not have: a repeat stage first (its blocks pass input
+// gradients to each other), two repeat stages around a loose one (segments stay inside a stage),
+// and no repeat stage at all (every policy degenerates to none).
+BOOST_AUTO_TEST_CASE(unusual_stacks_plan_consistently) {
+  const Model repeat_first = check(make_model(input(8), repeat(3, residual(layer_norm(), linear(8, 8))),
+                                              softmax_cross_entropy())).model;
+  const Model two_stacks = check(make_model(input(8), repeat(3, residual(linear(8, 8), gelu())), layer_norm(),
+                                            repeat(4, residual(linear(8, 8))), softmax_cross_entropy())).model;
+  const Model flat = check(make_model(input(8), linear(8, 4), softmax_cross_entropy())).model;
+  for (const Model &m : {repeat_first, two_stacks, flat})
+    for (Policy p : all_policies) {
+      const Plan plan = make_plan(m, p, 8);
+      check_schedule(plan, plan.train);
+      check_schedule(plan, plan.eval);
+      // every backward but the model's very first block produces the gradient of its input
+      int with_dx = 0, backwards = 0;
+      for (const Step &st : plan.train)
+        if (st.variant == Variant::backward_saved || st.variant == Variant::backward_recompute) {
+          ++backwards;
+          for (const Arg &a : st.args) with_dx += a.name.view() == "dx";
+        }
+      BOOST_TEST(with_dx == backwards - (m.stages[0].repeat > 1 ? 0 : 1), policy_name(p).view());
+    }
+  BOOST_TEST(make_plan(flat, sqrt_n, 8).recompute_launches == 0);
+  // sqrt_n over 3 + 4 blocks: ceil(sqrt(3)) = 2 segments and ceil(sqrt(4)) = 2, none crossing
+  BOOST_TEST(make_plan(two_stacks, sqrt_n, 8).recompute_launches == 2 + 1 + 2 + 2);
+}
+
 BOOST_AUTO_TEST_CASE(policies_choose_segments) {
   auto firsts = [](Policy p, int n) {
     std::vector<int> out;
