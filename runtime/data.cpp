@@ -8,6 +8,7 @@ module;
 #include <memory>
 #include <numeric>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 module remat.runtime;
@@ -113,6 +114,18 @@ public:
   void load_eval_batch(Executor &ex, long first) override {
     copy(test, [&](std::size_t r) { return first + long(r) < test.rows ? int(first + r) : 0; }, ex);
   }
+  std::string state() const override {
+    std::ostringstream out;
+    out << rng << ' ' << cursor;
+    for (int i : order) out << ' ' << i;
+    return out.str();
+  }
+  void restore(const std::string &state) override {
+    std::istringstream in(state);
+    in >> rng >> cursor;
+    for (int &i : order) in >> i;
+    if (!in || cursor > order.size()) throw InputError("the snapshot's data state does not fit this dataset");
+  }
 
 private:
   template <class Row> void copy(const Dataset &ds, Row row, Executor &ex) {
@@ -153,6 +166,16 @@ public:
   }
   void load_eval_batch(Executor &ex, long first) override {
     fill(ex, [&](std::size_t s) { return std::size_t(first + long(s) < eval_samples() ? first + s : 0) * T; }, corpus.val);
+  }
+  std::string state() const override {
+    std::ostringstream out;
+    out << rng;
+    return out.str();
+  }
+  void restore(const std::string &state) override {
+    std::istringstream in(state);
+    in >> rng;
+    if (!in) throw InputError("the snapshot's data state does not fit this corpus");
   }
 
 private:

@@ -6,6 +6,7 @@ module;
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <iosfwd>
 #include <memory>
 #include <span>
 #include <stdexcept>
@@ -116,6 +117,9 @@ public:
   virtual long eval_samples() const = 0;
   // Samples [first, first + batch) of the evaluation split; past its end, the batch is padded.
   virtual void load_eval_batch(Executor &ex, long first) = 0;
+  // Where the training stream stands (shuffle order, RNG), for snapshots.
+  virtual std::string state() const = 0;
+  virtual void restore(const std::string &state) = 0;
 };
 
 struct DataOptions {
@@ -144,6 +148,17 @@ struct ModelInfo {
   int default_eval_steps = 0;     // 0: evaluate only at the end
   int sample_length = 0;          // token models: characters to generate at the end
 };
+
+// Snapshots: parameters, AdamW moments, the step, the seed and the data stream's state, so that a
+// resumed run repeats the uninterrupted one exactly.
+struct SnapshotState {
+  long step = 0;
+  std::uint64_t seed = 0;
+  std::string data;
+};
+void save_snapshot(const std::string &path, std::string_view model_name, const Plan &plan, Executor &ex,
+                   const SnapshotState &state);
+SnapshotState load_snapshot(const std::string &path, std::string_view model_name, const Plan &plan, Executor &ex);
 
 // The trainer shared by every example: flags, data, training, evaluation, JSON summary.
 int train_main(int argc, char **argv, const ModelInfo &info);

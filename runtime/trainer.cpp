@@ -41,6 +41,8 @@ struct Options {
   int logging_steps = 50;
   bool json = false;
   bool plan_report = false;
+  std::string save_snapshot, resume_from_snapshot;
+  long save_steps = 0;
 };
 
 // Flag validators with short messages (CLI11's ranges print the whole double range).
@@ -243,6 +245,9 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
   app.add_option("--eval-samples", o.eval_samples, "evaluation samples (default all, 0 skips evaluation)")->check(non_negative);
   app.add_option("--eval-steps", o.eval_steps, "also evaluate every N steps (0: only at the end)")->check(non_negative)->capture_default_str();
   app.add_option("--logging-steps", o.logging_steps, "print progress every N steps")->check(positive)->capture_default_str();
+  app.add_option("--save-snapshot", o.save_snapshot, "write a snapshot (weights, optimizer, step, data state) here at the end");
+  app.add_option("--save-steps", o.save_steps, "also write a snapshot every N steps, to FILE.step<N>")->check(positive);
+  app.add_option("--resume-from-snapshot", o.resume_from_snapshot, "continue a run from its snapshot (same flags)");
   app.add_flag("--json", o.json, "print a JSON summary as the last line of stdout (progress goes to stderr)");
   app.add_flag("--plan-report", o.plan_report, "print every tensor saved for backward under the policy, then exit");
   try {
@@ -281,11 +286,27 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     const long max_steps = o.max_steps ? o.max_steps : o.num_train_epochs * steps_per_epoch;
     const long eval_samples = o.eval_samples < 0 ? data->eval_samples() : o.eval_samples;
 
+    if (o.save_steps && o.save_snapshot.empty()) throw InputError("--save-steps needs --save-snapshot FILE");
     Arena arena(std::max(plan.peak_bytes, plan.eval_peak_bytes));
     arena.fill_canary();
     Scalars scalars;
     Executor ex(plan, info.name, info.kernels, arena, scalars);
     init_params(plan, ex, o.seed);
+    long first_step = 1;
+    if (!o.resume_from_snapshot.empty()) {
+      const SnapshotState snap = load_snapshot(o.resume_from_snapshot, info.name, plan, ex);
+      if (snap.seed != o.seed)
+        throw InputError(fmt::format("--resume-from-snapshot: the snapshot was made with --seed {}, not {}", snap.seed, o.seed));
+      if (snap.step >= max_steps)
+        throw InputError(fmt::format("--resume-from-snapshot: the snapshot is at step {}, not before --max-steps {}", snap.step, max_steps));
+      data->restore(snap.data);
+      first_step = snap.step + 1;
+    }
+    // the final snapshot goes to FILE, the ones every --save-steps to FILE.step<N>
+    auto save = [&](long step) {
+      const std::string path = step == max_steps ? o.save_snapshot : fmt::format("{}.step{}", o.save_snapshot, step);
+      save_snapshot(path, info.name, plan, ex, {step, o.seed, data->state()});
+    };
     reset_halide_heap_peak();
     scalars.seed = o.seed;
     scalars.set_dropout(o.dropout);
@@ -299,11 +320,12 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
 
     std::vector<double> step_ms;
     double loss_first = 0, loss_last = 0, window_loss = 0;
-    long window_correct = 0, window_rows = 0;
+    long window_correct = 0, window_rows = 0, window_steps = 0;
     std::string grad_digest;
     std::size_t measured_peak = 0;
     double train_seconds = 0;
-    for (long step = 1; step <= max_steps; ++step) {
+    for (long step = first_step; step <= max_steps; ++step) {
+      const bool first = step == first_step;  // measurements are taken on this run's first step
       const auto t0 = std::chrono::steady_clock::now();
       double loss_sum = 0;
       scalars.step = std::int32_t(step);
@@ -315,32 +337,35 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
         for (std::int32_t c : ex.tensor<std::int32_t>("row_correct")) window_correct += c;
         window_rows += plan.rows;
       }
-      if (step == 1) grad_digest = digest(std::as_bytes(ex.tensor<float>("grads")));
+      if (first) grad_digest = digest(std::as_bytes(ex.tensor<float>("grads")));
       const double lr = learning_rate(o, step, max_steps);
       scalars.lr = float(lr);
       scalars.bias1 = float(1.0 - std::pow(double(scalars.beta1), double(step)));
       scalars.bias2 = float(1.0 - std::pow(double(scalars.beta2), double(step)));
       ex.run(Executor::Phase::optimize);
       const auto t1 = std::chrono::steady_clock::now();
-      if (step == 1) measured_peak = arena.high_water() + halide_heap().peak;
+      if (first) measured_peak = arena.high_water() + halide_heap().peak;
       const double ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
       step_ms.push_back(ms);
       train_seconds += ms / 1000;
       const double loss = loss_sum / (double(plan.rows) * micro);
       if (!std::isfinite(loss))
         throw std::runtime_error(fmt::format("loss is {} at step {}; lower --learning-rate", loss, step));
-      if (step == 1) loss_first = loss;
+      if (first) loss_first = loss;
       loss_last = loss;
       window_loss += loss;
+      ++window_steps;
       if (step % o.logging_steps == 0 || step == max_steps) {
-        const long n = step % o.logging_steps ? step % o.logging_steps : o.logging_steps;
+        const long n = window_steps;
         fmt::print(progress, "step {:>5}/{} | epoch {:5.2f} | loss {:.4f} | train acc {:5.1f}% | lr {:.2e} | {:.0f} samples/s\n",
                    step, max_steps, double(step) / std::max(1L, steps_per_epoch), window_loss / n,
-                   100.0 * window_correct / std::max(1L, window_rows), lr, double(step) * batch * micro / train_seconds);
+                   100.0 * window_correct / std::max(1L, window_rows), lr,
+                   double(step - first_step + 1) * batch * micro / train_seconds);
         std::fflush(progress);
         window_loss = 0;
-        window_correct = window_rows = 0;
+        window_correct = window_rows = window_steps = 0;
       }
+      if (o.save_steps > 0 && step % o.save_steps == 0 && step < max_steps) save(step);
       if (o.eval_steps > 0 && step % o.eval_steps == 0 && step < max_steps && eval_samples > 0) {
         const Evaluation e = evaluate(*data, ex, scalars, plan, eval_samples, o.dropout);
         fmt::print(progress, "step {:>5}/{} | eval loss {:.4f} | eval accuracy {:.2f}% ({} samples)\n", step,
@@ -349,6 +374,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
       }
     }
 
+    if (!o.save_snapshot.empty()) save(max_steps);
     std::optional<Evaluation> eval;
     if (eval_samples > 0) {
       eval = evaluate(*data, ex, scalars, plan, eval_samples, o.dropout);
@@ -361,7 +387,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     std::vector<double> sorted = step_ms;
     std::ranges::sort(sorted);
     const double median = sorted[sorted.size() / 2];
-    const double samples_per_s = double(max_steps) * batch * micro / train_seconds;
+    const double samples_per_s = double(max_steps - first_step + 1) * batch * micro / train_seconds;
     fmt::print(progress,
                "memory: planned peak {} B, measured peak {} B ({}); activations {} under {} vs {} under none ({:.1f}%)\n"
                "speed: {:.0f} samples/s ({:.0f} rows/s), median step {:.1f} ms, {} kernel launches per micro-batch ({} recompute)\n",
@@ -395,6 +421,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
           {"kernel_launches", plan.total_launches},
           {"recompute_launches", plan.recompute_launches},
           {"grad_digest", grad_digest},
+          {"param_digest", digest(std::as_bytes(ex.tensor<float>("params")))},
       };
       std::printf("%s\n", j.dump().c_str());
     }

@@ -174,3 +174,29 @@ BOOST_AUTO_TEST_CASE(gpt_plan_report_lists_saved_tensors) {
   BOOST_TEST(full.out.find(" h2 ") == std::string::npos);  // full keeps only block inputs
   expect_one_line_error("--dropout 0.1 --max-steps 1", "no dropout layers");
 }
+
+// A run resumed from a snapshot repeats the uninterrupted run exactly: the same last loss and
+// the same final parameters, bit for bit (dropout included: its masks follow the step).
+BOOST_AUTO_TEST_CASE(resumed_runs_repeat_the_uninterrupted_run) {
+  const std::string snap = (scratch_dir() / "snapshot").string();
+  for (auto [program, extra] : {std::pair{std::string(TRAIN_MLP), std::string("--batch-size 64")},
+                                {std::string(TRAIN_GPT), std::string("--batch-size 4 --dropout 0.1")}}) {
+    const std::string common = "--max-steps 4 --json --eval-samples 0 " + extra;
+    const Result whole = run(program, common + " --save-steps 2 --save-snapshot " + snap);
+    BOOST_TEST_REQUIRE(whole.exit_code == 0, whole.err);
+    BOOST_TEST_REQUIRE(fs::exists(snap + ".step2"));
+    const Result resumed = run(program, common + " --resume-from-snapshot " + snap + ".step2");
+    BOOST_TEST_REQUIRE(resumed.exit_code == 0, resumed.err);
+    const auto a = summary(whole), b = summary(resumed);
+    BOOST_TEST(b["loss_last"] == a["loss_last"], program);
+    BOOST_TEST(b["param_digest"] == a["param_digest"], program);
+    BOOST_TEST(b["measured_peak_bytes"] == b["planned_peak_bytes"]);
+  }
+  // a snapshot of the GPT does not resume the MLP; a cut file is refused; neither leaves output
+  expect_one_line_error("--max-steps 4 --resume-from-snapshot " + snap, "a snapshot of model gpt");
+  const std::string cut = (scratch_dir() / "cut").string();
+  BOOST_TEST_REQUIRE(std::system(("head -c 5000000 " + snap + " > " + cut).c_str()) == 0);
+  const Result r = run(TRAIN_GPT, "--max-steps 4 --batch-size 4 --resume-from-snapshot " + cut);
+  BOOST_TEST(r.exit_code == 2);
+  BOOST_TEST(r.err.find("truncated") != std::string::npos, r.err);
+}
