@@ -123,8 +123,17 @@ public:
   void restore(const std::string &state) override {
     std::istringstream in(state);
     in >> rng >> cursor;
-    for (int &i : order) in >> i;
-    if (!in || cursor > order.size()) throw InputError("the snapshot's data state does not fit this dataset");
+    std::vector<int> restored(order.size());
+    for (int &i : restored) in >> i;
+    std::vector<bool> seen(order.size());
+    bool permutation = bool(in);
+    for (int i : restored) {
+      permutation = permutation && i >= 0 && std::size_t(i) < seen.size() && !seen[i];
+      if (permutation) seen[i] = true;
+    }
+    if (!permutation || cursor > order.size() || !(in >> std::ws).eof())
+      throw InputError("--resume-from-snapshot: the snapshot's data state does not fit this dataset");
+    order = restored;
   }
 
 private:
@@ -175,7 +184,7 @@ public:
   void restore(const std::string &state) override {
     std::istringstream in(state);
     in >> rng;
-    if (!in) throw InputError("the snapshot's data state does not fit this corpus");
+    if (!in || !(in >> std::ws).eof()) throw InputError("--resume-from-snapshot: the snapshot's data state does not fit this corpus");
   }
 
 private:

@@ -149,12 +149,14 @@ struct ModelInfo {
   int sample_length = 0;          // token models: characters to generate at the end
 };
 
-// Snapshots: parameters, AdamW moments, the step, the seed and the data stream's state, so that a
-// resumed run repeats the uninterrupted one exactly.
+// Snapshots: parameters, AdamW moments, the step, the seed, the run's shaping flags and the data
+// stream's state, so that a run resumed with the same flags repeats the uninterrupted one exactly
+// (a resume with other flags is refused).
 struct SnapshotState {
   long step = 0;
   std::uint64_t seed = 0;
-  std::string data;
+  std::string run;   // the flags that shape the run (steps, batch, schedule...); must match on resume
+  std::string data;  // DataSource::state()
 };
 void save_snapshot(const std::string &path, std::string_view model_name, const Plan &plan, Executor &ex,
                    const SnapshotState &state);

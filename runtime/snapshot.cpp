@@ -2,6 +2,7 @@ module;
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <bit>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +16,7 @@ import remat;
 // float32. Written to <path>.tmp and renamed, so a snapshot is never half-written.
 namespace remat::runtime {
 namespace {
+static_assert(std::endian::native == std::endian::little, "snapshots store little-endian float32");
 constexpr std::string_view magic = "remat-snapshot 1";
 constexpr const char *state_tensors[] = {"params", "adam_m", "adam_v"};
 }  // namespace
@@ -22,19 +24,27 @@ constexpr const char *state_tensors[] = {"params", "adam_m", "adam_v"};
 void save_snapshot(const std::string &path, std::string_view model_name, const Plan &plan, Executor &ex,
                    const SnapshotState &state) {
   const std::string tmp = path + ".tmp";
-  {
+  try {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     if (!out) throw InputError(fmt::format("--save-snapshot {}: cannot write", path));
     const nlohmann::json header = {{"model", std::string(model_name)}, {"param_count", plan.param_count},
-                                   {"step", state.step}, {"seed", state.seed}, {"data", state.data}};
+                                   {"step", state.step}, {"seed", state.seed}, {"run", state.run},
+                                   {"data", state.data}, {"byte_order", "little"}};
     out << magic << '\n' << header.dump() << '\n';
     for (const char *name : state_tensors) {
       const auto values = ex.tensor<float>(name);
       out.write(reinterpret_cast<const char *>(values.data()), std::streamsize(values.size_bytes()));
     }
-    if (!out.flush()) throw InputError(fmt::format("--save-snapshot {}: write failed", path));
+    out.close();
+    if (!out) throw InputError(fmt::format("--save-snapshot {}: write failed", path));
+    std::filesystem::rename(tmp, path);
+  } catch (const std::filesystem::filesystem_error &e) {
+    std::filesystem::remove(tmp);
+    throw InputError(fmt::format("--save-snapshot {}: {}", path, e.code().message()));
+  } catch (...) {
+    std::filesystem::remove(tmp);
+    throw;
   }
-  std::filesystem::rename(tmp, path);
 }
 
 SnapshotState load_snapshot(const std::string &path, std::string_view model_name, const Plan &plan, Executor &ex) {
@@ -43,18 +53,22 @@ SnapshotState load_snapshot(const std::string &path, std::string_view model_name
   std::string line;
   if (!std::getline(in, line) || line != magic)
     throw InputError(fmt::format("--resume-from-snapshot {}: not a remat snapshot", path));
+  SnapshotState state;
   nlohmann::json header;
   try {
     std::getline(in, line);
     header = nlohmann::json::parse(line);
+    if (header.at("model").get<std::string>() != model_name || header.at("param_count").get<long long>() != plan.param_count)
+      throw InputError(fmt::format("--resume-from-snapshot {}: a snapshot of model {} with {} parameters; this is {} with {}",
+                                   path, header.at("model").get<std::string>(), header.at("param_count").get<long long>(),
+                                   model_name, plan.param_count));
+    state = {header.at("step").get<long>(), header.at("seed").get<std::uint64_t>(), header.at("run").get<std::string>(),
+             header.at("data").get<std::string>()};
+    if (header.at("byte_order").get<std::string>() != "little") throw nlohmann::json::other_error::create(501, "", nullptr);
   } catch (const nlohmann::json::exception &) {
     throw InputError(fmt::format("--resume-from-snapshot {}: corrupt header", path));
   }
-  if (header.value("model", "") != model_name || header.value("param_count", -1LL) != plan.param_count)
-    throw InputError(fmt::format("--resume-from-snapshot {}: a snapshot of model {} with {} parameters; this is {} with {}",
-                                 path, header.value("model", "?"), header.value("param_count", -1LL), model_name,
-                                 plan.param_count));
-  SnapshotState state{header.value("step", 0L), header.value("seed", std::uint64_t{0}), header.value("data", "")};
+  if (state.step < 1) throw InputError(fmt::format("--resume-from-snapshot {}: corrupt header (step {})", path, state.step));
   for (const char *name : state_tensors) {
     auto values = ex.tensor<float>(name);
     if (!in.read(reinterpret_cast<char *>(values.data()), std::streamsize(values.size_bytes())))

@@ -10,6 +10,8 @@ module;
 #include <cstdint>
 #include <cstdio>
 #include <exception>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <optional>
 #include <random>
@@ -238,7 +240,9 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
   app.add_option("--weight-decay", o.weight_decay, "AdamW decoupled weight decay on linear weights")->check(non_negative)->capture_default_str();
   app.add_option("--lr-scheduler-type", o.lr_scheduler_type, "learning-rate schedule after warm-up")->check(CLI::IsMember({"constant", "cosine"}))->capture_default_str();
   app.add_option("--warmup-steps", o.warmup_steps, "linear warm-up steps")->check(non_negative)->capture_default_str();
-  app.add_option("--seed", o.seed, "seed for initialization, shuffling and dropout")->capture_default_str();
+  app.add_option("--seed", o.seed, "seed for initialization, shuffling and dropout")
+      ->check(number([](double v) { return v >= 0 && v == std::floor(v); }, "a whole number >= 0"))
+      ->capture_default_str();
   app.add_option("--checkpoint-policy", o.checkpoint_policy, fmt::format("none | full | every_n_layers=N | sqrt_n | selective (default {})", policy_name(info.default_policy).view()));
   app.add_option("--dropout", o.dropout, "dropout probability of the model's dropout layers and attention")->check(probability)->capture_default_str();
   app.add_option("--data-dir", o.data_dir, "dataset folder")->capture_default_str();
@@ -284,6 +288,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
       throw InputError(fmt::format("--batch-size {} x --gradient-accumulation-steps {} exceeds the {} training samples", batch, micro, data->train_samples()));
     const long steps_per_epoch = data->train_samples() / (long(batch) * micro);
     const long max_steps = o.max_steps ? o.max_steps : o.num_train_epochs * steps_per_epoch;
+    if (max_steps > INT32_MAX) throw InputError(fmt::format("{} steps: at most {} (the dropout counters are 32-bit)", max_steps, INT32_MAX));
     const long eval_samples = o.eval_samples < 0 ? data->eval_samples() : o.eval_samples;
 
     if (o.save_steps && o.save_snapshot.empty()) throw InputError("--save-steps needs --save-snapshot FILE");
@@ -292,11 +297,23 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     Scalars scalars;
     Executor ex(plan, info.name, info.kernels, arena, scalars);
     init_params(plan, ex, o.seed);
+    // everything that shapes the sequence of steps; a resume must use the same
+    const std::string run_flags = fmt::format(
+        "--max-steps {} --batch-size {} --gradient-accumulation-steps {} --learning-rate {} --warmup-steps {} "
+        "--lr-scheduler-type {} --weight-decay {} --dropout {}",
+        max_steps, batch, micro, o.learning_rate, o.warmup_steps, o.lr_scheduler_type, o.weight_decay, o.dropout);
+    if (!o.save_snapshot.empty()) {  // fail now, not after training, if the snapshot cannot be written
+      const std::string probe = o.save_snapshot + ".tmp";
+      if (!std::ofstream(probe)) throw InputError(fmt::format("--save-snapshot {}: cannot write", o.save_snapshot));
+      std::filesystem::remove(probe);
+    }
     long first_step = 1;
     if (!o.resume_from_snapshot.empty()) {
       const SnapshotState snap = load_snapshot(o.resume_from_snapshot, info.name, plan, ex);
       if (snap.seed != o.seed)
         throw InputError(fmt::format("--resume-from-snapshot: the snapshot was made with --seed {}, not {}", snap.seed, o.seed));
+      if (snap.run != run_flags)
+        throw InputError(fmt::format("--resume-from-snapshot: the snapshot's run used {}", snap.run));
       if (snap.step >= max_steps)
         throw InputError(fmt::format("--resume-from-snapshot: the snapshot is at step {}, not before --max-steps {}", snap.step, max_steps));
       data->restore(snap.data);
@@ -305,7 +322,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     // the final snapshot goes to FILE, the ones every --save-steps to FILE.step<N>
     auto save = [&](long step) {
       const std::string path = step == max_steps ? o.save_snapshot : fmt::format("{}.step{}", o.save_snapshot, step);
-      save_snapshot(path, info.name, plan, ex, {step, o.seed, data->state()});
+      save_snapshot(path, info.name, plan, ex, {step, o.seed, run_flags, data->state()});
     };
     reset_halide_heap_peak();
     scalars.seed = o.seed;
