@@ -88,7 +88,8 @@ void init_params(const Plan &plan, Executor &ex, std::uint64_t seed) {
 double learning_rate(const Options &o, long step, long max_steps) {  // step counts from 1
   if (step <= o.warmup_steps) return o.learning_rate * step / std::max(1, o.warmup_steps);
   if (o.lr_scheduler_type == "constant") return o.learning_rate;
-  const double progress = double(step - o.warmup_steps) / std::max(1L, max_steps - o.warmup_steps);
+  // progress 0 on the first step after warm-up, below 1 on the last step (which still learns)
+  const double progress = double(step - o.warmup_steps - 1) / std::max(1L, max_steps - o.warmup_steps);
   return o.learning_rate * 0.5 * (1.0 + std::cos(M_PI * std::min(1.0, progress)));
 }
 
