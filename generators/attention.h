@@ -219,8 +219,10 @@ public:
     g.delta = Func(name + "_delta");
     g.delta(h, v.b) = L.constant(0);
     g.delta(h, v.b) += dout(h * D + rd, v.b) * out(h * D + rd, v.b);
-    g.q = score_grad_chain(name + "_q", qkv, lse, dout, g.delta, C, H, drop);
-    g.kv = key_side_chain(name + "_kv", qkv, lse, dout, g.delta, C, H, drop);
+    // query side: f(s, h, b) for query row b, key position s; key side: f(t, h, b) for key
+    // row b, query position t. Each is indexed by the row where it is consumed.
+    g.q = score_grad_chain(name + "_q", qkv, lse, dout, g.delta, C, H, drop, v.b, n * T + s, s);
+    g.kv = score_grad_chain(name + "_kv", qkv, lse, dout, g.delta, C, H, drop, n * T + s, v.b, t);
 
     // dq(b) = sum_{s <= t} dS(s) k(n T + s) / sqrt(D)
     RDom rq(0, T, name + "_dq_s");
@@ -296,50 +298,25 @@ private:
     sc.score(s, h, v.b) = sc.dot(s, h, v.b) * L.constant(1 / std::sqrt(double(D)));
     return sc;
   }
+  // Probabilities and score gradients for the (query row, key row) pair that `query` and `key`
+  // name in terms of (s, h, b); `key_position` is the key's position within its sequence.
   ScoreGradChain score_grad_chain(const std::string &name, Halide::Func qkv, Halide::Func lse,
-                                  Halide::Func dout, Halide::Func delta, int C, int H,
-                                  const Dropout &drop) const {
+                                  Halide::Func dout, Halide::Func delta, int C, int H, const Dropout &drop,
+                                  Halide::Expr query, Halide::Expr key, Halide::Expr key_position) const {
     using namespace Halide;
     const int D = C / H;
-    const Expr n = v.b / T;
-    ScoreGradChain c;
-    Scores sc = scores(name, qkv, C, H);
-    c.dot = sc.dot;
-    c.score = sc.score;
-    c.prob = probabilities(name, c.score, lse);
-    dropout_probabilities(name, c.prob, H, drop, c.keep, c.kept);
-    RDom rd(0, D, name + "_dp");
-    c.dprob_kept = Func(name + "_dprob_kept");
-    c.dprob_kept(s, h, v.b) = L.constant(0);
-    c.dprob_kept(s, h, v.b) += dout(h * D + rd, v.b) * qkv(2 * C + h * D + rd, n * T + s);
-    c.dprob = Func(name + "_dprob");
-    c.dprob(s, h, v.b) = drop.enabled ? c.dprob_kept(s, h, v.b) * c.keep(s, h, v.b)
-                                      : Expr(c.dprob_kept(s, h, v.b));
-    c.dscore = Func(name + "_dscore");
-    c.dscore(s, h, v.b) = c.prob(s, h, v.b) * (c.dprob(s, h, v.b) - delta(h, v.b));
-    return c;
-  }
-  // The same quantities seen from key row b = n T + s, for query positions t (meaningful for
-  // t >= s): every Func is indexed by the key row, so a schedule computes it per key row.
-  ScoreGradChain key_side_chain(const std::string &name, Halide::Func qkv, Halide::Func lse,
-                                Halide::Func dout, Halide::Func delta, int C, int H,
-                                const Dropout &drop) const {
-    using namespace Halide;
-    const int D = C / H;
-    const Expr n = v.b / T, sk = v.b % T, tq = s;  // s is the Var of the first dimension
-    const Expr query = n * T + tq;
     ScoreGradChain c;
     RDom rd(0, D, name + "_d");
     c.dot = Func(name + "_dot");
     c.dot(s, h, v.b) = L.constant(0);
-    c.dot(s, h, v.b) += qkv(h * D + rd, query) * qkv(C + h * D + rd, v.b);
+    c.dot(s, h, v.b) += qkv(h * D + rd, query) * qkv(C + h * D + rd, key);
     c.score = Func(name + "_score");
     c.score(s, h, v.b) = c.dot(s, h, v.b) * L.constant(1 / std::sqrt(double(D)));
     c.prob = Func(name + "_prob");
     c.prob(s, h, v.b) = exp(c.score(s, h, v.b) - lse(h, query));
     if (drop.enabled) {
       c.keep = Func(name + "_keep");
-      c.keep(s, h, v.b) = dropout_factor(drop, attention_element(sk, h, query, H));
+      c.keep(s, h, v.b) = dropout_factor(drop, attention_element(key_position, h, query, H));
       c.kept = Func(name + "_kept");
       c.kept(s, h, v.b) = c.prob(s, h, v.b) * c.keep(s, h, v.b);
     } else {
@@ -347,7 +324,7 @@ private:
     }
     c.dprob_kept = Func(name + "_dprob_kept");
     c.dprob_kept(s, h, v.b) = L.constant(0);
-    c.dprob_kept(s, h, v.b) += dout(h * D + rd, query) * qkv(2 * C + h * D + rd, v.b);
+    c.dprob_kept(s, h, v.b) += dout(h * D + rd, query) * qkv(2 * C + h * D + rd, key);
     c.dprob = Func(name + "_dprob");
     c.dprob(s, h, v.b) = drop.enabled ? c.dprob_kept(s, h, v.b) * c.keep(s, h, v.b)
                                       : Expr(c.dprob_kept(s, h, v.b));
