@@ -3,7 +3,7 @@
 # <file.cppm> declares `export module <name>;` with `<name>::model` (a checked remat::Model) and
 # `<name>::policy` (its default checkpoint policy). This builds the model compiler for it, runs it
 # at build time and yields the library <name>_kernels, whose C++ module `<name>.kernels` exports
-# the kernel table; trainers link it and `import <name>.kernels;`.
+# the kernel tables (`table` for the CPU, `cuda_table` for CUDA); trainers link it and `import <name>.kernels;`.
 function(remat_add_model name)
   cmake_parse_arguments(ARG "" "MODULE" "" ${ARGN})
   add_library(${name}_model STATIC)
@@ -23,9 +23,9 @@ int main(int argc, char **argv) { return remat::modelc::main(argc, argv, ${name}
   set(dir ${CMAKE_CURRENT_BINARY_DIR}/kernels)
   add_custom_command(
     OUTPUT ${dir}/lib${name}_kernels.a ${dir}/${name}.kernels.cppm
-    COMMAND ${name}-modelc --out ${dir} --cpu-target ${REMAT_CPU_TARGET}
+    COMMAND ${name}-modelc --out ${dir} --cpu-target ${REMAT_CPU_TARGET} --cuda-capability ${REMAT_CUDA_CAPABILITY}
     DEPENDS ${name}-modelc
-    COMMENT "Generating Halide kernels for model ${name} (${REMAT_CPU_TARGET})")
+    COMMENT "Generating Halide kernels for model ${name} (${REMAT_CPU_TARGET}; CUDA sm_${REMAT_CUDA_CAPABILITY})")
   add_custom_target(${name}_kernels_generated DEPENDS ${dir}/lib${name}_kernels.a ${dir}/${name}.kernels.cppm)
 
   add_library(${name}_kernels STATIC)

@@ -326,8 +326,16 @@ template <Model M> consteval Model checked() {
 struct Policy {
   enum class Kind : std::uint8_t { none, full, every_n_layers, sqrt_n, selective } kind = Kind::none;
   int n = 0;  // for every_n_layers
+  // The checkpoints (inputs kept by segments that recompute) wait in pinned host memory between
+  // their forward and backward: copied out after the block's forward, brought back one block
+  // ahead of the backward that reads them.
+  bool offload = false;
   constexpr bool operator==(const Policy &) const = default;
 };
+constexpr Policy with_offload(Policy p) {
+  p.offload = true;
+  return p;
+}
 
 inline constexpr Policy none{Policy::Kind::none};
 inline constexpr Policy full{Policy::Kind::full};
@@ -347,12 +355,13 @@ consteval Policy every_n_layers(int n) {
 constexpr bool needs_input_grad(const Model &m, int stage) { return stage > 0 || m.stages[0].repeat > 1; }
 
 constexpr Name policy_name(Policy p) {
+  const std::string_view offload = p.offload ? "+offload" : "";
   switch (p.kind) {
-  case Policy::Kind::none: return "none";
-  case Policy::Kind::full: return "full";
-  case Policy::Kind::every_n_layers: return cat("every_n_layers=", p.n);
-  case Policy::Kind::sqrt_n: return "sqrt_n";
-  case Policy::Kind::selective: return "selective";
+  case Policy::Kind::none: return cat("none", offload);
+  case Policy::Kind::full: return cat("full", offload);
+  case Policy::Kind::every_n_layers: return cat("every_n_layers=", p.n, offload);
+  case Policy::Kind::sqrt_n: return cat("sqrt_n", offload);
+  case Policy::Kind::selective: return cat("selective", offload);
   }
   return "?";
 }
@@ -637,6 +646,7 @@ struct Tensor {
   int elem_bytes = 4;
   int view_of = -1;           // for views: the root tensor and the byte offset inside it
   std::size_t offset = 0;     // roots: arena offset; views: offset inside the root
+  std::size_t host_offset = 0;  // offloaded tensors: offset in the pinned host buffer
   int stage = -1, block = -1, layer = -1;  // where it comes from, for reports
   constexpr std::size_t bytes() const {
     long long n = elem_bytes;
@@ -660,6 +670,13 @@ struct Step {
   std::vector<Arg> args;
   std::vector<int> alloc;  // tensors that become live before the kernel runs
   std::vector<int> free;   // tensors that die after it
+  // Offload (Policy::offload): transfers between arena tensors and the pinned host buffer, on a
+  // copy stream ordered by events. Before the kernel: wait for the copy-out of `await_out` (their
+  // memory is about to be reused), start bringing back each `fetch` pair {host copy of tensor a,
+  // into tensor b} (b is in `alloc`), and wait for the arrival of `await_in`. After it: copy each
+  // `offload` tensor out.
+  std::vector<int> await_out, await_in, offload;
+  std::vector<std::pair<int, int>> fetch;
 };
 
 inline constexpr std::size_t arena_alignment = 64;
@@ -675,6 +692,7 @@ struct Plan {
   std::size_t peak_bytes = 0;         // arena size: the highest byte any live tensor reaches
   std::size_t activation_bytes = 0;   // most activation bytes live at once during training
   std::size_t eval_peak_bytes = 0;
+  std::size_t offload_bytes = 0;      // pinned host buffer for offloaded checkpoints
   long long param_count = 0;
   int recompute_launches = 0;         // kernels per micro-batch that recompute forward work
   int total_launches = 0;
@@ -868,6 +886,53 @@ struct Builder {
     return dx;
   }
 
+  // ---- offload ----
+  // A checkpoint x read by the forward of the last step: copied out after it; its arena memory
+  // is freed one step later (the copy overlaps that step), and the step after waits for the copy
+  // before anything can reuse the memory.
+  std::vector<std::pair<int, int>> offloaded{};  // {tensor, train step that copied it out}
+  constexpr void offload_after(int x) {
+    const int at = int(plan.train.size()) - 1;
+    plan.train[at].offload.push_back(x);
+    plan.tensors[x].host_offset = plan.offload_bytes;
+    plan.offload_bytes += align_up(plan.tensors[x].bytes());
+    offloaded.push_back({x, at});
+  }
+  constexpr int offloaded_at(int x) const {
+    for (auto [t, at] : offloaded)
+      if (t == x) return at;
+    return -1;
+  }
+  // Called when the backward schedule reaches the first step that reads x: a restored copy is
+  // allocated one step earlier (the fetch overlaps that step) and awaited by the reader.
+  std::vector<std::pair<int, int>> restored{};  // {restored tensor, original}
+  constexpr int bring_back(int x) {
+    Tensor copy = plan.tensors[x];
+    copy.role = Role::block_input;
+    const int r = add(copy);
+    restored.push_back({r, x});
+    return r;
+  }
+  // After the schedule is built: place the frees, waits and fetches described above.
+  constexpr void schedule_transfers() {
+    auto &train = plan.train;
+    for (auto [x, at] : offloaded) {
+      const int release = std::min(at + 1, int(train.size()) - 1);
+      train[release].free.push_back(x);
+      if (release + 1 < int(train.size())) train[release + 1].await_out.push_back(x);
+    }
+    for (auto [r, x] : restored) {
+      int reader = -1;
+      for (int i = 0; i < int(train.size()) && reader < 0; ++i)
+        for (const Arg &a : train[i].args)
+          if (a.tensor == r) reader = i;
+      const int fetch_at = std::max(reader - 1, 0);
+      train[fetch_at].alloc.insert(train[fetch_at].alloc.begin(), r);
+      train[fetch_at].fetch.push_back({x, r});
+      train[reader].await_in.push_back(r);
+    }
+  }
+
   constexpr void build() {
     n_rows = (long long)batch * m.rows_per_sample();
     plan.policy = policy;
@@ -915,6 +980,7 @@ struct Builder {
       // The input stays if this block's backward reads it or it starts a segment.
       const bool input_kept = seg < 0 || segs[seg].first == units[u].index;
       if (!input_kept) free_activation(plan.train.back(), x);
+      if (input_kept && seg >= 0 && policy.offload && plan.tensors[x].role != Role::data) offload_after(x);
       x = y;
     }
     // ---- loss ----
@@ -938,7 +1004,8 @@ struct Builder {
       // blocks, then run this block's fused recompute-backward, then the others from saved.
       const int first = u - (units[u].index - segs[seg].first);
       std::vector<int> rebuilt_inputs = filled(units.size(), -1);
-      rebuilt_inputs[first] = block_inputs[first];
+      rebuilt_inputs[first] = offloaded_at(block_inputs[first]) >= 0 ? bring_back(block_inputs[first])
+                                                                    : block_inputs[first];
       std::vector<std::vector<int>> rebuilt(units.size());
       for (int r = first; r < u; ++r) {
         const int y = forward(plan.train, units[r], rebuilt_inputs[r], Keep::all, Role::recomputed, &rebuilt[r]);
@@ -988,6 +1055,7 @@ struct Builder {
     eval_loss.free = {x, eval_dlogits};
     plan.eval.push_back(eval_loss);
 
+    schedule_transfers();
     place();
   }
 

@@ -258,21 +258,9 @@ private:
         if (backward && listed(kt.saved, lse.name)) saved_lse = args.tensor(lse);
         gen::Attention a = tr.attention(str(cat("att", j)), value(src), l.out, l.heads, dropout_at(j),
                                         saved_lse, name);
-        if (!saved_lse) {
-          a.lse.compute_root().parallel(v.b);
-          a.lse_dot.compute_at(a.lse, v.b);
-          a.row_max.compute_at(a.lse, v.b);
-          a.sum_exp.compute_at(a.lse, v.b);
-          output(outputs, a.lse, lse);
-        }
+        if (!saved_lse) output(outputs, a.lse, lse);
         f.lse[j] = saved_lse ? *saved_lse : a.lse;
-        a.out.compute_root().parallel(v.b).vectorize(v.c, sched.vec, TailStrategy::GuardWithIf);
-        a.out.update().parallel(v.b);
-        sched.weighted_sum(a.out);
-        a.dot.compute_at(a.out, v.b);
-        a.kept.compute_at(a.out, v.b);
-        sched.dot(a.dot);
-        if (!saved_lse) sched.dot(a.lse_dot);
+        sched.attention(a, !saved_lse, l.out / l.heads, tr.T);
         out = a.out;
         gemm_or_reduction = true;
         break;
@@ -409,20 +397,11 @@ private:
       case Op::attention: {
         gen::AttentionGrad g = tr.attention_grad(str(cat("att", k)), value(src), value(k), f.lse[k], d,
                                                  l.out, l.heads, dropout_at(k));
-        g.delta.compute_root().parallel(v.b);
-        g.delta.update().parallel(v.b);
-        sched.dot(g.delta);
+        sched.attention_delta(g.delta);
         output(outputs, g.delta, {cat("att", k, "_delta"), 2, {l.heads, -1}});
-        grads[src].push_back({g.dqkv, {}, 0, [this, g](Func consumer) mutable {
-          consumer.compute_root().parallel(v.b);
-          for (Func fn : {g.dq, g.dk, g.dv, g.q.dot, g.q.dprob_kept, g.q.dscore, g.kv.dot, g.kv.dprob_kept,
-                          g.kv.dscore, g.kv.kept})
-            fn.compute_at(consumer, v.b);
-          for (Func fn : {g.q.dot, g.q.dprob_kept, g.kv.dot, g.kv.dprob_kept}) sched.dot(fn);
-          for (Func fn : {g.dq, g.dk, g.dv}) {
-            fn.vectorize(v.c, sched.vec, TailStrategy::GuardWithIf);
-            sched.weighted_sum(fn);
-          }
+        const int head_dim = l.out / l.heads;
+        grads[src].push_back({g.dqkv, {}, 0, [this, g, head_dim](Func consumer) {
+          sched.attention_grad(consumer, g, head_dim, tr.T);
         }});
         break;
       }
@@ -433,10 +412,7 @@ private:
                                                  accumulated(gw_name, gw_spec, L.constant(0), {v.c, v.b}),
                                                  accumulated(gb_name, gb_spec, L.constant(0), {v.c, v.b}),
                                                  gw_name, gb_name);
-        g.dwte.compute_root().vectorize(v.c, sched.vec, TailStrategy::GuardWithIf);
-        g.dwte.update().vectorize(v.c, sched.vec, TailStrategy::GuardWithIf);
-        g.dwpe.compute_root().vectorize(v.c, sched.vec, TailStrategy::GuardWithIf).parallel(v.b);
-        g.dwpe.update().vectorize(v.c, sched.vec, TailStrategy::GuardWithIf).parallel(v.b);
+        sched.embedding_grad(g);
         output(outputs, g.dwte, gw_spec);
         output(outputs, g.dwpe, gb_spec);
         break;
@@ -475,12 +451,7 @@ Pipeline loss_kernel(int classes, Arguments &args, const Target &target) {
   Param<float> scale("grad_scale");
   args.order.push_back(scale);
   auto ce = L.cross_entropy(logits, labels, classes, scale);
-  ce.row_max.compute_root().parallel(v.b, 16, TailStrategy::GuardWithIf);
-  ce.row_max.update().parallel(v.b, 16, TailStrategy::GuardWithIf);
-  ce.row_lse.compute_root().parallel(v.b, 16, TailStrategy::GuardWithIf);
-  ce.sum_exp.compute_at(ce.row_lse, v.b);
-  for (Func f : {ce.row_loss, ce.row_correct}) f.compute_root().parallel(v.b, 16, TailStrategy::GuardWithIf);
-  sched.pointwise(ce.dlogits);
+  sched.cross_entropy(ce);
   std::vector<Func> outs = {ce.dlogits, ce.row_loss, ce.row_correct, ce.row_max, ce.row_lse};
   Arguments::constrain(ce.dlogits.output_buffer(), 2, {classes, -1});
   for (size_t i = 1; i < outs.size(); ++i) Arguments::constrain(outs[i].output_buffer(), 1, {-1, 0});
@@ -499,12 +470,7 @@ Pipeline adamw_kernel(Arguments &args, const Target &target) {
     args.order.push_back(s.back());
   }
   Func upd = L.adamw(p, g, m, var, s[0], s[1], s[2], s[3], s[4], s[5], s[6]);
-  const int vec = target.natural_vector_size<float>();
-  Var co("co"), ci("ci");
-  upd.compute_root()
-      .split(v.c, co, ci, vec * 64, TailStrategy::GuardWithIf)
-      .parallel(co)
-      .vectorize(ci, vec, TailStrategy::GuardWithIf);
+  Scheduler(target, v).adamw(upd);
   Arguments::constrain(upd.output_buffers()[0], 1, {-1, 0});  // the others follow the first
   return Pipeline(upd);
 }
@@ -524,33 +490,80 @@ void write_if_changed(const std::filesystem::path &path, const std::string &text
   std::filesystem::rename(tmp, path);
 }
 
-struct Emitter {
-  std::filesystem::path out, staging;
-  Target target;
-  std::vector<std::string> objects, names;
+// One generated kernel: the plan's kernel name, and its C symbol for one target.
+struct Emitted {
+  std::string name, symbol;
+  bool cuda;
+};
 
-  void emit(const std::string &name, Pipeline p, const std::vector<Argument> &args) {
-    const auto base = (staging / name).string();
+struct Emitter {
+  std::filesystem::path staging;
+  std::vector<std::string> objects;
+  std::vector<Emitted> kernels;
+
+  void emit(const std::string &name, const Target &target, Pipeline p, const std::vector<Argument> &args) {
+    const bool cuda = target.has_feature(Target::CUDA);
+    const std::string symbol = cuda ? name + "_cuda" : name;
+    const auto base = (staging / symbol).string();
     std::map<OutputFileType, std::string> files = {{OutputFileType::object, base + ".o"},
                                                    {OutputFileType::c_header, base + ".h"}};
     if (std::getenv("REMAT_STMT")) files[OutputFileType::stmt] = base + ".stmt";  // for reading schedules
-    p.compile_to(files, args, name, target.with_feature(Target::NoRuntime));
+    p.compile_to(files, args, symbol, target.with_feature(Target::NoRuntime));
     objects.push_back(base + ".o");
-    names.push_back(name);
+    kernels.push_back({name, symbol, cuda});
+  }
+
+  // Every kernel of the model for one target.
+  void emit_model(const Model &model, const std::string &name, const Target &target) {
+    for (int s = 0; s < model.n_stages; ++s) {
+      // Plain stages keep everything (and evaluation runs forward_discard); blocks of a repeat
+      // stage get every variant the policies use.
+      const bool checkpointable = model.stages[s].checkpointable;
+      for (Keep keep : {Keep::all, Keep::nothing, Keep::selective}) {
+        for (bool backward : {false, true}) {
+          if (!checkpointable && (keep == Keep::selective || (backward && keep == Keep::nothing))) continue;
+          StageKernels k(model, s, target);
+          Pipeline p = backward ? k.backward(keep) : k.forward(keep);
+          emit(str(kernel_name(name, s, backward ? backward_variant(keep) : forward_variant(keep))), target, p,
+               k.arguments());
+        }
+      }
+    }
+    {
+      Arguments args(Float(32));
+      Pipeline p = loss_kernel(model.classes(), args, target);
+      emit(str(kernel_name(name, 0, Variant::loss)), target, p, args.order);
+    }
+    {
+      Arguments args(Float(32));
+      Pipeline p = adamw_kernel(args, target);
+      emit(str(kernel_name(name, 0, Variant::adamw)), target, p, args.order);
+    }
   }
 };
 
 }  // namespace
 
+// CUDA kernels: PTX for a pinned compute capability (a bare host-cuda target would ask the
+// driver at build time), host code for the pinned CPU features.
+Target cuda_target(const std::string &cpu_target, int capability) {
+  const std::map<int, Target::Feature> features = {{70, Target::CUDACapability70}, {75, Target::CUDACapability75},
+                                                   {80, Target::CUDACapability80}, {86, Target::CUDACapability86}};
+  if (!features.count(capability)) throw std::runtime_error("unsupported --cuda-capability " + std::to_string(capability));
+  return Target(cpu_target).with_feature(Target::CUDA).with_feature(features.at(capability));
+}
+
 int main(int argc, char **argv, const Model &model, std::string_view model_name) {
   std::string out_dir, cpu_target = "host";
+  int capability = 0;  // 0: no CUDA kernels
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--out") out_dir = argv[i + 1];
     else if (flag == "--cpu-target") cpu_target = argv[i + 1];
+    else if (flag == "--cuda-capability") capability = std::atoi(argv[i + 1]);
   }
   if (out_dir.empty()) {
-    std::fprintf(stderr, "usage: %s --out DIR [--cpu-target TARGET]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s --out DIR [--cpu-target TARGET] [--cuda-capability NN]\n", argv[0]);
     return 2;
   }
   try {
@@ -559,51 +572,39 @@ int main(int argc, char **argv, const Model &model, std::string_view model_name)
     if (kernel_name(name, 9, Variant::backward_selective).size() + 1 >= int(Name{}.chars.size()) ||
         kernel_name(name, 9, Variant::backward_selective).view().find(name) != 0)
       throw std::runtime_error("model name '" + name + "' is too long for kernel names");
-    Emitter e{out_dir, std::filesystem::path(out_dir) / "staging", Target(cpu_target)};
+    Emitter e{std::filesystem::path(out_dir) / "staging"};
     std::filesystem::create_directories(e.staging);
-    for (int s = 0; s < model.n_stages; ++s) {
-      // Plain stages keep everything (and evaluation runs forward_discard); blocks of a repeat
-      // stage get every variant the policies use.
-      const bool checkpointable = model.stages[s].checkpointable;
-      for (Keep keep : {Keep::all, Keep::nothing, Keep::selective}) {
-        for (bool backward : {false, true}) {
-          if (!checkpointable && (keep == Keep::selective || (backward && keep == Keep::nothing))) continue;
-          StageKernels k(model, s, e.target);
-          Pipeline p = backward ? k.backward(keep) : k.forward(keep);
-          e.emit(str(kernel_name(name, s, backward ? backward_variant(keep) : forward_variant(keep))), p,
-                 k.arguments());
-        }
-      }
-    }
-    {
-      Arguments args(Float(32));
-      Pipeline p = loss_kernel(model.classes(), args, e.target);
-      e.emit(str(kernel_name(name, 0, Variant::loss)), p, args.order);
-    }
-    {
-      Arguments args(Float(32));
-      Pipeline p = adamw_kernel(args, e.target);
-      e.emit(str(kernel_name(name, 0, Variant::adamw)), p, args.order);
-    }
+    const Target cpu(cpu_target);
+    e.emit_model(model, name, cpu);
+    // One Halide runtime for both: the CUDA target's runtime includes the CPU one.
+    const Target runtime_target = capability ? cuda_target(cpu_target, capability) : cpu;
+    if (capability) e.emit_model(model, name, runtime_target);
     const auto runtime = (e.staging / "halide_runtime.o").string();
-    compile_standalone_runtime(runtime, e.target);
+    compile_standalone_runtime(runtime, runtime_target);
     std::vector<std::string> all = e.objects;
     all.push_back(runtime);
     const auto lib = (e.staging / ("lib" + name + "_kernels.a")).string();
-    create_static_library(all, e.target, lib);
+    create_static_library(all, runtime_target, lib);
 
-    // The module interface: the kernel table, by name.
+    // The module interface: the kernel tables (CPU and CUDA), by the plan's kernel names.
     std::string cppm = "// Generated by the remat model compiler from the model module `" + name +
-                       "`. Do not edit.\nmodule;\n#include <HalideRuntime.h>\n";
-    for (const auto &n : e.names) cppm += "#include \"" + n + ".h\"\n";
-    cppm += "export module " + name + ".kernels;\nimport remat.runtime;\n\nexport namespace " + name +
-            "_kernels {\ninline constexpr remat::runtime::Kernel table[] = {\n";
-    for (const auto &n : e.names)
-      cppm += "    {\"" + n + "\", &" + n + "_argv, &" + n + "_metadata},\n";
-    cppm += "};\n}  // namespace " + name + "_kernels\n";
+                       "`. Do not edit.\nmodule;\n#include <HalideRuntime.h>\n\n#include <span>\n";
+    for (const Emitted &k : e.kernels) cppm += "#include \"" + k.symbol + ".h\"\n";
+    cppm += "export module " + name + ".kernels;\nimport remat.runtime;\n\nexport namespace " + name + "_kernels {\n";
+    for (bool cuda : {false, true}) {
+      const std::string array = cuda ? "cuda_kernels" : "table";
+      std::string rows;
+      for (const Emitted &k : e.kernels)
+        if (k.cuda == cuda) rows += "    {\"" + k.name + "\", &" + k.symbol + "_argv, &" + k.symbol + "_metadata},\n";
+      if (!rows.empty()) cppm += "inline constexpr remat::runtime::Kernel " + array + "[] = {\n" + rows + "};\n";
+    }
+    // empty when the model compiler ran without --cuda-capability
+    cppm += std::string("inline constexpr std::span<const remat::runtime::Kernel> cuda_table") +
+            (capability ? " = cuda_kernels;\n" : ";\n");
+    cppm += "}  // namespace " + name + "_kernels\n";
     write_if_changed(std::filesystem::path(out_dir) / (name + ".kernels.cppm"), cppm);
     std::vector<std::string> published = {"lib" + name + "_kernels.a"};
-    for (const auto &n : e.names) published.push_back(n + ".h");
+    for (const Emitted &k : e.kernels) published.push_back(k.symbol + ".h");
     for (const auto &file : published) {
       std::ifstream in(e.staging / file, std::ios::binary);
       if (!in) throw std::runtime_error("cannot read " + (e.staging / file).string());

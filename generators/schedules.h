@@ -1,9 +1,14 @@
-// CPU schedule templates, one per kernel shape (GEMM, pointwise, row and column reductions,
-// attention dot products). The model compiler gives every Func of a given role the same one in
-// every kernel variant, so a recomputed value is bit-identical to the one computed the first
-// time; bench/bench_gemm.cpp times the GEMM template against OpenBLAS.
+// Schedule templates, one per kernel shape (GEMM, pointwise, row and column reductions,
+// attention, embedding, loss, optimizer), for the CPU and for CUDA GPUs (chosen by the target).
+// The model compiler gives every Func of a given role the same one in every kernel variant, so a
+// recomputed value is bit-identical to the one computed the first time; bench/bench_gemm.cpp
+// times the CPU GEMM template against OpenBLAS.
+//
+// No schedule allocates: every intermediate a kernel keeps is a planned arena buffer (a kernel
+// output) or lives in registers / GPU shared memory with a constant size.
 #pragma once
 
+#include "attention.h"
 #include "layers.h"
 
 #include <Halide.h>
@@ -19,10 +24,11 @@ class Scheduler {
   using RVar = Halide::RVar;
   using TailStrategy = Halide::TailStrategy;
   using Target = Halide::Target;
+  using Stage = Halide::Stage;
 
 public:
   Scheduler(const Target &target, const Vars &v)
-      : v(v), vec(target.natural_vector_size<float>()) {}
+      : v(v), vec(target.natural_vector_size<float>()), gpu(target.has_gpu_feature()) {}
 
   // Register tiles of tile_c x tile_b outputs accumulate over the whole inner dimension. Tiles
   // never run past a static extent (tile sizes divide it), and a dynamic row count (the batch)
@@ -32,6 +38,23 @@ public:
   // computed once per row tile, which then runs through every column tile.
   void matmul(MatMul &m, int rows /* -1: the batch */, int cols, std::optional<Func> computed = {}) {
     Var co("co"), bo("bo"), ci("ci"), bi("bi");
+    if (gpu) {
+      // A thread block computes 32 columns x 8 rows; each thread one column of 4 rows, its
+      // accumulators in registers. A computed operand is inlined (rebuilt per use).
+      Var bt("bt");
+      const TailStrategy rows_tail = rows >= 0 && rows % 8 == 0 ? TailStrategy::RoundUp : TailStrategy::ShiftInwards;
+      m.out.compute_root()
+          .split(v.c, co, ci, 32, TailStrategy::GuardWithIf)
+          .split(v.b, bo, bi, 8, rows_tail)
+          .split(bi, bt, bi, 4)
+          .reorder(bi, ci, bt, co, bo)
+          .unroll(bi)
+          .gpu_blocks(co, bo)
+          .gpu_threads(ci, bt);
+      m.acc.compute_at(m.out, ci).unroll(v.b);
+      m.acc.update().reorder(v.b, v.c, m.k).unroll(v.b);
+      return;
+    }
     int tile_c = 0, tile_b = 1;
     for (int t : {2 * vec, vec})
       if (!tile_c && cols % t == 0) tile_c = t;
@@ -61,11 +84,16 @@ public:
     m.acc.update().reorder(v.c, v.b, m.k).vectorize(v.c, vec).unroll(v.c).unroll(v.b);
   }
   void pointwise(Func f) {
-    Var co("co"), ci("ci");
+    Var co("co"), ci("ci"), bo("bo"), bi("bi");
+    if (gpu) {
+      f.compute_root().gpu_tile(v.c, v.b, co, bo, ci, bi, 32, 8, TailStrategy::GuardWithIf);
+      return;
+    }
     f.compute_root().split(v.c, co, ci, vec, TailStrategy::GuardWithIf).vectorize(ci).parallel(v.b, 8, TailStrategy::GuardWithIf);
   }
   void transpose(Func f) {
     Var co("co"), ci("ci"), bo("bo"), bi("bi");
+    if (gpu) return pointwise(f);
     f.compute_root()
         .tile(v.c, v.b, co, bo, ci, bi, vec, vec, TailStrategy::GuardWithIf)
         .vectorize(ci)
@@ -74,18 +102,35 @@ public:
   }
   // f(b) = g(reduction over the features of row b); `partial` are the row reductions it reads
   void row_reduction(Func f, std::vector<Func> partial = {}) {
+    if (gpu) {  // a thread per row
+      Var bo("bo"), bi("bi");
+      f.compute_root().gpu_tile(v.b, bo, bi, 64, TailStrategy::GuardWithIf);
+      if (f.has_update_definition()) f.update().gpu_tile(v.b, bo, bi, 64, TailStrategy::GuardWithIf);
+      for (Func &p : partial) p.compute_at(f, bi);
+      return;
+    }
     f.compute_root().parallel(v.b, 16, TailStrategy::GuardWithIf);
     if (f.has_update_definition()) f.update().parallel(v.b, 16, TailStrategy::GuardWithIf);
     for (Func &p : partial) p.compute_at(f, v.b);
   }
   // A dot product over a head's features: the reduction itself is vectorized (vector partial
   // sums, then a horizontal add).
-  void dot(Func f) { f.update().atomic().vectorize(f.rvars(0)[0], vec); }
+  // On a GPU the product stays a loop within its thread.
+  void dot(Func f) {
+    if (!gpu) f.update().atomic().vectorize(f.rvars(0)[0], vec);
+  }
   // out(c, b) = sum over positions of weights(., c / D, b) * rows(c): vectors along c.
-  void weighted_sum(Func f) { f.update().vectorize(v.c, vec, TailStrategy::GuardWithIf); }
+  void weighted_sum(Func f) {
+    if (!gpu) f.update().vectorize(v.c, vec, TailStrategy::GuardWithIf);
+  }
   // out(c) = epilogue(sum over rows of ...): `sum` is computed vector by vector inside `out`
   void column_sum(Func out, Func sum, RVar rows, int cols) {
     Var co("co"), ci("ci");
+    if (gpu) {  // a thread per column runs down the rows
+      out.compute_root().gpu_tile(v.c, co, ci, 64, TailStrategy::GuardWithIf);
+      sum.compute_at(out, ci);
+      return;
+    }
     if (cols % vec != 0) {  // narrow: scalar columns
       out.compute_root();
       sum.compute_at(out, v.c);
@@ -96,8 +141,137 @@ public:
     sum.update().reorder(v.c, rows).vectorize(v.c);
   }
 
+  // Causal attention forward. CPU: a row per task, the head dot products vectorized. GPU: a
+  // thread block per (head, row); the row's scores and probabilities for that head sit in shared
+  // memory (T floats each), its threads run over key positions, then over the head's features.
+  // `lse_computed`: the statistics are computed here (not read from a saved buffer).
+  void attention(gen::Attention &a, bool lse_computed, int head_dim, int block_size) {
+    Var co("co"), ci("ci"), bo("bo"), bi("bi"), so("so"), si("si");
+    const Var h("h"), s("s");
+    if (gpu) {
+      if (lse_computed) {  // a thread per (row, head) walks the keys
+        a.lse.compute_root().reorder(h, v.b).gpu_tile(v.b, bo, bi, 64, TailStrategy::GuardWithIf);
+        for (Func f : {a.row_max, a.sum_exp, a.lse_dot}) f.compute_at(a.lse, h);
+      }
+      const int threads = std::min(block_size, 128);
+      for (Stage st : {Stage(a.out), a.out.update()})
+        st.split(v.c, co, ci, head_dim).reorder(ci, co, v.b).gpu_blocks(co, v.b).gpu_threads(ci);
+      a.out.compute_root();
+      for (Func f : {a.dot, a.kept}) {
+        f.compute_at(a.out, co).split(s, so, si, threads, TailStrategy::GuardWithIf).gpu_threads(si);
+        if (f.has_update_definition())
+          f.update().split(s, so, si, threads, TailStrategy::GuardWithIf).gpu_threads(si);
+      }
+      return;
+    }
+    if (lse_computed) {
+      a.lse.compute_root().parallel(v.b);
+      a.lse_dot.compute_at(a.lse, v.b);
+      a.row_max.compute_at(a.lse, v.b);
+      a.sum_exp.compute_at(a.lse, v.b);
+      dot(a.lse_dot);
+    }
+    a.out.compute_root().parallel(v.b).vectorize(v.c, vec, TailStrategy::GuardWithIf);
+    a.out.update().parallel(v.b);
+    weighted_sum(a.out);
+    a.dot.compute_at(a.out, v.b);
+    a.kept.compute_at(a.out, v.b);
+    dot(a.dot);
+  }
+  // delta(h, b) = dout . out over each head: a row per task (CPU) or thread (GPU).
+  void attention_delta(Func delta) {
+    const Var h("h");
+    if (gpu) {
+      Var bo("bo"), bi("bi");
+      delta.compute_root().reorder(h, v.b).gpu_tile(v.b, bo, bi, 64, TailStrategy::GuardWithIf);
+      delta.update().reorder(delta.rvars(0)[0], h, v.b).gpu_tile(v.b, bo, bi, 64, TailStrategy::GuardWithIf);
+      return;
+    }
+    delta.compute_root().parallel(v.b);
+    delta.update().parallel(v.b);
+    dot(delta);
+  }
+  // The attention input gradient dqkv(c, b), consumed by `consumer` (the tensor's gradient).
+  // CPU: both score-gradient chains per row. GPU: a block per (head of q, k or v, row); the
+  // chains for that head live in shared memory with threads over positions.
+  void attention_grad(Func consumer, gen::AttentionGrad g, int head_dim, int block_size) {
+    const Var s("s");
+    if (gpu) {
+      Var co("co"), ci("ci"), so("so"), si("si");
+      consumer.compute_root().split(v.c, co, ci, head_dim).reorder(ci, co, v.b).gpu_blocks(co, v.b).gpu_threads(ci);
+      const int threads = std::min(block_size, 128);
+      for (Func f : {g.dq, g.dk, g.dv}) {
+        f.compute_at(consumer, co).gpu_threads(v.c);
+        f.update().gpu_threads(v.c);
+      }
+      for (Func f : {g.q.dscore, g.kv.dot, g.kv.kept, g.kv.dscore}) {
+        f.compute_at(consumer, co).split(s, so, si, threads, TailStrategy::GuardWithIf).gpu_threads(si);
+        if (f.has_update_definition())
+          f.update().split(s, so, si, threads, TailStrategy::GuardWithIf).gpu_threads(si);
+      }
+      for (Func f : {g.q.dot, g.q.dprob_kept}) f.compute_at(g.q.dscore, si);
+      g.kv.dprob_kept.compute_at(g.kv.dscore, si);
+      return;
+    }
+    consumer.compute_root().parallel(v.b);
+    for (Func fn : {g.dq, g.dk, g.dv, g.q.dot, g.q.dprob_kept, g.q.dscore, g.kv.dot, g.kv.dprob_kept,
+                    g.kv.dscore, g.kv.kept})
+      fn.compute_at(consumer, v.b);
+    for (Func fn : {g.q.dot, g.q.dprob_kept, g.kv.dot, g.kv.dprob_kept}) dot(fn);
+    for (Func fn : {g.dq, g.dk, g.dv}) {
+      fn.vectorize(v.c, vec, TailStrategy::GuardWithIf);
+      weighted_sum(fn);
+    }
+  }
+  // Embedding gradients: the token table is a scatter-add over rows (serial in the rows, so
+  // deterministic), vectorized (CPU) or a thread per feature (GPU); the position table sums the
+  // sequences of each position.
+  void embedding_grad(gen::EmbeddingGrad g) {
+    Var co("co"), ci("ci"), bo("bo"), bi("bi");
+    if (gpu) {
+      g.dwte.compute_root().gpu_tile(v.c, v.b, co, bo, ci, bi, 32, 8, TailStrategy::GuardWithIf);
+      g.dwte.update().gpu_tile(v.c, co, ci, 64, TailStrategy::GuardWithIf);
+      g.dwpe.compute_root().gpu_tile(v.c, v.b, co, bo, ci, bi, 32, 8, TailStrategy::GuardWithIf);
+      g.dwpe.update().gpu_tile(v.c, v.b, co, bo, ci, bi, 32, 8, TailStrategy::GuardWithIf);
+      return;
+    }
+    g.dwte.compute_root().vectorize(v.c, vec, TailStrategy::GuardWithIf);
+    g.dwte.update().vectorize(v.c, vec, TailStrategy::GuardWithIf);
+    g.dwpe.compute_root().vectorize(v.c, vec, TailStrategy::GuardWithIf).parallel(v.b);
+    g.dwpe.update().vectorize(v.c, vec, TailStrategy::GuardWithIf).parallel(v.b);
+  }
+  void cross_entropy(Layers::CrossEntropy ce) {
+    Var bo("bo"), bi("bi");
+    if (gpu) {
+      for (Func f : {ce.row_max, ce.row_lse, ce.row_loss, ce.row_correct}) {
+        f.compute_root().gpu_tile(v.b, bo, bi, 64, TailStrategy::GuardWithIf);
+        if (f.has_update_definition()) f.update().gpu_tile(v.b, bo, bi, 64, TailStrategy::GuardWithIf);
+      }
+      ce.sum_exp.compute_at(ce.row_lse, bi);
+    } else {
+      ce.row_max.compute_root().parallel(v.b, 16, TailStrategy::GuardWithIf);
+      ce.row_max.update().parallel(v.b, 16, TailStrategy::GuardWithIf);
+      ce.row_lse.compute_root().parallel(v.b, 16, TailStrategy::GuardWithIf);
+      ce.sum_exp.compute_at(ce.row_lse, v.b);
+      for (Func f : {ce.row_loss, ce.row_correct}) f.compute_root().parallel(v.b, 16, TailStrategy::GuardWithIf);
+    }
+    pointwise(ce.dlogits);
+  }
+  void adamw(Func upd) {
+    Var co("co"), ci("ci");
+    if (gpu) {
+      upd.compute_root().gpu_tile(v.c, co, ci, 256, TailStrategy::GuardWithIf);
+      return;
+    }
+    upd.compute_root()
+        .split(v.c, co, ci, vec * 64, TailStrategy::GuardWithIf)
+        .parallel(co)
+        .vectorize(ci, vec, TailStrategy::GuardWithIf);
+  }
+
   const Vars &v;
   int vec;
+  bool gpu;
 };
 
 }  // namespace remat::gen

@@ -145,6 +145,8 @@ private:
       std::copy_n(ds.images.begin() + std::size_t(i) * ds.width, ds.width, images.begin() + r * ds.width);
       labels[r] = ds.labels[i];
     }
+    ex.upload("inputs");
+    ex.upload("labels");
   }
   Dataset train, test;
   std::size_t batch;
@@ -196,6 +198,8 @@ private:
       std::copy_n(text.begin() + at, T, inputs.begin() + s * T);
       std::copy_n(text.begin() + at + 1, T, labels.begin() + s * T);
     }
+    ex.upload("inputs");
+    ex.upload("labels");
   }
   Corpus corpus;
   int T;

@@ -1,5 +1,8 @@
 module;
 #include <HalideRuntime.h>
+#include <HalideRuntimeCuda.h>
+
+#include "cuda_device.h"
 
 #include <fmt/format.h>
 
@@ -34,21 +37,48 @@ namespace {
 constexpr std::uint32_t canary = 0x7FA5A5A5u;  // a NaN payload no kernel produces
 }
 
-void Arena::Free::operator()(std::byte *p) const { std::free(p); }
+Arena::Arena(std::size_t size, Device device) : bytes(size), where(device) {
+  host = static_cast<std::byte *>(std::aligned_alloc(arena_alignment, detail::align_up(size + 4)));
+  if (!host) throw std::runtime_error(fmt::format("cannot allocate an arena of {} bytes", size));
+  if (device == Device::cuda) {
+    try {
+      cuda::init();
+      dev = static_cast<std::byte *>(cuda::device_malloc(detail::align_up(size + 4)));
+    } catch (...) {
+      std::free(host);
+      throw;
+    }
+  }
+}
 
-Arena::Arena(std::size_t size)
-    : base(static_cast<std::byte *>(std::aligned_alloc(arena_alignment, detail::align_up(size + 4)))),
-      bytes(size) {
-  if (!base) throw std::runtime_error(fmt::format("cannot allocate an arena of {} bytes", size));
+Arena::~Arena() {
+  if (dev) cuda::device_free(dev);
+  std::free(host);
+}
+
+void Arena::upload(std::size_t offset, std::size_t n) {
+  if (dev) cuda::copy_to_device(dev + offset, host + offset, n, cuda::Stream::compute);
+}
+
+void Arena::download(std::size_t offset, std::size_t n) {
+  if (!dev) return;
+  cuda::copy_to_host(host + offset, dev + offset, n, cuda::Stream::compute);
+  cuda::synchronize(cuda::Stream::compute);
+}
+
+void Arena::synchronize() {
+  if (dev) cuda::synchronize(cuda::Stream::compute);
 }
 
 void Arena::fill_canary() {
-  auto *words = reinterpret_cast<std::uint32_t *>(base.get());
+  auto *words = reinterpret_cast<std::uint32_t *>(host);
   std::fill(words, words + (bytes + 3) / 4, canary);
+  upload(0, (bytes + 3) / 4 * 4);
 }
 
-std::size_t Arena::high_water() const {
-  const auto *words = reinterpret_cast<const std::uint32_t *>(base.get());
+std::size_t Arena::high_water() {
+  download(0, (bytes + 3) / 4 * 4);
+  const auto *words = reinterpret_cast<const std::uint32_t *>(host);
   for (std::size_t i = (bytes + 3) / 4; i > 0; --i)
     if (words[i - 1] != canary) return i * 4;
   return 0;
@@ -85,6 +115,80 @@ void *scalar_field(Scalars &s, std::string_view name) {
   throw std::runtime_error(fmt::format("no value for the scalar kernel argument {}", name));
 }
 }  // namespace
+
+// ---- Offload: checkpoints to the pinned host buffer and back ---------------------------------
+// CUDA: every copy runs on the copy stream. Copy-out: the copy stream waits for the kernel that
+// read the checkpoint (an event on the compute stream), copies, records `out_done`; the compute
+// stream waits for that event only before the step that may reuse the memory. Fetch: the copy
+// stream waits for everything queued before the fetching step, copies into the restored tensor,
+// records `in_done`; the reader waits for it. No device-wide synchronization. CPU: plain copies.
+struct Executor::Transfers {
+  Transfers(const Plan &plan, Arena &arena) : plan(plan), arena(arena), bytes(plan.offload_bytes) {
+    cuda_device = arena.device() == Device::cuda;
+    host = static_cast<std::byte *>(cuda_device ? cuda::pinned_malloc(bytes) : std::aligned_alloc(arena_alignment, bytes));
+    if (!host) throw std::runtime_error(fmt::format("cannot allocate {} bytes of host memory for offload", bytes));
+    if (cuda_device)
+      for (const Step &st : plan.train) {
+        for (int t : st.offload) done[t] = cuda::event_create();
+        for (auto [from, to] : st.fetch) done[to] = cuda::event_create();
+      }
+    if (cuda_device) ready = cuda::event_create();
+  }
+  ~Transfers() {
+    for (auto &[t, e] : done) cuda::event_destroy(e);
+    if (cuda_device) {
+      cuda::event_destroy(ready);
+      cuda::pinned_free(host);
+    } else {
+      std::free(host);
+    }
+  }
+  std::byte *device_at(int t) const { return arena.device_data() + plan.tensors[t].offset; }
+
+  void before(const Step &st) {
+    for (int t : st.await_out)
+      if (cuda_device) cuda::wait(cuda::Stream::compute, done.at(t));
+    if (!st.fetch.empty() && cuda_device) {
+      cuda::record(ready, cuda::Stream::compute);
+      cuda::wait(cuda::Stream::copy, ready);
+    }
+    for (auto [from, to] : st.fetch) {
+      const std::byte *src = host + plan.tensors[from].host_offset;
+      if (cuda_device) {
+        cuda::copy_to_device(device_at(to), src, plan.tensors[to].bytes(), cuda::Stream::copy);
+        cuda::record(done.at(to), cuda::Stream::copy);
+      } else {
+        std::memcpy(device_at(to), src, plan.tensors[to].bytes());
+      }
+    }
+    for (int t : st.await_in)
+      if (cuda_device) cuda::wait(cuda::Stream::compute, done.at(t));
+  }
+  void after(const Step &st) {
+    if (st.offload.empty()) return;
+    if (cuda_device) {
+      cuda::record(ready, cuda::Stream::compute);
+      cuda::wait(cuda::Stream::copy, ready);
+    }
+    for (int t : st.offload) {
+      std::byte *dst = host + plan.tensors[t].host_offset;
+      if (cuda_device) {
+        cuda::copy_to_host(dst, device_at(t), plan.tensors[t].bytes(), cuda::Stream::copy);
+        cuda::record(done.at(t), cuda::Stream::copy);
+      } else {
+        std::memcpy(dst, device_at(t), plan.tensors[t].bytes());
+      }
+    }
+  }
+
+  const Plan &plan;
+  Arena &arena;
+  std::size_t bytes;
+  bool cuda_device = false;
+  std::byte *host = nullptr;
+  std::map<int, cuda::Event> done;  // by tensor: its copy-out (offloaded) or fetch (restored)
+  cuda::Event ready{};
+};
 
 Executor::Executor(const Plan &plan, std::string_view model_name, std::span<const Kernel> kernels,
                    Arena &arena, Scalars &scalars)
@@ -128,7 +232,6 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
       if (t.view_of >= 0) offset += plan.tensors[t.view_of].offset;
       halide_buffer_t &buf = b->buffers[a];
       buf = {};
-      buf.host = reinterpret_cast<std::uint8_t *>(arena.data() + offset);
       buf.type = arg.type;
       buf.dimensions = t.dims;
       buf.dim = b->shapes[a].data();
@@ -140,21 +243,36 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
         b->shapes[a][d] = {0, std::int32_t(t.extent[d]), stride, 0};
         stride *= std::int32_t(t.extent[d]);
       }
+      if (arena.device() == Device::cuda) {  // device memory only; kernels never touch the mirror
+        const auto device_ptr = reinterpret_cast<std::uint64_t>(arena.device_data() + offset);
+        if (int err = halide_cuda_wrap_device_ptr(nullptr, &buf, device_ptr); err != 0)
+          throw std::runtime_error(fmt::format("{}: cannot wrap device memory for {} (Halide error {})",
+                                               b->kernel->name, arg.name, err));
+      } else {
+        buf.host = reinterpret_cast<std::uint8_t *>(arena.data() + offset);
+      }
       b->argv[a] = &buf;
     }
     return b;
   };
+  if (kernels.empty())
+    throw std::runtime_error(fmt::format("model {} has no kernels for this device in this build", model_name));
   for (const Step &st : plan.train) train_calls.push_back(bind(st));
   for (const Step &st : plan.optimize) optimize_calls.push_back(bind(st));
   for (const Step &st : plan.eval) eval_calls.push_back(bind(st));
+  if (plan.offload_bytes) transfers = std::make_unique<Transfers>(plan, arena);
 }
+
 
 
 void Executor::run(Phase phase) {
   static const bool trace = std::getenv("REMAT_TRACE_HEAP") != nullptr;
   static const bool profile = std::getenv("REMAT_PROFILE") != nullptr;
   auto &calls = phase == Phase::train ? train_calls : phase == Phase::optimize ? optimize_calls : eval_calls;
-  for (auto &b : calls) {
+  for (std::size_t i = 0; i < calls.size(); ++i) {
+    auto &b = calls[i];
+    const Step *step = transfers && phase == Phase::train ? &plan.train[i] : nullptr;
+    if (step) transfers->before(*step);
     if (trace) std::fprintf(stderr, "kernel %s\n", b->kernel->name);
     const auto t0 = profile ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
     if (int err = b->kernel->argv(b->argv.data()); err != 0) {
@@ -162,6 +280,7 @@ void Executor::run(Phase phase) {
       remat_halide_error[0] = 0;
       throw std::runtime_error(fmt::format("kernel {} failed (Halide error {}): {}", b->kernel->name, err, message));
     }
+    if (step) transfers->after(*step);
     if (profile) {
       b->seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       ++b->calls;
@@ -182,12 +301,21 @@ Executor::~Executor() {
     if (t.second) std::fprintf(stderr, "profile %-32s %8.3f s %6ld calls\n", name.c_str(), t.first, t.second);
 }
 
-std::pair<std::byte *, std::size_t> Executor::locate(std::string_view name) const {
+std::pair<std::size_t, std::size_t> Executor::locate(std::string_view name) const {
   const int i = plan.find(name);
   if (i < 0) throw std::runtime_error(fmt::format("the plan has no tensor {}", name));
   const Tensor &t = plan.tensors[i];
-  std::size_t offset = t.offset + (t.view_of >= 0 ? plan.tensors[t.view_of].offset : 0);
-  return {arena.data() + offset, t.bytes()};
+  return {t.offset + (t.view_of >= 0 ? plan.tensors[t.view_of].offset : 0), t.bytes()};
+}
+
+void Executor::upload(std::string_view name) {
+  auto [offset, bytes] = locate(name);
+  arena.upload(offset, bytes);
+}
+
+void Executor::download(std::string_view name) {
+  auto [offset, bytes] = locate(name);
+  arena.download(offset, bytes);
 }
 
 void Scalars::set_dropout(double p) {

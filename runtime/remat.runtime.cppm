@@ -52,24 +52,40 @@ struct HalideHeap {
 HalideHeap halide_heap();
 void reset_halide_heap_peak();
 
-// The arena: one allocation of the plan's size. Unused bytes hold a canary pattern so the
-// high-water mark actually written by kernels can be measured after the fact.
+enum class Device { cpu, cuda };
+
+// The arena: one allocation of the plan's size, in host memory (CPU) or device memory (CUDA,
+// one cudaMalloc; a host mirror of the same size holds what the trainer reads and writes, moved
+// by upload/download). Unused bytes hold a canary pattern so the high-water mark actually
+// written by kernels can be measured after the fact.
 class Arena {
 public:
-  explicit Arena(std::size_t bytes);
-  std::byte *data() const { return base.get(); }
+  explicit Arena(std::size_t bytes, Device device = Device::cpu);
+  ~Arena();
+  Arena(const Arena &) = delete;
+  Arena &operator=(const Arena &) = delete;
+  Device device() const { return where; }
+  std::byte *data() const { return host; }  // the arena (CPU) or its host mirror (CUDA)
+  std::byte *device_data() const { return dev ? dev : host; }
   std::size_t size() const { return bytes; }
+  // CUDA: mirror -> device on the compute stream / device -> mirror after the queued kernels.
+  // No-ops on the CPU.
+  void upload(std::size_t offset, std::size_t n);
+  void download(std::size_t offset, std::size_t n);
+  void synchronize();  // CUDA: waits for the queued kernels
   void fill_canary();
-  std::size_t high_water() const;  // one past the highest byte that no longer holds the canary
+  std::size_t high_water();  // one past the highest byte that no longer holds the canary
 
 private:
-  struct Free { void operator()(std::byte *p) const; };
-  std::unique_ptr<std::byte, Free> base;
   std::size_t bytes;
+  Device where;
+  std::byte *host = nullptr, *dev = nullptr;
 };
 
 // Binds every step of a plan to its kernel and arena buffers once; running a step then only
-// calls the kernel (no allocation inside a training step).
+// calls the kernel (no allocation inside a training step). With an offload plan it also moves
+// checkpoints to and from a pinned host buffer (CUDA: on a copy stream ordered by events; CPU:
+// plain copies, used by the tests).
 class Executor {
 public:
   Executor(const Plan &plan, std::string_view model_name, std::span<const Kernel> kernels,
@@ -77,17 +93,23 @@ public:
   ~Executor();
   enum class Phase { train, optimize, eval };
   void run(Phase phase);
+  // The host view of a tensor (on CUDA, the arena's mirror: download() before reading what
+  // kernels wrote, upload() after writing).
   template <class T> std::span<T> tensor(std::string_view name) const {
-    auto [p, bytes] = locate(name);
-    return {reinterpret_cast<T *>(p), bytes / sizeof(T)};
+    auto [offset, bytes] = locate(name);
+    return {reinterpret_cast<T *>(arena.data() + offset), bytes / sizeof(T)};
   }
+  void upload(std::string_view name);
+  void download(std::string_view name);
 
 private:
-  std::pair<std::byte *, std::size_t> locate(std::string_view name) const;
+  std::pair<std::size_t, std::size_t> locate(std::string_view name) const;  // arena offset, bytes
   struct Bound;
+  struct Transfers;
   const Plan &plan;
   Arena &arena;
   std::vector<std::unique_ptr<Bound>> train_calls, optimize_calls, eval_calls;
+  std::unique_ptr<Transfers> transfers;
 };
 
 // Fashion-MNIST style idx files (gzip or plain): images scaled to [0, 1], labels 0..classes-1.
@@ -135,7 +157,8 @@ struct ModelInfo {
   std::string_view name;
   const Model &model;
   Policy default_policy;
-  std::span<const Kernel> kernels;
+  std::span<const Kernel> kernels;       // CPU
+  std::span<const Kernel> cuda_kernels;  // CUDA (empty when the build made none)
   std::unique_ptr<DataSource> (*data)(const Model &, const DataOptions &);
   std::string_view default_data_dir;
   // Trainer defaults for this example (flags override them).

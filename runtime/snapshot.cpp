@@ -32,6 +32,7 @@ void save_snapshot(const std::string &path, std::string_view model_name, const P
                                    {"data", state.data}, {"byte_order", "little"}};
     out << magic << '\n' << header.dump() << '\n';
     for (const char *name : state_tensors) {
+      ex.download(name);
       const auto values = ex.tensor<float>(name);
       out.write(reinterpret_cast<const char *>(values.data()), std::streamsize(values.size_bytes()));
     }
@@ -73,6 +74,7 @@ SnapshotState load_snapshot(const std::string &path, std::string_view model_name
     auto values = ex.tensor<float>(name);
     if (!in.read(reinterpret_cast<char *>(values.data()), std::streamsize(values.size_bytes())))
       throw InputError(fmt::format("--resume-from-snapshot {}: truncated", path));
+    ex.upload(name);
   }
   if (in.peek() != std::ifstream::traits_type::eof())
     throw InputError(fmt::format("--resume-from-snapshot {}: trailing bytes after the parameters", path));

@@ -1,4 +1,6 @@
 module;
+#include "cuda_device.h"
+
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -45,6 +47,8 @@ struct Options {
   bool plan_report = false;
   std::string save_snapshot, resume_from_snapshot;
   long save_steps = 0;
+  std::string device = "cpu";
+  bool offload = false;
 };
 
 // Flag validators with short messages (CLI11's ranges print the whole double range).
@@ -83,6 +87,7 @@ void init_params(const Plan &plan, Executor &ex, std::uint64_t seed) {
     }
   }
   for (auto name : {"adam_m", "adam_v"}) std::ranges::fill(ex.tensor<float>(name), 0.f);
+  for (auto name : {"params", "adam_m", "adam_v"}) ex.upload(name);
 }
 
 double learning_rate(const Options &o, long step, long max_steps) {  // step counts from 1
@@ -117,6 +122,8 @@ Evaluation evaluate(DataSource &data, Executor &ex, Scalars &scalars, const Plan
   for (long first = 0; first < e.samples; first += plan.batch) {
     data.load_eval_batch(ex, first);
     ex.run(Executor::Phase::eval);
+    ex.download("row_loss");
+    ex.download("row_correct");
     const auto l = ex.tensor<float>("row_loss");
     const auto c = ex.tensor<std::int32_t>("row_correct");
     const long rows = std::min<long>(plan.batch, e.samples - first) * rows_per_sample;
@@ -133,15 +140,17 @@ Evaluation evaluate(DataSource &data, Executor &ex, Scalars &scalars, const Plan
 
 // Autoregressive sampling from a token model: a plan for one sequence, the trained parameters,
 // and the logits of the last filled position, at temperature 0.8.
-std::string generate(const ModelInfo &info, Executor &trained, int length, std::uint64_t seed) {
+std::string generate(const ModelInfo &info, Device device, Executor &trained, int length, std::uint64_t seed) {
   const Model &model = info.model;
   const int T = model.input.block_size, V = model.classes();
   const int samples = (min_batch_rows + T - 1) / T;  // the sequence is sample 0; the rest pad the batch
   const Plan plan = make_plan(model, none, samples);
-  Arena arena(std::max(plan.peak_bytes, plan.eval_peak_bytes));
+  Arena arena(std::max(plan.peak_bytes, plan.eval_peak_bytes), device);
   Scalars scalars;
-  Executor ex(plan, info.name, info.kernels, arena, scalars);
+  Executor ex(plan, info.name, device == Device::cuda ? info.cuda_kernels : info.kernels, arena, scalars);
+  trained.download("params");
   std::ranges::copy(trained.tensor<float>("params"), ex.tensor<float>("params").begin());
+  ex.upload("params");
   const int last = model.n_stages - 1;
   const std::string logits_name = fmt::format("eval.s{}.b{}.y", last, model.stages[last].repeat - 1);
   std::mt19937_64 rng(seed);
@@ -152,7 +161,9 @@ std::string generate(const ModelInfo &info, Executor &trained, int length, std::
     const int n = std::min<int>(int(text.size()), T);
     std::fill(inputs.begin(), inputs.end(), std::int32_t{' '});
     std::copy(text.end() - n, text.end(), inputs.begin());
+    ex.upload("inputs");
     ex.run(Executor::Phase::eval);
+    ex.download(logits_name);
     const auto logits = ex.tensor<float>(logits_name).subspan(std::size_t(n - 1) * V, V);
     const float top = *std::ranges::max_element(logits);
     std::vector<double> p(V);
@@ -168,6 +179,21 @@ std::string generate(const ModelInfo &info, Executor &trained, int length, std::
 }
 
 std::string mib(std::size_t bytes) { return fmt::format("{:.1f} MiB", bytes / 1048576.0); }
+
+// --device cuda: a usable GPU, kernels for it, and room for the plan; checked before anything is
+// allocated, each failure one line with the numbers.
+void check_cuda(const ModelInfo &info, std::size_t arena_bytes) {
+  const cuda::DeviceInfo d = cuda::probe();
+  if (!d.built) throw InputError(fmt::format("--device cuda: {}", d.error));
+  if (!d.error.empty())
+    throw InputError(fmt::format("--device cuda: no usable GPU ({} device(s) found; {})", d.count, d.error));
+  if (info.cuda_kernels.empty())
+    throw InputError(fmt::format("--device cuda: this build generated no CUDA kernels for model {} (REMAT_CUDA_CAPABILITY=0)", info.name));
+  if (arena_bytes > d.free_bytes)
+    throw InputError(fmt::format("--device cuda: the plan needs {} B ({:.2f} GiB) of device memory; {} has {} B ({:.2f} GiB) free of {} B",
+                                 arena_bytes, arena_bytes / 1073741824.0, d.name, d.free_bytes,
+                                 d.free_bytes / 1073741824.0, d.total_bytes));
+}
 
 }  // namespace
 
@@ -253,6 +279,8 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
   app.add_option("--save-snapshot", o.save_snapshot, "write a snapshot (weights, optimizer, step, data state) here at the end");
   app.add_option("--save-steps", o.save_steps, "also write a snapshot every N steps, to FILE.step<N>")->check(positive);
   app.add_option("--resume-from-snapshot", o.resume_from_snapshot, "continue a run from its snapshot (same flags)");
+  app.add_option("--device", o.device, "where kernels run: cpu, or cuda (device 0)")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
+  app.add_flag("--offload", o.offload, "keep checkpoints in pinned host memory between forward and backward (--device cuda)");
   app.add_flag("--json", o.json, "print a JSON summary as the last line of stdout (progress goes to stderr)");
   app.add_flag("--plan-report", o.plan_report, "print every tensor saved for backward under the policy, then exit");
   try {
@@ -266,11 +294,15 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
 
   try {
     const Model &model = info.model;
-    const Policy policy = o.checkpoint_policy.empty() ? info.default_policy : parse_policy(o.checkpoint_policy);
+    Policy policy = o.checkpoint_policy.empty() ? info.default_policy : parse_policy(o.checkpoint_policy);
+    const Device device = o.device == "cuda" ? Device::cuda : Device::cpu;
+    if (o.offload && device == Device::cpu)
+      throw InputError("--offload: with --device cpu the checkpoints already live in host memory; there is nothing to offload");
+    policy.offload = o.offload;
     const int batch = o.batch_size ? o.batch_size : info.default_batch;
     const int micro = o.gradient_accumulation_steps;
     if (long(batch) * model.rows_per_sample() < min_batch_rows)
-      throw InputError(fmt::format("--batch-size {}: the CPU kernels need at least {} rows per micro-batch", batch, min_batch_rows));
+      throw InputError(fmt::format("--batch-size {}: the kernels need at least {} rows per micro-batch", batch, min_batch_rows));
     if (o.dropout > 0 && !has_dropout(model))
       throw InputError(fmt::format("--dropout {}: model {} has no dropout layers", o.dropout, info.name));
     const Plan plan = make_plan(model, policy, batch);
@@ -278,10 +310,15 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
       if (t.bytes() > std::size_t(INT32_MAX))
         throw InputError(fmt::format("--batch-size {}: tensor {} would hold {} bytes; kernels take at most 2 GiB per tensor",
                                      batch, t.name.view(), t.bytes()));
+    if (o.offload && plan.offload_bytes == 0)
+      throw InputError(fmt::format("--offload: policy {} keeps no checkpoints (use full, every_n_layers=N or sqrt_n)",
+                                   policy_name(policy).view()));
     if (o.plan_report) {
       print_plan_report(stdout, model, plan);
       return 0;
     }
+    const std::size_t arena_bytes = std::max(plan.peak_bytes, plan.eval_peak_bytes);
+    if (device == Device::cuda) check_cuda(info, arena_bytes);
     const Plan baseline = make_plan(model, none, batch);
     std::FILE *progress = o.json ? stderr : stdout;
     std::unique_ptr<DataSource> data = info.data(model, {o.data_dir, batch, o.seed});
@@ -293,10 +330,10 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     const long eval_samples = o.eval_samples < 0 ? data->eval_samples() : o.eval_samples;
 
     if (o.save_steps && o.save_snapshot.empty()) throw InputError("--save-steps needs --save-snapshot FILE");
-    Arena arena(std::max(plan.peak_bytes, plan.eval_peak_bytes));
+    Arena arena(arena_bytes, device);
     arena.fill_canary();
     Scalars scalars;
-    Executor ex(plan, info.name, info.kernels, arena, scalars);
+    Executor ex(plan, info.name, device == Device::cuda ? info.cuda_kernels : info.kernels, arena, scalars);
     init_params(plan, ex, o.seed);
     // everything that shapes the sequence of steps; a resume must use the same
     const std::string run_flags = fmt::format(
@@ -351,16 +388,22 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
         data->next_train_batch(ex);
         scalars.accumulate = m > 0;
         ex.run(Executor::Phase::train);
+        ex.download("row_loss");
+        ex.download("row_correct");
         for (float l : ex.tensor<float>("row_loss")) loss_sum += l;
         for (std::int32_t c : ex.tensor<std::int32_t>("row_correct")) window_correct += c;
         window_rows += plan.rows;
       }
-      if (first) grad_digest = digest(std::as_bytes(ex.tensor<float>("grads")));
+      if (first) {
+        ex.download("grads");
+        grad_digest = digest(std::as_bytes(ex.tensor<float>("grads")));
+      }
       const double lr = learning_rate(o, step, max_steps);
       scalars.lr = float(lr);
       scalars.bias1 = float(1.0 - std::pow(double(scalars.beta1), double(step)));
       scalars.bias2 = float(1.0 - std::pow(double(scalars.beta2), double(step)));
       ex.run(Executor::Phase::optimize);
+      arena.synchronize();  // CUDA: the step's time includes its kernels
       const auto t1 = std::chrono::steady_clock::now();
       if (first) measured_peak = arena.high_water() + halide_heap().peak;
       const double ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
@@ -399,7 +442,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
       fmt::print(progress, "eval: {} samples | loss {:.4f} | accuracy {:.2f}%\n", eval->samples, eval->loss, 100 * eval->accuracy);
     }
     if (info.sample_length > 0) {
-      fmt::print(progress, "sample:\n{}\n", generate(info, ex, info.sample_length, o.seed));
+      fmt::print(progress, "sample:\n{}\n", generate(info, device, ex, info.sample_length, o.seed));
     }
 
     std::vector<double> sorted = step_ms;
@@ -413,11 +456,15 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
                mib(plan.activation_bytes), policy_name(policy).view(), mib(baseline.activation_bytes),
                100.0 * plan.activation_bytes / baseline.activation_bytes, samples_per_s,
                samples_per_s * model.rows_per_sample(), median, plan.total_launches, plan.recompute_launches);
+    ex.download("params");
+    const std::string param_digest = digest(std::as_bytes(ex.tensor<float>("params")));
     if (o.json) {
       auto optional = [&](auto f) { return eval ? nlohmann::json(f(*eval)) : nlohmann::json(); };
       nlohmann::json j = {
           {"model", std::string(info.name)},
           {"policy", std::string(policy_name(policy).view())},
+          {"device", o.device},
+          {"offload_bytes", plan.offload_bytes},
           {"batch_size", batch},
           {"gradient_accumulation_steps", micro},
           {"dropout", o.dropout},
@@ -439,7 +486,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
           {"kernel_launches", plan.total_launches},
           {"recompute_launches", plan.recompute_launches},
           {"grad_digest", grad_digest},
-          {"param_digest", digest(std::as_bytes(ex.tensor<float>("params")))},
+          {"param_digest", param_digest},
       };
       std::printf("%s\n", j.dump().c_str());
     }

@@ -22,7 +22,8 @@ Model small_model() {
 }
 
 const Policy every_2{Policy::Kind::every_n_layers, 2};
-const std::vector<Policy> all_policies = {none, full, every_2, sqrt_n};
+const std::vector<Policy> all_policies = {none, full, every_2, sqrt_n, with_offload(full), with_offload(every_2),
+                                          with_offload(sqrt_n)};
 
 // Replays a schedule: every tensor a kernel touches is live, and live tensors never overlap.
 void check_schedule(const Plan &plan, const std::vector<Step> &steps) {
@@ -218,9 +219,52 @@ BOOST_AUTO_TEST_CASE(gpt_never_stores_attention_matrices) {
 }
 
 BOOST_AUTO_TEST_CASE(gpt_schedules_replay_without_overlap) {
-  for (Policy p : {none, selective, full, every_2, sqrt_n}) {
+  for (Policy p : {none, selective, full, every_2, sqrt_n, with_offload(full), with_offload(every_2)}) {
     const Plan plan = make_plan(gpt::model, p, 4);
     check_schedule(plan, plan.train);
     check_schedule(plan, plan.eval);
+  }
+}
+
+// Offload: each checkpoint is copied out after the forward that reads it, stays in the arena one
+// more step (the copy overlaps it) and the step after waits for the copy before its memory can be
+// reused; its restored copy is allocated and fetched one step ahead of the first step that reads
+// it, which waits for the arrival. Only checkpoints travel, and fewer of them are on the device
+// at once than without offload.
+BOOST_AUTO_TEST_CASE(offload_schedules_transfers_one_step_ahead) {
+  for (Policy p : {full, every_2, sqrt_n}) {
+    const Plan plain = make_plan(gpt::model, p, 4), plan = make_plan(gpt::model, with_offload(p), 4);
+    BOOST_TEST(plain.offload_bytes == 0u);
+    BOOST_TEST(plan.offload_bytes > 0u);
+    BOOST_TEST(plan.activation_bytes < plain.activation_bytes, policy_name(p).view());
+    const auto &train = plan.train;
+    std::size_t offloaded = 0;
+    int fetched = 0;
+    auto reads = [&](const Step &st, int t) { return ranges::any_of(st.args, [&](const Arg &a) { return a.tensor == t; }); };
+    for (int i = 0; i < int(train.size()); ++i) {
+      for (int x : train[i].offload) {
+        offloaded += plan.tensors[x].bytes();
+        BOOST_TEST((plan.tensors[x].role == Role::block_input));
+        BOOST_TEST(reads(train[i], x));
+        BOOST_TEST_REQUIRE(i + 2 < int(train.size()));
+        BOOST_TEST(ranges::any_of(train[i + 1].free, [&](int t) { return t == x; }));
+        BOOST_TEST(ranges::any_of(train[i + 2].await_out, [&](int t) { return t == x; }));
+        for (int j = i + 1; j < int(train.size()); ++j) BOOST_TEST(!reads(train[j], x), "read after offload");
+      }
+      for (auto [x, r] : train[i].fetch) {
+        ++fetched;
+        BOOST_TEST(plan.tensors[x].name.view() == plan.tensors[r].name.view());
+        BOOST_TEST(ranges::any_of(train[i].alloc, [&](int t) { return t == r; }));
+        BOOST_TEST(!reads(train[i], r));
+        BOOST_TEST_REQUIRE(i + 1 < int(train.size()));
+        BOOST_TEST(reads(train[i + 1], r));
+        BOOST_TEST(ranges::any_of(train[i + 1].await_in, [&](int t) { return t == r; }));
+        for (int j = 0; j <= i; ++j) BOOST_TEST(!ranges::any_of(train[j].offload, [&](int t) { return t == r; }));
+      }
+    }
+    BOOST_TEST(offloaded == plan.offload_bytes);
+    int checkpoints = 0;
+    for (const Step &st : train) checkpoints += int(st.offload.size());
+    BOOST_TEST(fetched == checkpoints);
   }
 }

@@ -10,6 +10,7 @@ int main(int argc, char **argv) {
                                      .model = gpt::model,
                                      .default_policy = gpt::policy,
                                      .kernels = gpt_kernels::table,
+                                     .cuda_kernels = gpt_kernels::cuda_table,
                                      .data = remat::runtime::text_corpus,
                                      .default_data_dir = "/usr/share/games/fortunes",
                                      .default_batch = gpt::default_batch,

@@ -9,6 +9,7 @@ int main(int argc, char **argv) {
                                      .model = mlp::model,
                                      .default_policy = mlp::policy,
                                      .kernels = mlp_kernels::table,
+                                     .cuda_kernels = mlp_kernels::cuda_table,
                                      .data = remat::runtime::fashion_mnist,
                                      .default_data_dir = "/usr/share/datasets/fashion-mnist",
                                      .default_batch = mlp::default_batch,
