@@ -25,6 +25,8 @@ import mlp.kernels;
 import gpt;
 import gpt.kernels;
 
+#include "model_run.h"
+
 using namespace remat;
 using remat::runtime::Arena;
 using remat::runtime::Executor;
@@ -34,44 +36,6 @@ namespace {
 
 constexpr int batch = 8;
 constexpr double tolerance = 2e-3;
-
-struct Run {
-  const Model &model;
-  Plan plan;
-  Arena arena;
-  Scalars scalars;
-  Executor ex;
-  // canary: the arena starts filled with the canary (NaN) pattern, so a kernel reading a tensor
-  // that nothing wrote shows in the gradients
-  Run(const Model &m, std::string_view name, std::span<const runtime::Kernel> kernels, Policy p, int samples,
-      double dropout = 0, bool canary = false)
-      : model(m), plan(make_plan(m, p, samples)), arena(std::max(plan.peak_bytes, plan.eval_peak_bytes)),
-        ex(plan, name, kernels, arena, scalars) {
-    if (canary) arena.fill_canary();
-    std::mt19937_64 rng(7);
-    std::uniform_real_distribution<float> u(-1.f, 1.f);
-    for (const Tensor &t : plan.tensors)
-      if (t.role == Role::params && t.view_of >= 0 && t.name.view().find('.') != std::string_view::npos) {
-        const float scale = t.dims == 2 ? 1.f / std::sqrt(float(t.extent[1])) : 0.2f;
-        for (float &x : ex.tensor<float>(t.name.view())) x = scale * u(rng) + (t.dims == 1 && t.name.view().ends_with("_w") ? 1.f : 0.f);
-      }
-    if (m.token_input())
-      for (auto &t : ex.tensor<std::int32_t>("inputs")) t = int(rng() % m.input.vocab);
-    else
-      for (float &x : ex.tensor<float>("inputs")) x = 0.5f * (u(rng) + 1);
-    auto labels = ex.tensor<std::int32_t>("labels");
-    for (std::size_t b = 0; b < labels.size(); ++b) labels[b] = int((b * 7 + 3) % m.classes());
-    scalars.grad_scale = 1.f / float(plan.rows);
-    scalars.seed = 1234;
-    scalars.step = 3;
-    scalars.set_dropout(dropout);
-  }
-  explicit Run(Policy p) : Run(mlp::model, "mlp", mlp_kernels::table, p, batch) {}
-  std::vector<float> grads() {
-    auto g = ex.tensor<float>("grads");
-    return {g.begin(), g.end()};
-  }
-};
 
 // ---- float64 reference of a remat model ----
 using Rows = std::vector<double>;  // [R, width] row-major
@@ -382,7 +346,7 @@ void check_against_reference(Run &run, double dropout, std::size_t expected_grad
 }  // namespace
 
 BOOST_AUTO_TEST_CASE(kernels_match_the_float64_reference) {
-  Run run(none);
+  Run run(mlp::model, "mlp", mlp_kernels::table, none, batch);
   check_against_reference(run, 0, 2u * (1 + 3 * 16 + 2));
 }
 
@@ -396,12 +360,12 @@ BOOST_AUTO_TEST_CASE(gpt_kernels_match_the_float64_reference) {
 }
 
 BOOST_AUTO_TEST_CASE(policies_give_bit_identical_gradients) {
-  Run base(none);
+  Run base(mlp::model, "mlp", mlp_kernels::table, none, batch);
   base.ex.run(Executor::Phase::train);
   const std::vector<float> expected = base.grads();
   for (Policy p : {full, Policy{Policy::Kind::every_n_layers, 2}, Policy{Policy::Kind::every_n_layers, 5}, sqrt_n,
                    with_offload(full), with_offload(Policy{Policy::Kind::every_n_layers, 2}), with_offload(sqrt_n)}) {
-    Run run(p);
+    Run run(mlp::model, "mlp", mlp_kernels::table, p, batch);
     run.ex.run(Executor::Phase::train);
     const std::vector<float> got = run.grads();
     BOOST_TEST(std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)) == 0,
@@ -426,7 +390,7 @@ BOOST_AUTO_TEST_CASE(gpt_offload_gives_bit_identical_gradients) {
 }
 
 BOOST_AUTO_TEST_CASE(gradient_accumulation_adds_micro_batches) {
-  Run run(full);
+  Run run(mlp::model, "mlp", mlp_kernels::table, full, batch);
   run.ex.run(Executor::Phase::train);
   const std::vector<float> once = run.grads();
   run.scalars.accumulate = true;
@@ -439,7 +403,7 @@ BOOST_AUTO_TEST_CASE(gradient_accumulation_adds_micro_batches) {
 
 // The planned peak is the real peak only if kernels allocate no temporaries of their own.
 BOOST_AUTO_TEST_CASE(kernels_allocate_nothing_of_their_own) {
-  Run run(sqrt_n);
+  Run run(mlp::model, "mlp", mlp_kernels::table, sqrt_n, batch);
   runtime::reset_halide_heap_peak();
   run.ex.run(Executor::Phase::train);
   run.ex.run(Executor::Phase::optimize);

@@ -123,6 +123,20 @@ BOOST_AUTO_TEST_CASE(bad_flags_are_one_line_errors) {
   expect_one_line_error("--learning-rate -0.1", "--learning-rate");
   expect_one_line_error("--gradient-accumulation-steps two", "--gradient-accumulation-steps");
   expect_one_line_error("--no-such-flag", "no-such-flag");
+  expect_one_line_error("--device tpu", "--device");
+  expect_one_line_error("--offload --max-steps 1", "nothing to offload");
+  expect_one_line_error("--device cuda --offload --checkpoint-policy none", "keeps no checkpoints");
+}
+
+// Without a GPU, --device cuda is one line naming why (before anything is allocated); with one,
+// a short run succeeds.
+BOOST_AUTO_TEST_CASE(device_cuda_needs_a_gpu) {
+  const Result r = train("--device cuda --max-steps 1 --json");
+  if (r.exit_code == 0) {
+    BOOST_TEST(summary(r)["device"] == "cuda");
+    return;
+  }
+  expect_one_line_error("--device cuda --max-steps 1 --json", "--device cuda: no usable GPU (0 device(s) found");
 }
 
 BOOST_AUTO_TEST_CASE(bad_datasets_are_one_line_errors) {

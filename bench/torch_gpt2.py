@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""The model of bench/gpt2s.cppm in PyTorch, timed like bench-gpu, and the two side by side.
+
+GPT-2-small shape (12 pre-LayerNorm blocks, 768 wide, 12 heads, T=1024, vocab 50304, fused q/k/v,
+tanh GELU, dropout 0), AdamW, float32 without TF32 (remat's kernels are float32). Policies: no
+checkpointing, and torch.utils.checkpoint per block (use_reentrant=False) on every block (full)
+and on every second block (every_n_layers=2). Peak memory is torch.cuda.max_memory_allocated.
+With --remat FILE (bench-gpu --out FILE) it prints one table with both and the ratios.
+Without a CUDA device it prints [SKIP] and exits 0.
+"""
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+V, T, L, H, C = 50304, 1024, 12, 12, 768
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(C), nn.LayerNorm(C)
+        self.qkv, self.proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+        self.fc, self.fc2 = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+
+    def forward(self, x):
+        B = x.shape[0]
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, T, C))
+        return x + self.fc2(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, every):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(V, C), nn.Embedding(T, C)
+        self.blocks = nn.ModuleList(Block() for _ in range(L))
+        self.ln_f, self.head = nn.LayerNorm(C), nn.Linear(C, V)
+        self.every = every  # 0: no checkpointing; n: blocks 0, n, 2n... checkpointed
+
+    def forward(self, idx, labels):
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        for i, blk in enumerate(self.blocks):
+            if self.every and i % self.every == 0:
+                x = checkpoint(blk, x, use_reentrant=False)
+            else:
+                x = blk(x)
+        return F.cross_entropy(self.head(self.ln_f(x)).view(-1, V), labels.view(-1))
+
+
+def run(policy, every, batch, steps, dtype):
+    torch.manual_seed(1)
+    model = GPT(every).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    idx = torch.randint(V, (batch, T), device="cuda")
+    labels = torch.randint(V, (batch, T), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            loss = model(idx, labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    rate = batch * T * steps / (time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated()
+    del model, opt
+    torch.cuda.empty_cache()
+    return {"policy": policy, "dtype": dtype, "tokens_per_s": rate, "peak_bytes": peak}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--remat", help="bench-gpu --out FILE, to print side by side")
+    ap.add_argument("--out", help="write the PyTorch rows as JSON here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("[SKIP] no CUDA device")
+        return 0
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    rows = [run(p, e, args.batch_size, args.steps, d)
+            for d in ("fp32", "bf16") for p, e in (("none", 0), ("full", 1), ("every_n_layers=2", 2))]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"batch_size": args.batch_size, "steps": args.steps, "torch": torch.__version__,
+                       "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    print(f"PyTorch {torch.__version__} on {torch.cuda.get_device_name()}, batch {args.batch_size} x {T} tokens, "
+          f"{args.steps} timed steps")
+    remat = {}
+    if args.remat:
+        with open(args.remat) as f:
+            remat = {r["policy"]: r for r in json.load(f)["rows"]}
+    torch_fp32 = {r["policy"]: r for r in rows if r["dtype"] == "fp32"}
+    print(f"{'policy':<18} {'remat tok/s':>12} {'torch fp32':>11} {'torch bf16':>11} {'remat/torch':>12} "
+          f"{'remat peak MiB':>15} {'torch peak MiB':>15} {'peak ratio':>11}")
+    for policy in ("none", "full", "every_n_layers=2", "selective", "full+offload"):
+        r = remat.get(policy)
+        t = torch_fp32.get(policy)
+        b = next((x for x in rows if x["dtype"] == "bf16" and x["policy"] == policy), None)
+        cell = lambda v, fmt: format(v, fmt) if v is not None else "-"
+        rr = r["tokens_per_s"] if r else None
+        tr = t["tokens_per_s"] if t else None
+        rp = r["measured_peak_bytes"] / 2**20 if r else None
+        tp = t["peak_bytes"] / 2**20 if t else None
+        print(f"{policy:<18} {cell(rr, '12.0f')} {cell(tr, '11.0f')} {cell(b['tokens_per_s'] if b else None, '11.0f')} "
+              f"{cell(rr / tr if rr and tr else None, '12.3f')} {cell(rp, '15.0f')} {cell(tp, '15.0f')} "
+              f"{cell(rp / tp if rp and tp else None, '11.3f')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Gathers what scripts/device-check.sh needs on a GPU machine that has no package registry, from a
+# build made here (`make build`): the GPU test and benchmark binaries, train-gpt, and the shared
+# libraries they use that such a machine may lack (Boost.Test, fmt, zlib). Writes .device/ (git
+# ignores it; a few MiB), which travels with the working tree.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${BUILD:-build}
+rm -rf .device && mkdir -p .device/bin .device/lib
+cp "$build/tests/test_cuda" "$build/bin/bench-gpu" "$build/bin/train-gpt" .device/bin/
+for bin in .device/bin/*; do
+  ldd "$bin" | awk '/=> \// {print $3}' | grep -E 'libboost|libfmt|libz\.' | xargs -r -I{} cp -L {} .device/lib/
+done
+du -sh .device

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU checks, run on a machine with a CUDA device against a build made elsewhere
+# (scripts/device-bundle.sh gathers it into .device/). In under 8 minutes: the GPU tests, a short
+# GPT training run on the GPU, then the GPU benchmark (remat, then PyTorch side by side).
+# Results go to $OUT (default ./device-results) as files.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-device-results}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH=$PWD/.device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+status=0
+step() { echo "== $*"; }
+
+step "GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -n 1)" | tee "$OUT/summary.txt"
+step "GPU tests" | tee -a "$OUT/summary.txt"
+timeout 150 .device/bin/test_cuda --run_test="!cuda_kernels_are_ptx_for_the_pinned_capability" --log_level=test_suite --report_level=short > "$OUT/gpu-tests.log" 2>&1 || status=1
+tail -n 30 "$OUT/gpu-tests.log" | tee -a "$OUT/summary.txt"
+
+step "train-gpt on the GPU (fortunes are not here: a synthetic corpus), policies' gradient digests" | tee -a "$OUT/summary.txt"
+mkdir -p /tmp/remat-corpus
+python3 -c "import random; random.seed(1); print(''.join(random.choice('abcdefgh \n') for _ in range(200000)))" > /tmp/remat-corpus/text
+for policy in none selective full every_n_layers=2 "full --offload"; do
+  timeout 60 .device/bin/train-gpt --device cuda --data-dir /tmp/remat-corpus --max-steps 3 --eval-samples 0 \
+    --dropout 0.1 --json --checkpoint-policy $policy 2>>"$OUT/train-gpt.log" | tail -n 1 >> "$OUT/train-gpt.jsonl" || status=1
+done
+python3 - "$OUT/train-gpt.jsonl" <<'PY' | tee -a "$OUT/summary.txt"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+for r in rows:
+    print(f"{r['policy']:<18} grad_digest {r['grad_digest']} planned {r['planned_peak_bytes']} measured {r['measured_peak_bytes']} "
+          f"{r['tokens_per_s']:.0f} tokens/s")
+print("digests identical:", len({r['grad_digest'] for r in rows}) == 1 and len(rows) == 5)
+PY
+
+step "GPU benchmark (remat)" | tee -a "$OUT/summary.txt"
+timeout 200 .device/bin/bench-gpu --out "$OUT/bench-remat.json" 2>&1 | tee -a "$OUT/summary.txt" || status=1
+step "GPU benchmark (PyTorch, side by side)" | tee -a "$OUT/summary.txt"
+timeout 150 python3 bench/torch_gpt2.py --remat "$OUT/bench-remat.json" --out "$OUT/bench-torch.json" 2>&1 | tee -a "$OUT/summary.txt" || status=1
+echo "device-check exit status $status" | tee -a "$OUT/summary.txt"
+exit $status

@@ -1,0 +1,55 @@
+// One micro-batch of a model through the executor, on the CPU or a CUDA device: deterministic
+// parameters, inputs and labels (the same for every policy and device), the gradients read back.
+// Include after `import remat; import remat.runtime;`.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+struct Run {
+  const remat::Model &model;
+  remat::Plan plan;
+  remat::runtime::Arena arena;
+  remat::runtime::Scalars scalars;
+  remat::runtime::Executor ex;
+  // canary: the arena starts filled with the canary (NaN) pattern, so a kernel reading a tensor
+  // that nothing wrote shows in the gradients
+  Run(const remat::Model &m, std::string_view name, std::span<const remat::runtime::Kernel> kernels, remat::Policy p,
+      int samples, double dropout = 0, bool canary = false,
+      remat::runtime::Device device = remat::runtime::Device::cpu)
+      : model(m), plan(remat::make_plan(m, p, samples)), arena(std::max(plan.peak_bytes, plan.eval_peak_bytes), device),
+        ex(plan, name, kernels, arena, scalars) {
+    using namespace remat;
+    if (canary) arena.fill_canary();
+    std::mt19937_64 rng(7);
+    std::uniform_real_distribution<float> u(-1.f, 1.f);
+    for (const Tensor &t : plan.tensors)
+      if (t.role == Role::params && t.view_of >= 0 && t.name.view().find('.') != std::string_view::npos) {
+        const float scale = t.dims == 2 ? 1.f / std::sqrt(float(t.extent[1])) : 0.2f;
+        for (float &x : ex.tensor<float>(t.name.view())) x = scale * u(rng) + (t.dims == 1 && t.name.view().ends_with("_w") ? 1.f : 0.f);
+      }
+    if (m.token_input())
+      for (auto &t : ex.tensor<std::int32_t>("inputs")) t = int(rng() % m.input.vocab);
+    else
+      for (float &x : ex.tensor<float>("inputs")) x = 0.5f * (u(rng) + 1);
+    auto labels = ex.tensor<std::int32_t>("labels");
+    for (std::size_t b = 0; b < labels.size(); ++b) labels[b] = int((b * 7 + 3) % m.classes());
+    for (auto tensor : {"params", "inputs", "labels"}) ex.upload(tensor);
+    scalars.grad_scale = 1.f / float(plan.rows);
+    scalars.seed = 1234;
+    scalars.step = 3;
+    scalars.set_dropout(dropout);
+  }
+  std::vector<float> read(std::string_view tensor) {
+    ex.download(tensor);
+    auto g = ex.tensor<float>(tensor);
+    return {g.begin(), g.end()};
+  }
+  std::vector<float> grads() { return read("grads"); }
+};
