@@ -7,7 +7,7 @@ DEBS  := clang-19 clang-tools-19 ninja-build libboost-test-dev librange-v3-dev l
 PY_PKGS := halide==21.0.0 cmake>=3.28
 TRAIN_ARGS ?=
 
-.PHONY: all deps build train train-gpt train-mlp test bench clean
+.PHONY: all deps build train train-gpt train-mlp test bench device-bundle clean
 
 all: build
 
@@ -53,6 +53,11 @@ test: build
 bench: build
 	$(BUILD)/bin/bench-policies 6
 	$(BUILD)/bin/bench-gemm 30
+	$(BUILD)/bin/bench-gpu
+
+# What scripts/device-check.sh needs on a GPU machine without registries, in .device/.
+device-bundle: build
+	bash scripts/device-bundle.sh
 
 clean:
 	rm -rf $(BUILD)

@@ -33,8 +33,8 @@ print("digests identical:", len({r['grad_digest'] for r in rows}) == 1 and len(r
 PY
 
 step "GPU benchmark (remat)" | tee -a "$OUT/summary.txt"
-timeout 200 .device/bin/bench-gpu --out "$OUT/bench-remat.json" 2>&1 | tee -a "$OUT/summary.txt" || status=1
+timeout 240 .device/bin/bench-gpu --batch-size 4 --steps 2 --out "$OUT/bench-remat.json" 2>&1 | tee -a "$OUT/summary.txt" || status=1
 step "GPU benchmark (PyTorch, side by side)" | tee -a "$OUT/summary.txt"
-timeout 150 python3 bench/torch_gpt2.py --remat "$OUT/bench-remat.json" --out "$OUT/bench-torch.json" 2>&1 | tee -a "$OUT/summary.txt" || status=1
+timeout 120 python3 bench/torch_gpt2.py --batch-size 4 --steps 3 --remat "$OUT/bench-remat.json" --out "$OUT/bench-torch.json" 2>&1 | tee -a "$OUT/summary.txt" || status=1
 echo "device-check exit status $status" | tee -a "$OUT/summary.txt"
 exit $status
