@@ -4,8 +4,14 @@
 # `<name>::policy` (its default checkpoint policy). This builds the model compiler for it, runs it
 # at build time and yields the library <name>_kernels, whose C++ module `<name>.kernels` exports
 # the kernel tables (`table` for the CPU, `cuda_table` for CUDA); trainers link it and `import <name>.kernels;`.
+# OPENCL: also generate the GPU schedules for OpenCL (table `opencl_table`), for the tests that
+# run them on PoCL.
 function(remat_add_model name)
-  cmake_parse_arguments(ARG "" "MODULE" "" ${ARGN})
+  cmake_parse_arguments(ARG "OPENCL" "MODULE" "" ${ARGN})
+  set(opencl_flag "")
+  if(ARG_OPENCL)
+    set(opencl_flag "--opencl")
+  endif()
   add_library(${name}_model STATIC)
   target_sources(${name}_model PUBLIC FILE_SET CXX_MODULES FILES ${ARG_MODULE})
   target_link_libraries(${name}_model PUBLIC remat_dsl)
@@ -23,7 +29,7 @@ int main(int argc, char **argv) { return remat::modelc::main(argc, argv, ${name}
   set(dir ${CMAKE_CURRENT_BINARY_DIR}/kernels)
   add_custom_command(
     OUTPUT ${dir}/lib${name}_kernels.a ${dir}/${name}.kernels.cppm
-    COMMAND ${name}-modelc --out ${dir} --cpu-target ${REMAT_CPU_TARGET} --cuda-capability ${REMAT_CUDA_CAPABILITY}
+    COMMAND ${name}-modelc --out ${dir} --cpu-target ${REMAT_CPU_TARGET} --cuda-capability ${REMAT_CUDA_CAPABILITY} ${opencl_flag}
     DEPENDS ${name}-modelc
     COMMENT "Generating Halide kernels for model ${name} (${REMAT_CPU_TARGET}; CUDA sm_${REMAT_CUDA_CAPABILITY})")
   add_custom_target(${name}_kernels_generated DEPENDS ${dir}/lib${name}_kernels.a ${dir}/${name}.kernels.cppm)

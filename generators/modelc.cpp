@@ -490,10 +490,10 @@ void write_if_changed(const std::filesystem::path &path, const std::string &text
   std::filesystem::rename(tmp, path);
 }
 
-// One generated kernel: the plan's kernel name, and its C symbol for one target.
+// One generated kernel: the plan's kernel name, and its C symbol for one target. `api`: "" (CPU),
+// "cuda", or "opencl" (the GPU schedules for OpenCL, so that tests can run them on PoCL).
 struct Emitted {
-  std::string name, symbol;
-  bool cuda;
+  std::string name, symbol, api;
 };
 
 struct Emitter {
@@ -502,15 +502,15 @@ struct Emitter {
   std::vector<Emitted> kernels;
 
   void emit(const std::string &name, const Target &target, Pipeline p, const std::vector<Argument> &args) {
-    const bool cuda = target.has_feature(Target::CUDA);
-    const std::string symbol = cuda ? name + "_cuda" : name;
+    const std::string api = target.has_feature(Target::CUDA) ? "cuda" : target.has_feature(Target::OpenCL) ? "opencl" : "";
+    const std::string symbol = api.empty() ? name : name + "_" + api;
     const auto base = (staging / symbol).string();
     std::map<OutputFileType, std::string> files = {{OutputFileType::object, base + ".o"},
                                                    {OutputFileType::c_header, base + ".h"}};
     if (std::getenv("REMAT_STMT")) files[OutputFileType::stmt] = base + ".stmt";  // for reading schedules
     p.compile_to(files, args, symbol, target.with_feature(Target::NoRuntime));
     objects.push_back(base + ".o");
-    kernels.push_back({name, symbol, cuda});
+    kernels.push_back({name, symbol, api});
   }
 
   // Every kernel of the model for one target.
@@ -556,14 +556,17 @@ Target cuda_target(const std::string &cpu_target, int capability) {
 int main(int argc, char **argv, const Model &model, std::string_view model_name) {
   std::string out_dir, cpu_target = "host";
   int capability = 0;  // 0: no CUDA kernels
-  for (int i = 1; i + 1 < argc; i += 2) {
+  bool opencl = false;
+  for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
-    if (flag == "--out") out_dir = argv[i + 1];
-    else if (flag == "--cpu-target") cpu_target = argv[i + 1];
-    else if (flag == "--cuda-capability") capability = std::atoi(argv[i + 1]);
+    if (flag == "--opencl") opencl = true;
+    else if (flag == "--out" && i + 1 < argc) out_dir = argv[++i];
+    else if (flag == "--cpu-target" && i + 1 < argc) cpu_target = argv[++i];
+    else if (flag == "--cuda-capability" && i + 1 < argc) capability = std::atoi(argv[++i]);
+    else out_dir.clear(), i = argc;  // unknown: print the usage
   }
   if (out_dir.empty()) {
-    std::fprintf(stderr, "usage: %s --out DIR [--cpu-target TARGET] [--cuda-capability NN]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s --out DIR [--cpu-target TARGET] [--cuda-capability NN] [--opencl]\n", argv[0]);
     return 2;
   }
   try {
@@ -576,9 +579,13 @@ int main(int argc, char **argv, const Model &model, std::string_view model_name)
     std::filesystem::create_directories(e.staging);
     const Target cpu(cpu_target);
     e.emit_model(model, name, cpu);
-    // One Halide runtime for both: the CUDA target's runtime includes the CPU one.
-    const Target runtime_target = capability ? cuda_target(cpu_target, capability) : cpu;
+    // One Halide runtime for all: a GPU target's runtime includes the CPU one.
+    Target runtime_target = capability ? cuda_target(cpu_target, capability) : cpu;
     if (capability) e.emit_model(model, name, runtime_target);
+    if (opencl) {
+      e.emit_model(model, name, cpu.with_feature(Target::OpenCL));
+      runtime_target = runtime_target.with_feature(Target::OpenCL);
+    }
     const auto runtime = (e.staging / "halide_runtime.o").string();
     compile_standalone_runtime(runtime, runtime_target);
     std::vector<std::string> all = e.objects;
@@ -591,16 +598,19 @@ int main(int argc, char **argv, const Model &model, std::string_view model_name)
                        "`. Do not edit.\nmodule;\n#include <HalideRuntime.h>\n\n#include <span>\n";
     for (const Emitted &k : e.kernels) cppm += "#include \"" + k.symbol + ".h\"\n";
     cppm += "export module " + name + ".kernels;\nimport remat.runtime;\n\nexport namespace " + name + "_kernels {\n";
-    for (bool cuda : {false, true}) {
-      const std::string array = cuda ? "cuda_kernels" : "table";
+    for (const std::string api : {"", "cuda", "opencl"}) {
       std::string rows;
       for (const Emitted &k : e.kernels)
-        if (k.cuda == cuda) rows += "    {\"" + k.name + "\", &" + k.symbol + "_argv, &" + k.symbol + "_metadata},\n";
-      if (!rows.empty()) cppm += "inline constexpr remat::runtime::Kernel " + array + "[] = {\n" + rows + "};\n";
+        if (k.api == api) rows += "    {\"" + k.name + "\", &" + k.symbol + "_argv, &" + k.symbol + "_metadata},\n";
+      if (api.empty()) {
+        cppm += "inline constexpr remat::runtime::Kernel table[] = {\n" + rows + "};\n";
+      } else if (rows.empty()) {  // not generated in this build
+        cppm += "inline constexpr std::span<const remat::runtime::Kernel> " + api + "_table;\n";
+      } else {
+        cppm += "inline constexpr remat::runtime::Kernel " + api + "_kernels[] = {\n" + rows + "};\n" +
+                "inline constexpr std::span<const remat::runtime::Kernel> " + api + "_table = " + api + "_kernels;\n";
+      }
     }
-    // empty when the model compiler ran without --cuda-capability
-    cppm += std::string("inline constexpr std::span<const remat::runtime::Kernel> cuda_table") +
-            (capability ? " = cuda_kernels;\n" : ";\n");
     cppm += "}  // namespace " + name + "_kernels\n";
     write_if_changed(std::filesystem::path(out_dir) / (name + ".kernels.cppm"), cppm);
     std::vector<std::string> published = {"lib" + name + "_kernels.a"};

@@ -92,6 +92,7 @@ struct Executor::Bound {
   long calls = 0;
   std::int32_t rng_block = 0;
   std::vector<halide_buffer_t> buffers;
+  std::vector<int> inputs, outputs;  // buffer arguments by kind (Device::opencl moves them)
   std::vector<std::array<halide_dimension_t, 2>> shapes;
   std::vector<void *> argv;
 };
@@ -251,6 +252,7 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
       } else {
         buf.host = reinterpret_cast<std::uint8_t *>(arena.data() + offset);
       }
+      (arg.kind == halide_argument_kind_output_buffer ? b->outputs : b->inputs).push_back(a);
       b->argv[a] = &buf;
     }
     return b;
@@ -275,7 +277,13 @@ void Executor::run(Phase phase) {
     if (step) transfers->before(*step);
     if (trace) std::fprintf(stderr, "kernel %s\n", b->kernel->name);
     const auto t0 = profile ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
-    if (int err = b->kernel->argv(b->argv.data()); err != 0) {
+    const bool host_driven = arena.device() == Device::opencl;
+    if (host_driven)  // the host copy is the truth: Halide copies it to the device
+      for (int a : b->inputs) b->buffers[a].flags |= halide_buffer_flag_host_dirty;
+    int err = b->kernel->argv(b->argv.data());
+    if (host_driven)
+      for (int a : b->outputs) err = err ? err : halide_copy_to_host(nullptr, &b->buffers[a]);
+    if (err != 0) {
       const std::string message = remat_halide_error;
       remat_halide_error[0] = 0;
       throw std::runtime_error(fmt::format("kernel {} failed (Halide error {}): {}", b->kernel->name, err, message));

@@ -52,7 +52,9 @@ struct HalideHeap {
 HalideHeap halide_heap();
 void reset_halide_heap_peak();
 
-enum class Device { cpu, cuda };
+// opencl: the GPU schedules run through OpenCL from host memory (Halide copies each input to the
+// device and the executor copies each output back), so tests check them on PoCL without a GPU.
+enum class Device { cpu, cuda, opencl };
 
 // The arena: one allocation of the plan's size, in host memory (CPU) or device memory (CUDA,
 // one cudaMalloc; a host mirror of the same size holds what the trainer reads and writes, moved

@@ -13,7 +13,7 @@ step() { echo "== $*"; }
 
 step "GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -n 1)" | tee "$OUT/summary.txt"
 step "GPU tests" | tee -a "$OUT/summary.txt"
-timeout 150 .device/bin/test_cuda --run_test="!cuda_kernels_are_ptx_for_the_pinned_capability" --log_level=test_suite --report_level=short > "$OUT/gpu-tests.log" 2>&1 || status=1
+timeout 150 .device/bin/test_cuda --run_test=@gpu --log_level=test_suite --report_level=short > "$OUT/gpu-tests.log" 2>&1 || status=1
 tail -n 30 "$OUT/gpu-tests.log" | tee -a "$OUT/summary.txt"
 
 step "train-gpt on the GPU (fortunes are not here: a synthetic corpus), policies' gradient digests" | tee -a "$OUT/summary.txt"

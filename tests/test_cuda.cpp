@@ -1,9 +1,12 @@
-// The CUDA kernels. Without a GPU (CI) only the build is checked: every CUDA kernel is PTX for
-// the pinned compute capability; the tests that run kernels print "[SKIP] no CUDA device".
-// On a GPU (scripts/device-check.sh):
+// The GPU kernels.
+// Everywhere: every CUDA kernel is PTX for the pinned compute capability (label "build"); the
+// GPU schedules, generated for OpenCL, run on PoCL (OpenCL on the CPU; label "pocl") against the
+// CPU kernels and across policies: this checks the schedules themselves (bounds, guards, shared
+// memory, per-block recompute) without a GPU.
+// On a CUDA GPU (label "gpu", scripts/device-check.sh; elsewhere they print "[SKIP] no CUDA device"):
 //  - CUDA gradients match the CPU's: each gradient tensor within 1e-3 of its largest CPU
 //    magnitude (both float32; the GPU sums in another order, serially per thread, than the CPU's
-//    vector lanes), the mean loss within 1e-5 relative;
+//    vector lanes), the losses within 1e-5 and the parameters after AdamW within 1e-4 of theirs;
 //  - every policy, offload included, gives the same gradients bit for bit on the GPU;
 //  - the measured peak of the device arena (canary scan) equals the plan; kernels allocate nothing.
 #include <boost/test/unit_test.hpp>
@@ -54,7 +57,65 @@ constexpr Policy every_2{Policy::Kind::every_n_layers, 2};
 
 }  // namespace
 
-BOOST_AUTO_TEST_CASE(cuda_kernels_are_ptx_for_the_pinned_capability) {
+namespace {
+
+// One training step and the optimizer on `device` against the CPU kernels: the mean loss, every
+// gradient tensor, the updated parameters and the evaluation loss.
+void expect_close_to_the_cpu(Device device, std::span<const runtime::Kernel> mlp_gpu, std::span<const runtime::Kernel> gpt_gpu) {
+  struct Case { const Model &m; std::string_view name; std::span<const runtime::Kernel> cpu, gpu; int samples; double dropout; };
+  for (const Case &c : {Case{mlp::model, "mlp", mlp_kernels::table, mlp_gpu, 16, 0.0},
+                        Case{gpt::model, "gpt", gpt_kernels::table, gpt_gpu, 2, 0.1}}) {
+    Run cpu(c.m, c.name, c.cpu, none, c.samples, c.dropout);
+    Run gpu(c.m, c.name, c.gpu, none, c.samples, c.dropout, true, device);
+    auto close = [&](std::string_view what, const std::vector<float> &want, const std::vector<float> &got,
+                     std::size_t first, std::size_t n, double tolerance) {
+      double scale = 0, err = 0;
+      for (std::size_t i = first; i < first + n; ++i) {
+        scale = std::max(scale, double(std::abs(want[i])));
+        err = std::max(err, double(std::abs(got[i] - want[i])));  // NaN fails below
+      }
+      BOOST_TEST(err <= tolerance * scale, c.name << " " << what << ": max error " << err << " of " << scale);
+    };
+    for (Run *r : {&cpu, &gpu}) r->ex.run(Executor::Phase::train);
+    const auto loss_cpu = cpu.read("row_loss"), loss_gpu = gpu.read("row_loss");
+    close("row_loss", loss_cpu, loss_gpu, 0, loss_cpu.size(), 1e-5);
+    const auto g_cpu = cpu.grads(), g_gpu = gpu.grads();
+    for (const Tensor &t : cpu.plan.tensors)
+      if (t.role == Role::grads && t.view_of >= 0 && t.name.view().find('.') != std::string_view::npos)
+        close(t.name.view(), g_cpu, g_gpu, t.offset / 4, t.bytes() / 4, 1e-3);
+    for (Run *r : {&cpu, &gpu}) {
+      r->scalars.lr = 1e-2f;
+      r->scalars.bias1 = 0.1f;
+      r->scalars.bias2 = 0.001f;
+      r->scalars.weight_decay = 0.01f;
+      r->ex.run(Executor::Phase::optimize);
+    }
+    const auto p_cpu = cpu.read("params"), p_gpu = gpu.read("params");
+    close("params after AdamW", p_cpu, p_gpu, 0, p_cpu.size(), 1e-4);
+    for (Run *r : {&cpu, &gpu}) r->ex.run(Executor::Phase::eval);
+    const auto e_cpu = cpu.read("row_loss"), e_gpu = gpu.read("row_loss");
+    close("eval row_loss", e_cpu, e_gpu, 0, e_cpu.size(), 1e-5);
+  }
+}
+
+// Every policy, offload included, gives the gradients of `none` bit for bit on `device`.
+void expect_policies_identical(Device device, std::span<const runtime::Kernel> gpt_gpu, int samples) {
+  Run base(gpt::model, "gpt", gpt_gpu, none, samples, 0.1, true, device);
+  base.ex.run(Executor::Phase::train);
+  const auto expected = base.grads();
+  for (Policy p : {selective, full, every_2, sqrt_n, with_offload(full), with_offload(every_2), with_offload(sqrt_n)}) {
+    if (p.offload && device != Device::cuda) continue;  // offload moves device memory
+    Run run(gpt::model, "gpt", gpt_gpu, p, samples, 0.1, true, device);
+    run.ex.run(Executor::Phase::train);
+    const auto got = run.grads();
+    BOOST_TEST(std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)) == 0,
+               "gradients differ under " << policy_name(p).view());
+  }
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(cuda_kernels_are_ptx_for_the_pinned_capability, *boost::unit_test::label("build")) {
   for (auto [lib, count] : {std::pair{MLP_KERNELS_LIB, mlp_kernels::cuda_table.size()},
                             std::pair{GPT_KERNELS_LIB, gpt_kernels::cuda_table.size()}}) {
     BOOST_TEST_REQUIRE(count > 0u, "no CUDA kernels in the table");
@@ -68,46 +129,23 @@ BOOST_AUTO_TEST_CASE(cuda_kernels_are_ptx_for_the_pinned_capability) {
   }
 }
 
-BOOST_AUTO_TEST_CASE(cuda_gradients_match_the_cpu, *boost::unit_test::precondition(cuda_device)) {
-  struct Case { const Model &m; std::string_view name; std::span<const runtime::Kernel> cpu, gpu; int samples; double dropout; };
-  for (const Case &c : {Case{mlp::model, "mlp", mlp_kernels::table, mlp_kernels::cuda_table, 64, 0.0},
-                        Case{gpt::model, "gpt", gpt_kernels::table, gpt_kernels::cuda_table, 4, 0.1}}) {
-    Run cpu(c.m, c.name, c.cpu, none, c.samples, c.dropout);
-    Run gpu(c.m, c.name, c.gpu, none, c.samples, c.dropout, false, Device::cuda);
-    cpu.ex.run(Executor::Phase::train);
-    gpu.ex.run(Executor::Phase::train);
-    double loss_cpu = 0, loss_gpu = 0;
-    for (float l : cpu.read("row_loss")) loss_cpu += l;
-    for (float l : gpu.read("row_loss")) loss_gpu += l;
-    BOOST_TEST(std::abs(loss_gpu - loss_cpu) <= 1e-5 * std::abs(loss_cpu), c.name << " loss " << loss_gpu << " vs " << loss_cpu);
-    const auto g_cpu = cpu.grads(), g_gpu = gpu.grads();
-    for (const Tensor &t : cpu.plan.tensors) {
-      if (t.role != Role::grads || t.view_of < 0 || t.name.view().find('.') == std::string_view::npos) continue;
-      const std::size_t first = t.offset / 4, n = t.bytes() / 4;
-      double scale = 0, err = 0;
-      for (std::size_t i = first; i < first + n; ++i) {
-        scale = std::max(scale, double(std::abs(g_cpu[i])));
-        err = std::max(err, double(std::abs(g_gpu[i] - g_cpu[i])));
-      }
-      BOOST_TEST(err <= 1e-3 * scale, c.name << " " << t.name.view() << ": max error " << err << " of " << scale);
-    }
-  }
+BOOST_AUTO_TEST_CASE(pocl_gpu_schedules_match_the_cpu, *boost::unit_test::label("pocl")) {
+  expect_close_to_the_cpu(Device::opencl, mlp_kernels::opencl_table, gpt_kernels::opencl_table);
 }
 
-BOOST_AUTO_TEST_CASE(cuda_policies_give_bit_identical_gradients, *boost::unit_test::precondition(cuda_device)) {
-  Run base(gpt::model, "gpt", gpt_kernels::cuda_table, none, 4, 0.1, true, Device::cuda);
-  base.ex.run(Executor::Phase::train);
-  const auto expected = base.grads();
-  for (Policy p : {selective, full, every_2, sqrt_n, with_offload(full), with_offload(every_2), with_offload(sqrt_n)}) {
-    Run run(gpt::model, "gpt", gpt_kernels::cuda_table, p, 4, 0.1, true, Device::cuda);
-    run.ex.run(Executor::Phase::train);
-    const auto got = run.grads();
-    BOOST_TEST(std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)) == 0,
-               "gradients differ under " << policy_name(p).view());
-  }
+BOOST_AUTO_TEST_CASE(pocl_gpu_schedules_give_bit_identical_gradients, *boost::unit_test::label("pocl")) {
+  expect_policies_identical(Device::opencl, gpt_kernels::opencl_table, 2);
 }
 
-BOOST_AUTO_TEST_CASE(cuda_measured_peak_equals_the_plan, *boost::unit_test::precondition(cuda_device)) {
+BOOST_AUTO_TEST_CASE(cuda_gradients_match_the_cpu, *boost::unit_test::label("gpu") * boost::unit_test::precondition(cuda_device)) {
+  expect_close_to_the_cpu(Device::cuda, mlp_kernels::cuda_table, gpt_kernels::cuda_table);
+}
+
+BOOST_AUTO_TEST_CASE(cuda_policies_give_bit_identical_gradients, *boost::unit_test::label("gpu") * boost::unit_test::precondition(cuda_device)) {
+  expect_policies_identical(Device::cuda, gpt_kernels::cuda_table, 4);
+}
+
+BOOST_AUTO_TEST_CASE(cuda_measured_peak_equals_the_plan, *boost::unit_test::label("gpu") * boost::unit_test::precondition(cuda_device)) {
   for (Policy p : {none, selective, with_offload(full)}) {
     Run run(gpt::model, "gpt", gpt_kernels::cuda_table, p, 4, 0.1, true, Device::cuda);
     runtime::reset_halide_heap_peak();
