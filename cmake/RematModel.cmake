@@ -31,7 +31,7 @@ int main(int argc, char **argv) { return remat::modelc::main(argc, argv, ${name}
     OUTPUT ${dir}/lib${name}_kernels.a ${dir}/${name}.kernels.cppm
     COMMAND ${name}-modelc --out ${dir} --cpu-target ${REMAT_CPU_TARGET} --cuda-capability ${REMAT_CUDA_CAPABILITY} ${opencl_flag}
     DEPENDS ${name}-modelc
-    COMMENT "Generating Halide kernels for model ${name} (${REMAT_CPU_TARGET}; CUDA sm_${REMAT_CUDA_CAPABILITY})")
+    COMMENT "Generating Halide kernels for model ${name} (${REMAT_CPU_TARGET}; CUDA sm_${REMAT_CUDA_CAPABILITY} ${opencl_flag})")
   add_custom_target(${name}_kernels_generated DEPENDS ${dir}/lib${name}_kernels.a ${dir}/${name}.kernels.cppm)
 
   add_library(${name}_kernels STATIC)
