@@ -146,22 +146,17 @@ public:
   // memory (T floats each), its threads run over key positions, then over the head's features.
   // `lse_computed`: the statistics are computed here (not read from a saved buffer).
   void attention(gen::Attention &a, bool lse_computed, int head_dim, int block_size) {
-    Var co("co"), ci("ci"), bo("bo"), bi("bi"), so("so"), si("si");
-    const Var h("h"), s("s");
+    Var co("co"), ci("ci"), bo("bo"), bi("bi");
+    const Var h("h");
     if (gpu) {
       if (lse_computed) {  // a thread per (row, head) walks the keys
         a.lse.compute_root().reorder(h, v.b).gpu_tile(v.b, bo, bi, 64, TailStrategy::GuardWithIf);
         for (Func f : {a.row_max, a.sum_exp, a.lse_dot}) f.compute_at(a.lse, h);
       }
-      const int threads = std::min(block_size, 128);
       for (Stage st : {Stage(a.out), a.out.update()})
         st.split(v.c, co, ci, head_dim).reorder(ci, co, v.b).gpu_blocks(co, v.b).gpu_threads(ci);
       a.out.compute_root();
-      for (Func f : {a.dot, a.kept}) {
-        f.compute_at(a.out, co).split(s, so, si, threads, TailStrategy::GuardWithIf).gpu_threads(si);
-        if (f.has_update_definition())
-          f.update().split(s, so, si, threads, TailStrategy::GuardWithIf).gpu_threads(si);
-      }
+      for (Func f : {a.dot, a.kept}) positions_in_shared_memory(f, a.out, co, block_size);
       return;
     }
     if (lse_computed) {
@@ -195,20 +190,14 @@ public:
   // CPU: both score-gradient chains per row. GPU: a block per (head of q, k or v, row); the
   // chains for that head live in shared memory with threads over positions.
   void attention_grad(Func consumer, gen::AttentionGrad g, int head_dim, int block_size) {
-    const Var s("s");
     if (gpu) {
-      Var co("co"), ci("ci"), so("so"), si("si");
+      Var co("co"), ci("ci"), si("si");
       consumer.compute_root().split(v.c, co, ci, head_dim).reorder(ci, co, v.b).gpu_blocks(co, v.b).gpu_threads(ci);
-      const int threads = std::min(block_size, 128);
       for (Func f : {g.dq, g.dk, g.dv}) {
         f.compute_at(consumer, co).gpu_threads(v.c);
         f.update().gpu_threads(v.c);
       }
-      for (Func f : {g.q.dscore, g.kv.dot, g.kv.kept, g.kv.dscore}) {
-        f.compute_at(consumer, co).split(s, so, si, threads, TailStrategy::GuardWithIf).gpu_threads(si);
-        if (f.has_update_definition())
-          f.update().split(s, so, si, threads, TailStrategy::GuardWithIf).gpu_threads(si);
-      }
+      for (Func f : {g.q.dscore, g.kv.dot, g.kv.kept, g.kv.dscore}) positions_in_shared_memory(f, consumer, co, block_size);
       for (Func f : {g.q.dot, g.q.dprob_kept}) f.compute_at(g.q.dscore, si);
       g.kv.dprob_kept.compute_at(g.kv.dscore, si);
       return;
@@ -272,6 +261,16 @@ public:
   const Vars &v;
   int vec;
   bool gpu;
+
+private:
+  // GPU: f(s, h, b), one row's values over key positions s for one head, computed in shared
+  // memory at the thread-block loop `at` of `consumer`, threads over positions (vars so, si).
+  static void positions_in_shared_memory(Func f, Func consumer, Var at, int block_size) {
+    const Var s("s"), so("so"), si("si");
+    const int threads = std::min(block_size, 128);
+    f.compute_at(consumer, at).split(s, so, si, threads, TailStrategy::GuardWithIf).gpu_threads(si);
+    if (f.has_update_definition()) f.update().split(s, so, si, threads, TailStrategy::GuardWithIf).gpu_threads(si);
+  }
 };
 
 }  // namespace remat::gen
