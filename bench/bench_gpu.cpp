@@ -1,4 +1,5 @@
-// The GPU benchmark: the GPT at GPT-2-small shape (bench/gpt2s.cppm) on CUDA under the policies
+// The GPU benchmark: the GPT at GPT-2-small shape (bench/gpt2s.cppm), bf16 by default (fp32 with
+// --precision fp32), on CUDA under the policies
 // none, full, every_n_layers=2, selective and full+offload: tokens/s of whole training steps
 // (forward, backward, AdamW), planned and measured peak device memory, activation bytes, and the
 // first step's gradient digest (the same for every policy). Prints a table with ratios against
@@ -27,8 +28,9 @@ using remat::runtime::Executor;
 
 int main(int argc, char **argv) {
   int batch = 8, steps = 3;
-  std::string out;
+  std::string out, precision_flag = "bf16";
   CLI::App app{"remat GPU benchmark: GPT-2-small shape under checkpoint policies"};
+  app.add_option("--precision", precision_flag, "bf16 (activations and GEMM operands) or fp32")->check(CLI::IsMember({"bf16", "fp32"}))->capture_default_str();
   app.add_option("--batch-size", batch, "sequences of 1024 tokens per step")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--steps", steps, "timed steps per policy (after one warm-up step)")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--out", out, "write the rows as JSON here");
@@ -39,18 +41,19 @@ int main(int argc, char **argv) {
     std::printf("[SKIP] no CUDA device (%s)\n", device.error.c_str());
     return 0;
   }
+  const Precision precision = precision_flag == "bf16" ? Precision::bf16 : Precision::fp32;
   const Policy policies[] = {none, full, Policy{Policy::Kind::every_n_layers, 2}, selective, with_offload(full)};
   const long long tokens = (long long)batch * gpt2s::block_size;
   fmt::print("remat on {} ({} MiB free): GPT-2-small shape, {} layers, {} wide, {} heads, T={}, vocab {}, batch {} "
-             "({} tokens/step), float32, {} timed steps\n",
+             "({} tokens/step), {}, {} timed steps\n",
              device.name, device.free_bytes >> 20, gpt2s::n_layer, gpt2s::n_embd, gpt2s::n_head, gpt2s::block_size,
-             gpt2s::vocab, batch, tokens, steps);
+             gpt2s::vocab, batch, tokens, precision_name(precision), steps);
   fmt::print("{:<18} {:>10} {:>9} {:>16} {:>16} {:>8} {:>14} {:>9}  {}\n", "policy", "tokens/s", "vs none",
              "planned peak B", "measured peak B", "equal", "activations MiB", "offload", "grad digest");
   nlohmann::json rows = nlohmann::json::array();
   double base_rate = 0;
   for (Policy p : policies) {
-    const Plan plan = make_plan(gpt2s::model, p, batch);
+    const Plan plan = make_plan(gpt2s::model, p, batch, precision);
     const std::size_t arena_bytes = std::max(plan.peak_bytes, plan.eval_peak_bytes);
     if (arena_bytes > cuda::probe().free_bytes) {
       fmt::print("{:<18} skipped: the plan needs {} B, more than the free device memory\n", policy_name(p).view(), arena_bytes);
@@ -100,6 +103,7 @@ int main(int argc, char **argv) {
   if (!out.empty()) {
     std::ofstream f(out);
     f << nlohmann::json{{"batch_size", batch}, {"block_size", gpt2s::block_size}, {"steps", steps},
+                        {"precision", std::string(precision_name(precision))},
                         {"device", device.name}, {"rows", rows}}
              .dump(1)
       << '\n';

@@ -2,10 +2,12 @@
 """The model of bench/gpt2s.cppm in PyTorch, timed like bench-gpu, and the two side by side.
 
 GPT-2-small shape (12 pre-LayerNorm blocks, 768 wide, 12 heads, T=1024, vocab 50304, fused q/k/v,
-tanh GELU, dropout 0), AdamW, float32 without TF32 (remat's kernels are float32). Policies: no
+tanh GELU, dropout 0), AdamW, in float32 without TF32 and in bf16 autocast (fp32 master weights,
+as remat's --bf16). Policies: no
 checkpointing, and torch.utils.checkpoint per block (use_reentrant=False) on every block (full)
 and on every second block (every_n_layers=2). Peak memory is torch.cuda.max_memory_allocated.
-With --remat FILE (bench-gpu --out FILE) it prints one table with both and the ratios.
+With --remat FILE (bench-gpu --out FILE) it prints one table with both and the ratios against
+PyTorch at remat's precision.
 Without a CUDA device it prints [SKIP] and exits 0.
 """
 import argparse
@@ -104,24 +106,27 @@ def main():
                        "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
     print(f"PyTorch {torch.__version__} on {torch.cuda.get_device_name()}, batch {args.batch_size} x {T} tokens, "
           f"{args.steps} timed steps")
-    remat = {}
+    remat, precision = {}, "bf16"
     if args.remat:
         with open(args.remat) as f:
-            remat = {r["policy"]: r for r in json.load(f)["rows"]}
-    torch_fp32 = {r["policy"]: r for r in rows if r["dtype"] == "fp32"}
-    print(f"{'policy':<18} {'remat tok/s':>12} {'torch fp32':>11} {'torch bf16':>11} {'remat/torch':>12} "
+            data = json.load(f)
+        remat = {r["policy"]: r for r in data["rows"]}
+        precision = data.get("precision", "fp32")
+    same = {r["policy"]: r for r in rows if r["dtype"] == precision}
+    other = {r["policy"]: r for r in rows if r["dtype"] != precision}
+    other_name = "fp32" if precision == "bf16" else "bf16"
+    print(f"remat {precision} against PyTorch {precision} (PyTorch {other_name} for reference)")
+    print(f"{'policy':<18} {'remat tok/s':>12} {'torch tok/s':>12} {'remat/torch':>12} {'torch ' + other_name:>11} "
           f"{'remat peak MiB':>15} {'torch peak MiB':>15} {'peak ratio':>11}")
     for policy in ("none", "full", "every_n_layers=2", "selective", "full+offload"):
-        r = remat.get(policy)
-        t = torch_fp32.get(policy)
-        b = next((x for x in rows if x["dtype"] == "bf16" and x["policy"] == policy), None)
+        r, t, o = remat.get(policy), same.get(policy), other.get(policy)
         cell = lambda v, fmt: format(v, fmt) if v is not None else "-"
         rr = r["tokens_per_s"] if r else None
         tr = t["tokens_per_s"] if t else None
         rp = r["measured_peak_bytes"] / 2**20 if r else None
         tp = t["peak_bytes"] / 2**20 if t else None
-        print(f"{policy:<18} {cell(rr, '12.0f')} {cell(tr, '11.0f')} {cell(b['tokens_per_s'] if b else None, '11.0f')} "
-              f"{cell(rr / tr if rr and tr else None, '12.3f')} {cell(rp, '15.0f')} {cell(tp, '15.0f')} "
+        print(f"{policy:<18} {cell(rr, '12.0f')} {cell(tr, '12.0f')} {cell(rr / tr if rr and tr else None, '12.3f')} "
+              f"{cell(o['tokens_per_s'] if o else None, '11.0f')} {cell(rp, '15.0f')} {cell(tp, '15.0f')} "
               f"{cell(rp / tp if rp and tp else None, '11.3f')}")
     return 0
 

@@ -417,11 +417,16 @@ enum class Keep : std::uint8_t {
 //   p<k>_wt [O, K] transposed weight for the input gradient of a linear; att<k>_delta [R, H].
 // ---------------------------------------------------------------------------------------------
 struct LocalTensor {
+  // activation: values and gradients of the data flowing through the layers (bf16 in a bf16
+  // plan); statistic: per-row sums, LayerNorm and attention statistics; parameter: weights and
+  // their gradients. Statistics and parameters are always fp32.
+  enum class Kind : std::uint8_t { activation, statistic, parameter };
   Name name;
   int dims = 2;                 // extent[0] is the innermost (contiguous) dimension
   std::array<int, 2> extent{};  // -1: the row count R
   int layer = -1;               // the layer that produces it (-1: none)
   bool decay = false;           // parameters: AdamW weight decay applies
+  Kind kind = Kind::activation;
   constexpr long long elements(long long rows) const {
     long long n = 1;
     for (int d = 0; d < dims; ++d) n *= extent[d] < 0 ? rows : extent[d];
@@ -430,14 +435,30 @@ struct LocalTensor {
 };
 
 constexpr LocalTensor rows(Name name, int width, int layer = -1) { return {name, 2, {width, -1}, layer}; }
-constexpr LocalTensor row_stat(Name name, int layer = -1) { return {name, 1, {-1, 0}, layer}; }
+constexpr LocalTensor row_stat(Name name, int layer = -1) {
+  return {name, 1, {-1, 0}, layer, false, LocalTensor::Kind::statistic};
+}
+// Attention statistics [R, H] (log-sum-exp, and delta in backward).
+constexpr LocalTensor head_stat(Name name, int heads, int layer = -1) {
+  return {name, 2, {heads, -1}, layer, false, LocalTensor::Kind::statistic};
+}
+
+// Precision of a plan and its kernels. bf16: activations, their gradients and GEMM operands are
+// bf16 (every layer output is rounded to bf16 where it is computed, so a recompute rounds the
+// same way); GEMMs and reductions accumulate in fp32; parameters, their gradients, the AdamW
+// moments and all statistics stay fp32.
+enum class Precision : std::uint8_t { fp32, bf16 };
+constexpr std::string_view precision_name(Precision p) { return p == Precision::bf16 ? "bf16" : "fp32"; }
+constexpr int element_bytes(const LocalTensor &lt, Precision p) {
+  return p == Precision::bf16 && lt.kind == LocalTensor::Kind::activation ? 2 : 4;
+}
 
 constexpr LocalTensor output_of(const Block &b, int k) { return rows(cat("h", k), b.layers[k].out, k); }
 
 constexpr std::vector<LocalTensor> stats_of(const Block &b, int k) {
   const Layer &l = b.layers[k];
   if (l.op == Op::layer_norm) return {row_stat(cat("mean", k), k), row_stat(cat("rstd", k), k)};
-  if (l.op == Op::attention) return {{cat("att", k, "_lse"), 2, {l.heads, -1}, k}};
+  if (l.op == Op::attention) return {head_stat(cat("att", k, "_lse"), l.heads, k)};
   return {};
 }
 
@@ -552,7 +573,7 @@ constexpr KernelTensors backward_tensors(const Block &b, Keep keep, bool needs_i
       t.workspace.push_back(row_stat(cat("s", j, "_2"), j));
     }
     if (l.op == Op::linear && grad_in) t.workspace.push_back({cat("p", j, "_wt"), 2, {l.in, l.out}, j});
-    if (l.op == Op::attention) t.workspace.push_back({cat("att", j, "_delta"), 2, {l.heads, -1}, j});
+    if (l.op == Op::attention) t.workspace.push_back(head_stat(cat("att", j, "_delta"), l.heads, j));
   }
   return t;
 }
@@ -561,15 +582,16 @@ constexpr std::vector<LocalTensor> params(const Block &b) {
   std::vector<LocalTensor> out;
   for (int k = 0; k < b.n_layers; ++k) {
     const Layer &l = b.layers[k];
+    constexpr auto param = LocalTensor::Kind::parameter;
     if (l.op == Op::linear) {
-      out.push_back({cat("p", k, "_w"), 2, {l.out, l.in}, k, true});
-      out.push_back({cat("p", k, "_b"), 1, {l.out, 0}, k});
+      out.push_back({cat("p", k, "_w"), 2, {l.out, l.in}, k, true, param});
+      out.push_back({cat("p", k, "_b"), 1, {l.out, 0}, k, false, param});
     } else if (l.op == Op::layer_norm) {
-      out.push_back({cat("p", k, "_w"), 1, {l.out, 0}, k});
-      out.push_back({cat("p", k, "_b"), 1, {l.out, 0}, k});
+      out.push_back({cat("p", k, "_w"), 1, {l.out, 0}, k, false, param});
+      out.push_back({cat("p", k, "_b"), 1, {l.out, 0}, k, false, param});
     } else if (l.op == Op::embedding) {
-      out.push_back({cat("p", k, "_w"), 2, {l.out, l.vocab}, k});
-      out.push_back({cat("p", k, "_b"), 2, {l.out, l.block_size}, k});
+      out.push_back({cat("p", k, "_w"), 2, {l.out, l.vocab}, k, false, param});
+      out.push_back({cat("p", k, "_b"), 2, {l.out, l.block_size}, k, false, param});
     }
   }
   return out;
@@ -616,10 +638,12 @@ constexpr Variant backward_variant(Keep k) {
   return k == Keep::all ? Variant::backward_saved : k == Keep::selective ? Variant::backward_selective : Variant::backward_recompute;
 }
 
-// Kernel symbol: <model>_s<stage>_<variant>, <model>_loss, <model>_adamw.
-constexpr Name kernel_name(std::string_view model, int stage, Variant v) {
-  if (v == Variant::loss || v == Variant::adamw) return cat(model, "_", variant_name(v));
-  return cat(model, "_s", stage, "_", variant_name(v));
+// Kernel symbol: <model>_s<stage>_<variant>, <model>_loss, <model>_adamw, with a _bf16 suffix
+// for bf16 kernels (AdamW works on fp32 only and is shared).
+constexpr Name kernel_name(std::string_view model, int stage, Variant v, Precision p = Precision::fp32) {
+  const std::string_view suffix = p == Precision::bf16 && v != Variant::adamw ? "_bf16" : "";
+  if (v == Variant::loss || v == Variant::adamw) return cat(model, "_", variant_name(v), suffix);
+  return cat(model, "_s", stage, "_", variant_name(v), suffix);
 }
 
 enum class Role : std::uint8_t {
@@ -683,6 +707,7 @@ inline constexpr std::size_t arena_alignment = 64;
 
 struct Plan {
   Policy policy{};
+  Precision precision{};
   int batch = 0;               // samples per micro-batch
   long long rows = 0;          // rows per micro-batch: samples x rows per sample
   std::vector<Tensor> tensors;
@@ -745,6 +770,7 @@ struct Builder {
   const Model &m;
   Policy policy;
   int batch;
+  Precision precision;
   long long n_rows = 0;
   Plan plan{};
 
@@ -755,6 +781,7 @@ struct Builder {
   bool naming_eval = false;  // evaluation tensors are named eval.<name>
   constexpr int local(int stage, int block, Role role, const LocalTensor &lt) {
     Tensor t{cat(naming_eval ? "eval." : "", prefix(stage, block).view(), lt.name.view()), role, lt.dims};
+    t.elem_bytes = element_bytes(lt, precision);
     for (int d = 0; d < lt.dims; ++d) t.extent[d] = lt.extent[d] < 0 ? n_rows : lt.extent[d];
     t.stage = stage;
     t.block = block;
@@ -936,11 +963,13 @@ struct Builder {
   constexpr void build() {
     n_rows = (long long)batch * m.rows_per_sample();
     plan.policy = policy;
+    plan.precision = precision;
     plan.batch = batch;
     plan.rows = n_rows;
     make_params();
     const int inputs = m.token_input() ? add({"inputs", Role::data, 1, {n_rows, 0}})
-                                       : add({"inputs", Role::data, 2, {m.input.width, n_rows}});
+                                       : add({"inputs", Role::data, 2, {m.input.width, n_rows},
+                                              element_bytes(rows("inputs", m.input.width), precision)});
     const int labels = add({"labels", Role::data, 1, {n_rows, 0}});
     int metrics[4];
     const char *metric_names[4] = {"row_loss", "row_correct", "row_max", "row_lse"};
@@ -985,7 +1014,8 @@ struct Builder {
     }
     // ---- loss ----
     Step loss = step(-1, Variant::loss, 0, 0);
-    const int dlogits = add({"dlogits", Role::gradient, 2, {m.classes(), n_rows}});
+    const int logit_bytes = element_bytes(rows("dlogits", m.classes()), precision);
+    const int dlogits = add({"dlogits", Role::gradient, 2, {m.classes(), n_rows}, logit_bytes});
     loss.alloc.push_back(dlogits);
     loss.args = {{"logits", x}, {"labels", labels}, {"dlogits", dlogits}};
     for (int i = 0; i < 4; ++i) loss.args.push_back({metric_names[i], metrics[i]});
@@ -1048,7 +1078,7 @@ struct Builder {
       x = y;
     }
     Step eval_loss = loss;
-    const int eval_dlogits = add({"eval_dlogits", Role::gradient, 2, {m.classes(), n_rows}});
+    const int eval_dlogits = add({"eval_dlogits", Role::gradient, 2, {m.classes(), n_rows}, logit_bytes});
     eval_loss.alloc = {eval_dlogits};
     eval_loss.args[0].tensor = x;
     eval_loss.args[2].tensor = eval_dlogits;
@@ -1100,8 +1130,8 @@ struct Builder {
 
 // The plan for one micro-batch of `batch` samples under `policy`. Runs at compile time for a
 // policy fixed in the model module and at run time for one chosen by a flag.
-constexpr Plan make_plan(const Model &m, Policy policy, int batch) {
-  detail::Builder builder{m, policy, batch};
+constexpr Plan make_plan(const Model &m, Policy policy, int batch, Precision precision = Precision::fp32) {
+  detail::Builder builder{m, policy, batch, precision};
   builder.build();
   return std::move(builder.plan);
 }

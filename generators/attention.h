@@ -94,7 +94,8 @@ struct Dropout {
 
 // ---- Transformer layers ----------------------------------------------------------------------
 struct Attention {
-  Halide::Func out;      // out(c, b), c in [0, C): sum_{s <= t} drop(P)(s) v(s) per head
+  Halide::Func out;      // out(c, b), c in [0, C): sum_{s <= t} drop(P)(s) v(s) per head, stored
+  Halide::Func sum;      // the sum itself, in the element type
   Halide::Func lse;      // lse(h, b): log-sum-exp of the head's scaled scores of row b ([rows, H])
   Halide::Func dot;      // dot(s, h, b) = q(b) . k(n T + s) over the head (update over d)
   Halide::Func lse_dot;  // the same, in the chain that computes lse
@@ -172,7 +173,7 @@ public:
                       const std::string &out_name = {}) const {
     using namespace Halide;
     const int D = head_dim(C, H);
-    Attention a{Func(out_name.empty() ? name : out_name), Func(name + "_lse")};
+    Attention a{Func(out_name.empty() ? name : out_name), Func(name + "_sum"), Func(name + "_lse")};
     const Expr t = v.b % T;
     // Statistics from their own score chain, so that a schedule computes it per row of lse.
     Scores sl = scores(name + "_l", qkv, C, H);
@@ -194,8 +195,9 @@ public:
     RDom r2(0, T, name + "_sv");
     r2.where(r2 <= t);
     const Expr n = v.b / T;
-    a.out(v.c, v.b) = L.constant(0);
-    a.out(v.c, v.b) += a.kept(r2, v.c / D, v.b) * qkv(2 * C + v.c, n * T + r2);
+    a.sum(v.c, v.b) = L.constant(0);
+    a.sum(v.c, v.b) += a.kept(r2, v.c / D, v.b) * qkv(2 * C + v.c, n * T + r2);
+    a.out(v.c, v.b) = L.store(a.sum(v.c, v.b));
     return a;
   }
 
@@ -252,7 +254,7 @@ public:
   Halide::Func embedding(const std::string &name, Halide::Func tokens, Halide::Func wte,
                          Halide::Func wpe, int V) const {
     Halide::Func x(name);
-    x(v.c, v.b) = wte(v.c, Halide::clamp(tokens(v.b), 0, V - 1)) + wpe(v.c, v.b % T);
+    x(v.c, v.b) = L.store(wte(v.c, Halide::clamp(tokens(v.b), 0, V - 1)) + wpe(v.c, v.b % T));
     return x;
   }
   // dwte(c, token) = sum over rows b with tokens(b) == token of dx(c, b) (scatter-add over rows);

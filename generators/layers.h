@@ -1,5 +1,8 @@
 // Halide algorithms for every layer: forward Funcs and hand-written vector-Jacobian rules.
 // Element type is a parameter: float32 for the generated kernels, float64 in the gradient tests.
+// Activations may be stored as bf16: a layer's output is then rounded where it is defined
+// (`store`) and readers widen it back; gradient terms stay in the element type until the model
+// compiler sums and stores them.
 //
 // Layout: a [B, C] activation is a Func f(c, b) with c the contiguous feature index and b the
 // row. A linear weight is w(o, k) ([K, O] row-major, y = x w + b).
@@ -16,6 +19,20 @@ struct Vars {
   Halide::Var c{"c"}, b{"b"};
 };
 
+// bf16 as its bit pattern in a UInt(16): float32 rounded to nearest even (NaN stays NaN), and
+// back. Plain integer arithmetic, so every target (CPU, CUDA, OpenCL) rounds the same way and
+// none needs bf16 support of its own.
+inline Halide::Expr to_bf16_bits(Halide::Expr x) {
+  using namespace Halide;
+  Expr bits = reinterpret(UInt(32), cast(Float(32), x));
+  Expr rounded = cast(UInt(16), (bits + (Expr(uint32_t{0x7fff}) + ((bits >> 16) & Expr(uint32_t{1})))) >> 16);
+  return select(is_nan(x), Expr(uint16_t{0x7fc0}), rounded);
+}
+inline Halide::Expr from_bf16_bits(Halide::Expr h) {
+  using namespace Halide;
+  return reinterpret(Float(32), cast(UInt(32), h) << 16);
+}
+
 // out(c, b) = sum_k a(k, b) * w(c, k): a [M, K] and w [K, N] row-major, out [M, N].
 struct MatMul {
   Halide::Func out;  // the caller may redefine it with an epilogue through `sum`
@@ -25,9 +42,13 @@ struct MatMul {
 
 class Layers {
 public:
-  Layers(Halide::Type type, const Vars &v) : t(type), v(v) {}
+  Layers(Halide::Type type, const Vars &v, bool bf16 = false) : t(type), bf16(bf16), v(v) {}
 
   Halide::Expr constant(double x) const { return Halide::Internal::make_const(t, x); }
+  // A stored activation: itself, or its bf16 bits.
+  Halide::Expr store(Halide::Expr e) const { return bf16 ? to_bf16_bits(e) : e; }
+  // A value as a bf16 GEMM operand: rounded to bf16, as float (itself without bf16).
+  Halide::Expr rounded(Halide::Expr e) const { return bf16 ? from_bf16_bits(to_bf16_bits(e)) : e; }
 
   using Epilogue = std::function<Halide::Expr(Halide::Expr sum)>;
   MatMul matmul(const std::string &name, Halide::Func a, Halide::Func w, Halide::Expr inner,
@@ -54,7 +75,7 @@ public:
   }
   Halide::Func transpose(const std::string &name, Halide::Func w) const {
     Halide::Func wt(name);
-    wt(v.c, v.b) = w(v.b, v.c);
+    wt(v.c, v.b) = store(w(v.b, v.c));
     return wt;
   }
   // dx(k, b) = sum_o dy(o, b) wt(k, o)
@@ -97,7 +118,7 @@ public:
   Halide::Func layer_norm(const std::string &name, Halide::Func x, const LayerNormStats &s,
                           Halide::Func gamma, Halide::Func beta) const {
     Halide::Func y(name);
-    y(v.c, v.b) = normalized(x, s, v.c, v.b) * gamma(v.c) + beta(v.c);
+    y(v.c, v.b) = store(normalized(x, s, v.c, v.b) * gamma(v.c) + beta(v.c));
     return y;
   }
   // du = dy * gamma; dx = rstd * (du - s1 / C - u * s2 / C) with u the normalized input and the
@@ -138,7 +159,7 @@ public:
     using namespace Halide;
     Func y(name);
     Expr a = x(v.c, v.b);
-    y(v.c, v.b) = constant(0.5) * a * (constant(1) + tanh_via_exp(constant(gelu_k0) * (a + constant(gelu_k1) * a * a * a)));
+    y(v.c, v.b) = store(constant(0.5) * a * (constant(1) + tanh_via_exp(constant(gelu_k0) * (a + constant(gelu_k1) * a * a * a))));
     return y;
   }
   Halide::Func gelu_grad(const std::string &name, Halide::Func x, Halide::Func dy) const {
@@ -154,7 +175,7 @@ public:
   }
   Halide::Func relu(const std::string &name, Halide::Func x) const {
     Halide::Func y(name);
-    y(v.c, v.b) = Halide::max(x(v.c, v.b), constant(0));
+    y(v.c, v.b) = store(Halide::max(x(v.c, v.b), constant(0)));
     return y;
   }
   Halide::Func relu_grad(const std::string &name, Halide::Func x, Halide::Func dy) const {
@@ -182,7 +203,7 @@ public:
     // correct when the label's logit is the row maximum (ties count as correct)
     ce.row_correct(v.b) = select(logits(label, v.b) >= ce.row_max(v.b), 1, 0);
     Expr p = exp(logits(v.c, v.b) - ce.row_lse(v.b));
-    ce.dlogits(v.c, v.b) = (p - select(v.c == label, constant(1), constant(0))) * scale;
+    ce.dlogits(v.c, v.b) = store((p - select(v.c == label, constant(1), constant(0))) * scale);
     return ce;
   }
 
@@ -202,6 +223,7 @@ public:
   }
 
   Halide::Type t;
+  bool bf16;  // activations stored as bf16
   Vars v;
 };
 

@@ -30,15 +30,32 @@ using gen::Scheduler;
 
 std::string str(const Name &n) { return std::string(n.view()); }
 
+// A stored value as float: bf16 values (UInt(16) bits) are widened where they are read (an
+// inlined Func).
+Func widened(Func f) {
+  if (f.type() == Float(32)) return f;
+  const gen::Vars v;  // named as every kernel's vars, so that schedules can split them
+  std::vector<Var> at = {v.c, v.b};
+  at.resize(f.dimensions());
+  Func w(f.name() + "_f32");
+  w(at) = gen::from_bf16_bits(f(at));
+  return w;
+}
+
 // Buffers with static feature widths and a dynamic batch; every kernel argument of one pipeline.
+// Tensors are fp32 unless the precision makes them narrower (element_bytes, as the planner).
 class Arguments {
 public:
-  explicit Arguments(Type t) : t(t) {}
-  ImageParam tensor(const LocalTensor &lt) { return tensor(str(lt.name), lt.dims, lt.extent); }
+  explicit Arguments(Precision precision) : precision(precision) {}
+  ImageParam tensor(const LocalTensor &lt) {
+    return tensor(str(lt.name), lt.dims, lt.extent, element_bytes(lt, precision) == 2 ? UInt(16) : Float(32));
+  }
+  // The tensor as float values (a bf16 tensor is widened where it is read).
+  Func read(const LocalTensor &lt) { return widened(tensor(lt)); }
   ImageParam tensor(const std::string &name, int dims, std::array<int, 2> extent,
                     std::optional<Type> type = {}) {
     if (auto it = images.find(name); it != images.end()) return it->second;
-    ImageParam ip(type.value_or(t), dims, name);
+    ImageParam ip(type.value_or(Float(32)), dims, name);
     constrain(ip, dims, extent);
     images.emplace(name, ip);
     order.push_back(ip);
@@ -64,7 +81,7 @@ public:
     }
   }
 
-  Type t;
+  Precision precision;
   std::map<std::string, ImageParam> images;
   std::map<std::string, Param<bool>> flags;
   std::vector<Argument> order;
@@ -99,9 +116,10 @@ struct Contribution {
 
 class StageKernels {
 public:
-  StageKernels(const Model &model, int stage, const Target &target)
+  StageKernels(const Model &model, int stage, const Target &target, Precision precision)
       : blk(model.stages[stage]), stage(stage), needs_dx(needs_input_grad(model, stage)),
-        token_input(model.token_input()), args(Float(32)), L(Float(32), v), tr(L, model.rows_per_sample()),
+        token_input(model.token_input()), args(precision),
+        L(Float(32), v, precision == Precision::bf16), tr(L, model.rows_per_sample()),
         sched(target, v) {
     for (int k = 0; k < blk.n_layers; ++k)
       if (blk.layers[k].op == Op::dropout || blk.layers[k].op == Op::attention) {
@@ -137,12 +155,21 @@ public:
 private:
   Func x() {
     if (token_input && stage == 0) return args.tensor("x", 1, {-1, 0}, Int(32));
-    return args.tensor(rows("x", blk.in()));
+    return args.read(rows("x", blk.in()));
   }
   Func param(int k, const char *which) {
     for (const LocalTensor &lt : params(blk))
       if (lt.name == cat("p", k, "_", which)) return args.tensor(lt);
     throw std::runtime_error("no parameter");
+  }
+  // A linear's weight as a GEMM operand: rounded to the storage type (bf16 GEMMs read bf16
+  // weights; the fp32 master weights are what AdamW updates).
+  Func gemm_weight(int k) {
+    Func w = param(k, "w");
+    if (!L.bf16) return w;
+    Func rounded(str(cat("p", k, "_w_rounded")));
+    rounded(v.c, v.b) = L.rounded(w(v.c, v.b));
+    return rounded;
   }
   gen::Dropout dropout_at(int k) const { return drop.enabled ? drop.at(drop.block + k) : drop; }
   // Output buffers get the same layout constraints as inputs.
@@ -160,7 +187,7 @@ private:
     MatMul m = L.matmul(name, p.a, p.w, p.inner, [&](Expr sum) {
       Expr e = sum + p.bias(v.c);
       for (const auto &op : p.epilogue) e = op(e);
-      return e;
+      return L.store(e);
     });
     sched.matmul(m, -1, width, p.operand_buffered ? std::nullopt : std::optional<Func>(p.a));
     return m.out;
@@ -185,7 +212,7 @@ private:
       if (l.op == Op::layer_norm) {
         const LocalTensor mean = row_stat(cat("mean", j)), rstd = row_stat(cat("rstd", j));
         if (backward && listed(kt.saved, mean.name)) {
-          f.stats[j] = {args.tensor(mean), args.tensor(rstd)};
+          f.stats[j] = {args.read(mean), args.read(rstd)};
         } else {
           Layers::LayerNormStats st = L.layer_norm_stats(str(mean.name), str(rstd.name), value(src), l.in);
           sched.row_reduction(st.mean, {st.sum});
@@ -196,9 +223,9 @@ private:
         }
       }
       if (!last && backward && listed(kt.saved, cat("h", j))) {  // saved by the forward
-        f.out[j] = args.tensor(output_of(blk, j));
+        f.out[j] = args.read(output_of(blk, j));
         f.buffered[j] = true;
-        if (l.op == Op::attention) f.lse[j] = args.tensor(stats_of(blk, j)[0]);
+        if (l.op == Op::attention) f.lse[j] = args.read(stats_of(blk, j)[0]);
         continue;
       }
       Func out;
@@ -209,7 +236,7 @@ private:
         f.buffered[j] = buffered(src);
         continue;
       case Op::linear: {
-        PendingGemm p{value(src), param(j, "w"), param(j, "b"), l.in, {}, buffered(src)};
+        PendingGemm p{value(src), gemm_weight(j), param(j, "b"), l.in, {}, buffered(src)};
         if (fused(blk, j)) {
           f.pending[j] = p;
           continue;
@@ -242,7 +269,7 @@ private:
         } else {
           out = Func(name);
           Func in = value(src);
-          out(v.c, v.b) = op(in(v.c, v.b));
+          out(v.c, v.b) = L.store(op(in(v.c, v.b)));
         }
         break;
       }
@@ -255,7 +282,7 @@ private:
       case Op::attention: {
         const LocalTensor lse = stats_of(blk, j)[0];
         std::optional<Func> saved_lse;
-        if (backward && listed(kt.saved, lse.name)) saved_lse = args.tensor(lse);
+        if (backward && listed(kt.saved, lse.name)) saved_lse = args.read(lse);
         gen::Attention a = tr.attention(str(cat("att", j)), value(src), l.out, l.heads, dropout_at(j),
                                         saved_lse, name);
         if (!saved_lse) output(outputs, a.lse, lse);
@@ -271,7 +298,7 @@ private:
         Arguments::constrain(out.output_buffer(), 2, {l.out, -1});
         f.y = out;
       } else {
-        f.out[j] = out;
+        f.out[j] = widened(out);  // `out` is the stored value; layers read it as float
         if (listed(kt.saved, cat("h", j)) || listed(kt.scratch, cat("h", j))) {
           if (!gemm_or_reduction) sched.pointwise(out);
           output(outputs, out, output_of(blk, j));
@@ -293,7 +320,8 @@ private:
     throw std::runtime_error("no parameter");
   }
 
-  // The gradient of one tensor, written to its buffer.
+  // The gradient of one tensor, written to its buffer (rounded to the storage type); returned as
+  // float for the rules that read it.
   Func materialize(std::vector<Func> &outputs, const std::string &name, const std::vector<Contribution> &parts, int width) {
     Func out;
     const Contribution *product = nullptr;
@@ -308,23 +336,24 @@ private:
       return e;
     };
     if (product) {
-      MatMul m = L.matmul(name, product->product->first, product->product->second, product->inner, others);
+      MatMul m = L.matmul(name, product->product->first, product->product->second, product->inner,
+                          [&](Expr sum) { return L.store(others(sum)); });
       sched.matmul(m, -1, width);
       out = m.out;
     } else {
       out = Func(name);
-      out(v.c, v.b) = others(L.constant(0));
+      out(v.c, v.b) = L.store(others(L.constant(0)));
       const bool scheduled_by_part = std::any_of(parts.begin(), parts.end(), [](const Contribution &c) { return bool(c.schedule); });
       if (!scheduled_by_part) sched.pointwise(out);
     }
     for (const Contribution &c : parts)
       if (c.schedule) c.schedule(out);
     output(outputs, out, rows(Name{}.append(name), width));
-    return out;
+    return widened(out);
   }
 
   void build_backward(Values &f, std::vector<Func> &outputs) {
-    ImageParam dy = args.tensor(rows("dy", blk.out()));
+    Func dy = args.read(rows("dy", blk.out()));
     Expr batch = (token_input && stage == 0) ? args.tensor("x", 1, {-1, 0}, Int(32)).dim(0).extent()
                                              : args.tensor(rows("x", blk.in())).dim(1).extent();
     std::map<int, std::vector<Contribution>> grads;  // by tensor; -1 is the block input
@@ -338,7 +367,7 @@ private:
           for (Contribution &c : grads[k]) grads[src].push_back(c);
         continue;
       }
-      Func d = k + 1 == blk.n_layers ? Func(dy) : materialize(outputs, str(cat("dh", k)), grads[k], l.out);
+      Func d = k + 1 == blk.n_layers ? dy : materialize(outputs, str(cat("dh", k)), grads[k], l.out);
       switch (l.op) {
       case Op::linear: {
         auto [gw_name, gw_spec] = grad_of(k, "w");
@@ -356,7 +385,7 @@ private:
           Func wt = L.transpose(str(cat("p", k, "_wt")), param(k, "w"));
           sched.transpose(wt);
           output(outputs, wt, {cat("p", k, "_wt"), 2, {l.in, l.out}});
-          grads[src].push_back({Func(), std::pair{d, wt}, l.out, {}});
+          grads[src].push_back({Func(), std::pair{d, widened(wt)}, l.out, {}});
         }
         break;
       }
@@ -398,7 +427,7 @@ private:
         gen::AttentionGrad g = tr.attention_grad(str(cat("att", k)), value(src), value(k), f.lse[k], d,
                                                  l.out, l.heads, dropout_at(k));
         sched.attention_delta(g.delta);
-        output(outputs, g.delta, {cat("att", k, "_delta"), 2, {l.heads, -1}});
+        output(outputs, g.delta, head_stat(cat("att", k, "_delta"), l.heads));
         const int head_dim = l.out / l.heads;
         grads[src].push_back({g.dqkv, {}, 0, [this, g, head_dim](Func consumer) {
           sched.attention_grad(consumer, g, head_dim, tr.T);
@@ -444,9 +473,9 @@ namespace {
 // that the kernel allocates nothing of its own.
 Pipeline loss_kernel(int classes, Arguments &args, const Target &target) {
   gen::Vars v;
-  Layers L(Float(32), v);
+  Layers L(Float(32), v, args.precision == Precision::bf16);
   Scheduler sched(target, v);
-  ImageParam logits = args.tensor("logits", 2, {classes, -1});
+  Func logits = args.read(rows("logits", classes));
   ImageParam labels = args.tensor("labels", 1, {-1, 0}, Int(32));
   Param<float> scale("grad_scale");
   args.order.push_back(scale);
@@ -513,32 +542,30 @@ struct Emitter {
     kernels.push_back({name, symbol, api});
   }
 
-  // Every kernel of the model for one target.
+  // Every kernel of the model for one target, in both precisions (AdamW is fp32 only).
   void emit_model(const Model &model, const std::string &name, const Target &target) {
-    for (int s = 0; s < model.n_stages; ++s) {
-      // Plain stages keep everything (and evaluation runs forward_discard); blocks of a repeat
-      // stage get every variant the policies use.
-      const bool checkpointable = model.stages[s].checkpointable;
-      for (Keep keep : {Keep::all, Keep::nothing, Keep::selective}) {
-        for (bool backward : {false, true}) {
-          if (!checkpointable && (keep == Keep::selective || (backward && keep == Keep::nothing))) continue;
-          StageKernels k(model, s, target);
-          Pipeline p = backward ? k.backward(keep) : k.forward(keep);
-          emit(str(kernel_name(name, s, backward ? backward_variant(keep) : forward_variant(keep))), target, p,
-               k.arguments());
+    for (Precision precision : {Precision::fp32, Precision::bf16}) {
+      for (int s = 0; s < model.n_stages; ++s) {
+        // Plain stages keep everything (and evaluation runs forward_discard); blocks of a repeat
+        // stage get every variant the policies use.
+        const bool checkpointable = model.stages[s].checkpointable;
+        for (Keep keep : {Keep::all, Keep::nothing, Keep::selective}) {
+          for (bool backward : {false, true}) {
+            if (!checkpointable && (keep == Keep::selective || (backward && keep == Keep::nothing))) continue;
+            StageKernels k(model, s, target, precision);
+            Pipeline p = backward ? k.backward(keep) : k.forward(keep);
+            const Variant variant = backward ? backward_variant(keep) : forward_variant(keep);
+            emit(str(kernel_name(name, s, variant, precision)), target, p, k.arguments());
+          }
         }
       }
-    }
-    {
-      Arguments args(Float(32));
+      Arguments args(precision);
       Pipeline p = loss_kernel(model.classes(), args, target);
-      emit(str(kernel_name(name, 0, Variant::loss)), target, p, args.order);
+      emit(str(kernel_name(name, 0, Variant::loss, precision)), target, p, args.order);
     }
-    {
-      Arguments args(Float(32));
-      Pipeline p = adamw_kernel(args, target);
-      emit(str(kernel_name(name, 0, Variant::adamw)), target, p, args.order);
-    }
+    Arguments args(Precision::fp32);
+    Pipeline p = adamw_kernel(args, target);
+    emit(str(kernel_name(name, 0, Variant::adamw)), target, p, args.order);
   }
 };
 
@@ -571,9 +598,9 @@ int main(int argc, char **argv, const Model &model, std::string_view model_name)
   }
   try {
     const std::string name(model_name);
-    // kernel names (<model>_s<stage>_backward_recompute) must fit remat::Name
-    if (kernel_name(name, 9, Variant::backward_selective).size() + 1 >= int(Name{}.chars.size()) ||
-        kernel_name(name, 9, Variant::backward_selective).view().find(name) != 0)
+    // kernel names (<model>_s<stage>_backward_selective_bf16) must fit remat::Name
+    const Name longest = kernel_name(name, 9, Variant::backward_selective, Precision::bf16);
+    if (longest.size() + 1 >= int(Name{}.chars.size()) || longest.view().find(name) != 0)
       throw std::runtime_error("model name '" + name + "' is too long for kernel names");
     Emitter e{std::filesystem::path(out_dir) / "staging"};
     std::filesystem::create_directories(e.staging);

@@ -153,9 +153,8 @@ public:
         a.lse.compute_root().reorder(h, v.b).gpu_tile(v.b, bo, bi, 64, TailStrategy::GuardWithIf);
         for (Func f : {a.row_max, a.sum_exp, a.lse_dot}) f.compute_at(a.lse, h);
       }
-      for (Stage st : {Stage(a.out), a.out.update()})
-        st.split(v.c, co, ci, head_dim).reorder(ci, co, v.b).gpu_blocks(co, v.b).gpu_threads(ci);
-      a.out.compute_root();
+      a.out.compute_root().split(v.c, co, ci, head_dim).reorder(ci, co, v.b).gpu_blocks(co, v.b).gpu_threads(ci);
+      a.sum.compute_at(a.out, ci);  // a thread's own output element, in a register
       for (Func f : {a.dot, a.kept}) positions_in_shared_memory(f, a.out, co, block_size);
       return;
     }
@@ -167,8 +166,8 @@ public:
       dot(a.lse_dot);
     }
     a.out.compute_root().parallel(v.b).vectorize(v.c, vec, TailStrategy::GuardWithIf);
-    a.out.update().parallel(v.b);
-    weighted_sum(a.out);
+    a.sum.compute_at(a.out, v.b).vectorize(v.c, vec, TailStrategy::GuardWithIf);
+    weighted_sum(a.sum);
     a.dot.compute_at(a.out, v.b);
     a.kept.compute_at(a.out, v.b);
     dot(a.dot);

@@ -138,17 +138,19 @@ public:
 
 private:
   template <class Row> void copy(const Dataset &ds, Row row, Executor &ex) {
-    auto images = ex.tensor<float>("inputs");
     auto labels = ex.tensor<std::int32_t>("labels");
+    images.resize(labels.size() * ds.width);
     for (std::size_t r = 0; r < labels.size(); ++r) {
       const int i = row(r);
       std::copy_n(ds.images.begin() + std::size_t(i) * ds.width, ds.width, images.begin() + r * ds.width);
       labels[r] = ds.labels[i];
     }
+    ex.set_values("inputs", images);  // fp32 or bf16, as the plan's precision
     ex.upload("inputs");
     ex.upload("labels");
   }
   Dataset train, test;
+  std::vector<float> images;  // one batch, before it goes to the arena
   std::size_t batch;
   std::mt19937_64 rng;
   std::vector<int> order;

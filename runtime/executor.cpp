@@ -34,7 +34,8 @@ void reset_halide_heap_peak() { remat_halide_heap_peak = remat_halide_heap_curre
 
 // ---- Arena -------------------------------------------------------------------------------------
 namespace {
-constexpr std::uint32_t canary = 0x7FA5A5A5u;  // a NaN payload no kernel produces
+// A NaN payload no kernel produces, as fp32 and as each of its bf16 halves.
+constexpr std::uint32_t canary = 0x7FA57FA5u;
 }
 
 Arena::Arena(std::size_t size, Device device) : bytes(size), where(device) {
@@ -197,7 +198,7 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
   auto bind = [&](const Step &st) {
     auto b = std::make_unique<Bound>();
     b->rng_block = st.rng_block;
-    b->kernel = &find_kernel(kernels, kernel_name(model_name, st.stage, st.variant));
+    b->kernel = &find_kernel(kernels, kernel_name(model_name, st.stage, st.variant, plan.precision));
     const halide_filter_metadata_t *md = b->kernel->metadata();
     b->buffers.resize(md->num_arguments);
     b->shapes.resize(md->num_arguments);
@@ -225,10 +226,10 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
         throw std::runtime_error(fmt::format("{}: the plan binds no tensor to argument {}",
                                              b->kernel->name, arg.name));
       const Tensor &t = plan.tensors[it->tensor];
-      if (t.dims != arg.dimensions)
-        throw std::runtime_error(fmt::format("{}: argument {} has {} dimensions, tensor {} has {}",
-                                             b->kernel->name, arg.name, arg.dimensions,
-                                             t.name.view(), t.dims));
+      if (t.dims != arg.dimensions || t.elem_bytes != arg.type.bytes())
+        throw std::runtime_error(fmt::format("{}: argument {} has {} dimensions of {}-byte elements, tensor {} {} of {}",
+                                             b->kernel->name, arg.name, arg.dimensions, arg.type.bytes(),
+                                             t.name.view(), t.dims, t.elem_bytes));
       std::size_t offset = t.offset;
       if (t.view_of >= 0) offset += plan.tensors[t.view_of].offset;
       halide_buffer_t &buf = b->buffers[a];
@@ -309,11 +310,66 @@ Executor::~Executor() {
     if (t.second) std::fprintf(stderr, "profile %-32s %8.3f s %6ld calls\n", name.c_str(), t.first, t.second);
 }
 
-std::pair<std::size_t, std::size_t> Executor::locate(std::string_view name) const {
+std::pair<std::size_t, std::size_t> Executor::locate(std::string_view name, std::size_t elem_bytes) const {
   const int i = plan.find(name);
   if (i < 0) throw std::runtime_error(fmt::format("the plan has no tensor {}", name));
   const Tensor &t = plan.tensors[i];
+  if (elem_bytes && std::size_t(t.elem_bytes) != elem_bytes)
+    throw std::runtime_error(fmt::format("tensor {} has {}-byte elements, not {}", name, t.elem_bytes, elem_bytes));
   return {t.offset + (t.view_of >= 0 ? plan.tensors[t.view_of].offset : 0), t.bytes()};
+}
+
+std::vector<float> Executor::values(std::string_view name) const {
+  auto [offset, bytes] = locate(name);
+  const std::byte *at = arena.data() + offset;
+  std::vector<float> out(bytes / element_size(name));
+  if (element_size(name) == 4) {
+    std::memcpy(out.data(), at, bytes);
+  } else {
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      std::uint16_t h;
+      std::memcpy(&h, at + 2 * i, 2);
+      out[i] = bf16_to_float(h);
+    }
+  }
+  return out;
+}
+
+void Executor::set_values(std::string_view name, std::span<const float> from) {
+  auto [offset, bytes] = locate(name);
+  std::byte *at = arena.data() + offset;
+  if (from.size() * element_size(name) != bytes)
+    throw std::runtime_error(fmt::format("tensor {} holds {} bytes, not {} values", name, bytes, from.size()));
+  if (element_size(name) == 4) {
+    std::memcpy(at, from.data(), bytes);
+  } else {
+    for (std::size_t i = 0; i < from.size(); ++i) {
+      const std::uint16_t h = float_to_bf16(from[i]);
+      std::memcpy(at + 2 * i, &h, 2);
+    }
+  }
+}
+
+std::size_t Executor::element_size(std::string_view name) const {
+  const int i = plan.find(name);
+  if (i < 0) throw std::runtime_error(fmt::format("the plan has no tensor {}", name));
+  return std::size_t(plan.tensors[i].elem_bytes);
+}
+
+// Round to nearest even, NaN to the quiet NaN 0x7fc0: as the kernels (gen::to_bf16_bits).
+std::uint16_t float_to_bf16(float x) {
+  std::uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  if (std::isnan(x)) return 0x7fc0;
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return std::uint16_t(bits >> 16);
+}
+
+float bf16_to_float(std::uint16_t h) {
+  const std::uint32_t bits = std::uint32_t(h) << 16;
+  float x;
+  std::memcpy(&x, &bits, 4);
+  return x;
 }
 
 void Executor::upload(std::string_view name) {

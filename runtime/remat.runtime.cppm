@@ -52,6 +52,10 @@ struct HalideHeap {
 HalideHeap halide_heap();
 void reset_halide_heap_peak();
 
+// bfloat16 <-> float (round to nearest even, as the kernels round).
+std::uint16_t float_to_bf16(float x);
+float bf16_to_float(std::uint16_t h);
+
 // opencl: the GPU schedules run through OpenCL from host memory (Halide copies each input to the
 // device and the executor copies each output back), so tests check them on PoCL without a GPU.
 enum class Device { cpu, cuda, opencl };
@@ -95,17 +99,22 @@ public:
   ~Executor();
   enum class Phase { train, optimize, eval };
   void run(Phase phase);
-  // The host view of a tensor (on CUDA, the arena's mirror: download() before reading what
-  // kernels wrote, upload() after writing).
+  // The host view of a tensor whose elements are T (on CUDA, the arena's mirror: download()
+  // before reading what kernels wrote, upload() after writing).
   template <class T> std::span<T> tensor(std::string_view name) const {
-    auto [offset, bytes] = locate(name);
+    auto [offset, bytes] = locate(name, sizeof(T));
     return {reinterpret_cast<T *>(arena.data() + offset), bytes / sizeof(T)};
   }
+  // A floating-point tensor (fp32 or bf16) as floats, read from / written to the host view.
+  std::vector<float> values(std::string_view name) const;
+  void set_values(std::string_view name, std::span<const float> values);
+  std::size_t element_size(std::string_view name) const;
   void upload(std::string_view name);
   void download(std::string_view name);
 
 private:
-  std::pair<std::size_t, std::size_t> locate(std::string_view name) const;  // arena offset, bytes
+  // arena offset and bytes; elem_bytes (when not 0) must be the tensor's element size
+  std::pair<std::size_t, std::size_t> locate(std::string_view name, std::size_t elem_bytes = 0) const;
   struct Bound;
   struct Transfers;
   const Plan &plan;

@@ -49,6 +49,7 @@ struct Options {
   long save_steps = 0;
   std::string device = "cpu";
   bool offload = false;
+  bool bf16 = false;
 };
 
 // Flag validators with short messages (CLI11's ranges print the whole double range).
@@ -140,11 +141,12 @@ Evaluation evaluate(DataSource &data, Executor &ex, Scalars &scalars, const Plan
 
 // Autoregressive sampling from a token model: a plan for one sequence, the trained parameters,
 // and the logits of the last filled position, at temperature 0.8.
-std::string generate(const ModelInfo &info, Device device, Executor &trained, int length, std::uint64_t seed) {
+std::string generate(const ModelInfo &info, Device device, Precision precision, Executor &trained, int length,
+                     std::uint64_t seed) {
   const Model &model = info.model;
   const int T = model.input.block_size, V = model.classes();
   const int samples = (min_batch_rows + T - 1) / T;  // the sequence is sample 0; the rest pad the batch
-  const Plan plan = make_plan(model, none, samples);
+  const Plan plan = make_plan(model, none, samples, precision);
   Arena arena(std::max(plan.peak_bytes, plan.eval_peak_bytes), device);
   Scalars scalars;
   Executor ex(plan, info.name, device == Device::cuda ? info.cuda_kernels : info.kernels, arena, scalars);
@@ -164,7 +166,8 @@ std::string generate(const ModelInfo &info, Device device, Executor &trained, in
     ex.upload("inputs");
     ex.run(Executor::Phase::eval);
     ex.download(logits_name);
-    const auto logits = ex.tensor<float>(logits_name).subspan(std::size_t(n - 1) * V, V);
+    const auto all_logits = ex.values(logits_name);
+    const auto logits = std::span(all_logits).subspan(std::size_t(n - 1) * V, V);
     const float top = *std::ranges::max_element(logits);
     std::vector<double> p(V);
     double z = 0;
@@ -198,8 +201,8 @@ void check_cuda(const ModelInfo &info, std::size_t arena_bytes) {
 }  // namespace
 
 void print_plan_report(std::FILE *out, const Model &model, const Plan &plan) {
-  fmt::print(out, "saved for backward under policy {} (batch {}, {} rows):\n", policy_name(plan.policy).view(),
-             plan.batch, plan.rows);
+  fmt::print(out, "saved for backward under policy {} ({}, batch {}, {} rows):\n", policy_name(plan.policy).view(),
+             precision_name(plan.precision), plan.batch, plan.rows);
   fmt::print(out, "{:<8} {:<22} {:>16} {:>12}  {}\n", "block", "tensor", "shape", "bytes", "why");
   std::size_t total = 0;
   for (const Step &st : plan.train)
@@ -280,6 +283,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
   app.add_option("--save-steps", o.save_steps, "also write a snapshot every N steps, to FILE.step<N>")->check(positive);
   app.add_option("--resume-from-snapshot", o.resume_from_snapshot, "continue a run from its snapshot (same flags)");
   app.add_option("--device", o.device, "where kernels run: cpu, or cuda (device 0)")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
+  app.add_flag("--bf16", o.bf16, "bf16 activations and GEMM operands (fp32 accumulation), fp32 master weights and AdamW");
   app.add_flag("--offload", o.offload, "keep checkpoints in pinned host memory between forward and backward (--device cuda)");
   app.add_flag("--json", o.json, "print a JSON summary as the last line of stdout (progress goes to stderr)");
   app.add_flag("--plan-report", o.plan_report, "print every tensor saved for backward under the policy, then exit");
@@ -305,7 +309,8 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
       throw InputError(fmt::format("--batch-size {}: the kernels need at least {} rows per micro-batch", batch, min_batch_rows));
     if (o.dropout > 0 && !has_dropout(model))
       throw InputError(fmt::format("--dropout {}: model {} has no dropout layers", o.dropout, info.name));
-    const Plan plan = make_plan(model, policy, batch);
+    const Precision precision = o.bf16 ? Precision::bf16 : Precision::fp32;
+    const Plan plan = make_plan(model, policy, batch, precision);
     for (const Tensor &t : plan.tensors)
       if (t.bytes() > std::size_t(INT32_MAX))
         throw InputError(fmt::format("--batch-size {}: tensor {} would hold {} bytes; kernels take at most 2 GiB per tensor",
@@ -319,7 +324,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     }
     const std::size_t arena_bytes = std::max(plan.peak_bytes, plan.eval_peak_bytes);
     if (device == Device::cuda) check_cuda(info, arena_bytes);
-    const Plan baseline = make_plan(model, none, batch);
+    const Plan baseline = make_plan(model, none, batch, precision);
     std::FILE *progress = o.json ? stderr : stdout;
     std::unique_ptr<DataSource> data = info.data(model, {o.data_dir, batch, o.seed});
     if (long(batch) * micro > data->train_samples())
@@ -338,8 +343,9 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     // everything that shapes the sequence of steps; a resume must use the same
     const std::string run_flags = fmt::format(
         "--max-steps {} --batch-size {} --gradient-accumulation-steps {} --learning-rate {} --warmup-steps {} "
-        "--lr-scheduler-type {} --weight-decay {} --dropout {}",
-        max_steps, batch, micro, o.learning_rate, o.warmup_steps, o.lr_scheduler_type, o.weight_decay, o.dropout);
+        "--lr-scheduler-type {} --weight-decay {} --dropout {}{}",
+        max_steps, batch, micro, o.learning_rate, o.warmup_steps, o.lr_scheduler_type, o.weight_decay, o.dropout,
+        o.bf16 ? " --bf16" : "");
     if (!o.save_snapshot.empty()) {  // fail now, not after training, if the snapshot cannot be written
       const std::string probe = o.save_snapshot + ".tmp";
       if (!std::ofstream(probe)) throw InputError(fmt::format("--save-snapshot {}: cannot write", o.save_snapshot));
@@ -368,8 +374,8 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     scalars.grad_scale = float(1.0 / (double(plan.rows) * micro));
     scalars.weight_decay = float(o.weight_decay);
 
-    fmt::print(progress, "{}: {}\n{}: policy {}, batch {} x {}, {} steps, {} parameters, arena {} (activations {}; {} under none)\n",
-               program, data->describe(), program, policy_name(policy).view(), batch, micro, max_steps,
+    fmt::print(progress, "{}: {}\n{}: policy {}, {}, batch {} x {}, {} steps, {} parameters, arena {} (activations {}; {} under none)\n",
+               program, data->describe(), program, policy_name(policy).view(), precision_name(precision), batch, micro, max_steps,
                plan.param_count, mib(plan.peak_bytes), mib(plan.activation_bytes), mib(baseline.activation_bytes));
     std::fflush(progress);
 
@@ -442,7 +448,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
       fmt::print(progress, "eval: {} samples | loss {:.4f} | accuracy {:.2f}%\n", eval->samples, eval->loss, 100 * eval->accuracy);
     }
     if (info.sample_length > 0) {
-      fmt::print(progress, "sample:\n{}\n", generate(info, device, ex, info.sample_length, o.seed));
+      fmt::print(progress, "sample:\n{}\n", generate(info, device, precision, ex, info.sample_length, o.seed));
     }
 
     std::vector<double> sorted = step_ms;
@@ -464,6 +470,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
           {"model", std::string(info.name)},
           {"policy", std::string(policy_name(policy).view())},
           {"device", o.device},
+          {"precision", std::string(precision_name(precision))},
           {"offload_bytes", plan.offload_bytes},
           {"batch_size", batch},
           {"gradient_accumulation_steps", micro},

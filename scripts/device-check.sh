@@ -19,21 +19,25 @@ tail -n 30 "$OUT/gpu-tests.log" | tee -a "$OUT/summary.txt"
 step "train-gpt on the GPU (fortunes are not here: a synthetic corpus), policies' gradient digests" | tee -a "$OUT/summary.txt"
 mkdir -p /tmp/remat-corpus
 python3 -c "import random; random.seed(1); print(''.join(random.choice('abcdefgh \n') for _ in range(200000)))" > /tmp/remat-corpus/text
-for policy in none selective full every_n_layers=2 "full --offload"; do
-  timeout 60 .device/bin/train-gpt --device cuda --data-dir /tmp/remat-corpus --max-steps 3 --eval-samples 0 \
-    --dropout 0.1 --json --checkpoint-policy $policy 2>>"$OUT/train-gpt.log" | tail -n 1 >> "$OUT/train-gpt.jsonl" || status=1
+for precision in "" --bf16; do
+  for policy in none selective full every_n_layers=2 "full --offload"; do
+    timeout 60 .device/bin/train-gpt --device cuda --data-dir /tmp/remat-corpus --max-steps 3 --eval-samples 0 \
+      --dropout 0.1 --json $precision --checkpoint-policy $policy 2>>"$OUT/train-gpt.log" | tail -n 1 >> "$OUT/train-gpt.jsonl" || status=1
+  done
 done
 python3 - "$OUT/train-gpt.jsonl" <<'PY' | tee -a "$OUT/summary.txt"
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 for r in rows:
-    print(f"{r['policy']:<18} grad_digest {r['grad_digest']} planned {r['planned_peak_bytes']} measured {r['measured_peak_bytes']} "
-          f"{r['tokens_per_s']:.0f} tokens/s")
-print("digests identical:", len({r['grad_digest'] for r in rows}) == 1 and len(rows) == 5)
+    print(f"{r['precision']} {r['policy']:<18} grad_digest {r['grad_digest']} planned {r['planned_peak_bytes']} "
+          f"measured {r['measured_peak_bytes']} {r['tokens_per_s']:.0f} tokens/s")
+for p in ("fp32", "bf16"):
+    got = [r for r in rows if r["precision"] == p]
+    print(p, "digests identical across the 5 policies:", len({r['grad_digest'] for r in got}) == 1 and len(got) == 5)
 PY
 
 step "GPU benchmark (remat)" | tee -a "$OUT/summary.txt"
-timeout 240 .device/bin/bench-gpu --batch-size 4 --steps 2 --out "$OUT/bench-remat.json" 2>&1 | tee -a "$OUT/summary.txt" || status=1
+timeout 240 .device/bin/bench-gpu --precision bf16 --batch-size 4 --steps 2 --out "$OUT/bench-remat.json" 2>&1 | tee -a "$OUT/summary.txt" || status=1
 step "GPU benchmark (PyTorch, side by side)" | tee -a "$OUT/summary.txt"
 timeout 120 python3 bench/torch_gpt2.py --batch-size 4 --steps 3 --remat "$OUT/bench-remat.json" --out "$OUT/bench-torch.json" 2>&1 | tee -a "$OUT/summary.txt" || status=1
 echo "device-check exit status $status" | tee -a "$OUT/summary.txt"

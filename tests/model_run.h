@@ -22,8 +22,9 @@ struct Run {
   // that nothing wrote shows in the gradients
   Run(const remat::Model &m, std::string_view name, std::span<const remat::runtime::Kernel> kernels, remat::Policy p,
       int samples, double dropout = 0, bool canary = false,
-      remat::runtime::Device device = remat::runtime::Device::cpu)
-      : model(m), plan(remat::make_plan(m, p, samples)), arena(std::max(plan.peak_bytes, plan.eval_peak_bytes), device),
+      remat::runtime::Device device = remat::runtime::Device::cpu,
+      remat::Precision precision = remat::Precision::fp32)
+      : model(m), plan(remat::make_plan(m, p, samples, precision)), arena(std::max(plan.peak_bytes, plan.eval_peak_bytes), device),
         ex(plan, name, kernels, arena, scalars) {
     using namespace remat;
     if (canary) arena.fill_canary();
@@ -36,8 +37,11 @@ struct Run {
       }
     if (m.token_input())
       for (auto &t : ex.tensor<std::int32_t>("inputs")) t = int(rng() % m.input.vocab);
-    else
-      for (float &x : ex.tensor<float>("inputs")) x = 0.5f * (u(rng) + 1);
+    else {
+      std::vector<float> images(plan.tensors[plan.find("inputs")].bytes() / ex.element_size("inputs"));
+      for (float &x : images) x = 0.5f * (u(rng) + 1);
+      ex.set_values("inputs", images);
+    }
     auto labels = ex.tensor<std::int32_t>("labels");
     for (std::size_t b = 0; b < labels.size(); ++b) labels[b] = int((b * 7 + 3) % m.classes());
     for (auto tensor : {"params", "inputs", "labels"}) ex.upload(tensor);

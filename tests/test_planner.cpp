@@ -201,6 +201,43 @@ BOOST_AUTO_TEST_CASE(gpt_activation_bytes_match_the_hand_count) {
   BOOST_TEST(bytes(full) == std::size_t(4 * R * (L * C + 15 * C + H + 4)));
 }
 
+// bf16: the same counts with activations at 2 bytes; the statistics (H attention log-sum-exps
+// and 4 LayerNorm statistics per block, 2 for the head's LayerNorm) stay 4 bytes.
+BOOST_AUTO_TEST_CASE(gpt_bf16_activation_bytes_match_the_hand_count) {
+  const long B = 8, T = gpt::block_size, R = B * T, C = gpt::n_embd, H = gpt::n_head, V = gpt::vocab, L = gpt::n_layer;
+  auto bytes = [&](Policy p) { return make_plan(gpt::model, p, B, Precision::bf16).activation_bytes; };
+  BOOST_TEST(bytes(none) == std::size_t(2 * R * (L * 16 * C + C + C + V) + 4 * R * (L * (H + 4) + 2)));
+  BOOST_TEST(bytes(selective) == std::size_t(2 * R * (L * 9 * C + 7 * C) + 4 * R * L * (H + 4)));
+  BOOST_TEST(bytes(full) == std::size_t(2 * R * (L * C + 15 * C) + 4 * R * (H + 4)));
+}
+
+// A bf16 plan runs the same steps on the same tensors as the fp32 plan; only activation
+// elements shrink. Parameters, their gradients, the AdamW moments and statistics stay fp32.
+BOOST_AUTO_TEST_CASE(bf16_plans_differ_only_in_activation_sizes) {
+  for (Policy p : {none, selective, full, every_2, with_offload(sqrt_n)}) {
+    const Plan fp32 = make_plan(gpt::model, p, 4), bf16 = make_plan(gpt::model, p, 4, Precision::bf16);
+    BOOST_TEST((bf16.precision == Precision::bf16));
+    BOOST_TEST_REQUIRE(fp32.tensors.size() == bf16.tensors.size());
+    BOOST_TEST(fp32.train.size() == bf16.train.size());
+    BOOST_TEST(bf16.peak_bytes < fp32.peak_bytes);
+    BOOST_TEST(bf16.offload_bytes * 2 == fp32.offload_bytes);
+    for (std::size_t i = 0; i < fp32.tensors.size(); ++i) {
+      const Tensor &a = fp32.tensors[i], &b = bf16.tensors[i];
+      BOOST_TEST(a.name.view() == b.name.view());
+      const std::string_view local = a.name.view().substr(a.name.view().rfind('.') + 1);
+      const bool statistic = local.starts_with("mean") || local.starts_with("rstd") || local.ends_with("_lse") ||
+                             local.ends_with("_delta") || (local.starts_with("s") && a.dims == 1);
+      const bool fp32_always = a.role == Role::params || a.role == Role::grads || a.role == Role::adam_m ||
+                               a.role == Role::adam_v || a.role == Role::metrics || a.name.view() == "labels" ||
+                               a.name.view() == "inputs" || statistic;
+      BOOST_TEST(a.elem_bytes == 4);
+      BOOST_TEST(b.elem_bytes == (fp32_always ? 4 : 2), a.name.view());
+    }
+  }
+  BOOST_TEST(kernel_name("gpt", 1, Variant::backward_recompute, Precision::bf16).view() == "gpt_s1_backward_recompute_bf16");
+  BOOST_TEST(kernel_name("gpt", 0, Variant::adamw, Precision::bf16).view() == "gpt_adamw");
+}
+
 // No plan ever holds a [B, H, T, T] tensor: every activation is [R] or [R, w] with w one of the
 // model's widths (H T is none of them).
 BOOST_AUTO_TEST_CASE(gpt_never_stores_attention_matrices) {

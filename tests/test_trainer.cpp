@@ -172,6 +172,46 @@ BOOST_AUTO_TEST_CASE(gpt_policies_agree_with_dropout) {
   BOOST_TEST(summary(no_dropout)["grad_digest"] != runs["none"]["grad_digest"]);
 }
 
+// --bf16 as a user runs it: both examples train (the MLP's images go to the arena as bf16), every
+// GPT policy gives the same gradients, the planned peak is the measured one and is below fp32's,
+// and a bf16 snapshot does not resume an fp32 run.
+BOOST_AUTO_TEST_CASE(bf16_runs_agree_across_policies) {
+  std::map<std::string, nlohmann::json> runs;
+  for (std::string policy : {"none", "full", "every_n_layers=2", "selective"}) {
+    const Result r = train_gpt("--bf16 --max-steps 2 --json --eval-samples 16 --dropout 0.1 --checkpoint-policy " + policy);
+    BOOST_TEST_REQUIRE(r.exit_code == 0, r.err);
+    runs[policy] = summary(r);
+    BOOST_TEST(runs[policy]["precision"] == "bf16");
+    BOOST_TEST(runs[policy]["measured_peak_bytes"] == runs[policy]["planned_peak_bytes"], policy);
+    BOOST_TEST(runs[policy]["halide_heap_peak_bytes"] == 0, policy);
+    BOOST_TEST(runs[policy]["eval_loss"].is_number());
+  }
+  for (const auto &[policy, j] : runs)
+    BOOST_TEST(j["grad_digest"] == runs["none"]["grad_digest"], policy << " changes the bf16 gradients");
+  const Result fp32 = train_gpt("--max-steps 2 --json --eval-samples 0 --dropout 0.1 --checkpoint-policy none");
+  BOOST_TEST_REQUIRE(fp32.exit_code == 0, fp32.err);
+  const auto f = summary(fp32);
+  BOOST_TEST(f["precision"] == "fp32");
+  BOOST_TEST(f["grad_digest"] != runs["none"]["grad_digest"]);
+  BOOST_TEST(runs["none"]["activation_bytes"].get<double>() < 0.6 * f["activation_bytes"].get<double>());
+  BOOST_TEST(std::abs(runs["none"]["loss_first"].get<double>() - f["loss_first"].get<double>()) < 0.02 * f["loss_first"].get<double>());
+
+  const Result mlp = train("--bf16 --max-steps 20 --batch-size 64 --json --eval-samples 512");
+  BOOST_TEST_REQUIRE(mlp.exit_code == 0, mlp.err);
+  const auto m = summary(mlp);
+  BOOST_TEST(m["measured_peak_bytes"] == m["planned_peak_bytes"]);
+  BOOST_TEST(m["loss_last"].get<double>() < m["loss_first"].get<double>());
+  BOOST_TEST(m["eval_accuracy"].get<double>() > 0.5);  // 10 classes: chance is 0.1
+
+  const std::string snap = (scratch_dir() / "bf16-snapshot").string();
+  const std::string flags = "--max-steps 3 --batch-size 64 --eval-samples 0";
+  const Result saved = train("--bf16 " + flags + " --save-steps 2 --save-snapshot " + snap);
+  BOOST_TEST_REQUIRE(saved.exit_code == 0, saved.err);
+  expect_one_line_error(flags + " --resume-from-snapshot " + snap + ".step2", "--bf16");
+  const Result resumed = train("--bf16 " + flags + " --json --resume-from-snapshot " + snap + ".step2");
+  BOOST_TEST_REQUIRE(resumed.exit_code == 0, resumed.err);
+}
+
 BOOST_AUTO_TEST_CASE(gpt_plan_report_lists_saved_tensors) {
   const Result sel = train_gpt("--plan-report --checkpoint-policy selective");
   BOOST_TEST_REQUIRE(sel.exit_code == 0, sel.err);
