@@ -53,7 +53,7 @@ int main(int argc, char **argv) {
   nlohmann::json rows = nlohmann::json::array();
   double base_rate = 0;
   for (Policy p : policies) {
-    const Plan plan = make_plan(gpt2s::model, p, batch, precision);
+    const Plan plan = make_plan(gpt2s::model, p, batch, precision, runtime::gemms_of(runtime::Device::cuda));
     const std::size_t arena_bytes = std::max(plan.peak_bytes, plan.eval_peak_bytes);
     if (arena_bytes > cuda::probe().free_bytes) {
       fmt::print("{:<18} skipped: the plan needs {} B, more than the free device memory\n", policy_name(p).view(), arena_bytes);

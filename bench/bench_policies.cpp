@@ -1,5 +1,5 @@
-// Step time and memory of the example models under every checkpoint policy, measured in one run,
-// with the ratios against `none` side by side. Policies are interleaved round by round so that
+// Step time and memory of the example models under every checkpoint policy (and the GPT's in
+// bf16 too), measured in one run, with the ratios against fp32 `none` side by side. Policies are interleaved round by round so that
 // machine noise hits all of them alike; the figure per policy is the median step.
 #include <fmt/format.h>
 
@@ -24,8 +24,16 @@ using remat::runtime::Executor;
 
 namespace {
 
-struct Case {
+struct Config {
   Policy policy;
+  Precision precision = Precision::fp32;
+  std::string name() const {
+    return fmt::format("{}{}", policy_name(policy).view(), precision == Precision::bf16 ? " bf16" : "");
+  }
+};
+
+struct Case {
+  Config config;
   Plan plan;
   std::unique_ptr<runtime::Arena> arena;
   runtime::Scalars scalars;
@@ -35,14 +43,14 @@ struct Case {
 };
 
 void bench(const char *title, const char *name, const Model &model, std::span<const runtime::Kernel> kernels,
-           int batch, int rounds, const std::vector<Policy> &policies) {
+           int batch, int rounds, const std::vector<Config> &configs) {
   std::vector<std::unique_ptr<Case>> cases;
   std::mt19937_64 rng(1);
   std::uniform_real_distribution<float> u(0.f, 1.f);
-  for (Policy p : policies) {
+  for (const Config &config : configs) {
     auto c = std::make_unique<Case>();
-    c->policy = p;
-    c->plan = make_plan(model, p, batch);
+    c->config = config;
+    c->plan = make_plan(model, config.policy, batch, config.precision);
     c->arena = std::make_unique<runtime::Arena>(std::max(c->plan.peak_bytes, c->plan.eval_peak_bytes));
     c->arena->fill_canary();
     c->ex = std::make_unique<Executor>(c->plan, name, kernels, *c->arena, c->scalars);
@@ -50,8 +58,11 @@ void bench(const char *title, const char *name, const Model &model, std::span<co
       for (float &x : c->ex->tensor<float>(root)) x = 0.01f * u(rng);
     if (model.token_input())
       for (auto &t : c->ex->tensor<std::int32_t>("inputs")) t = int(rng() % model.input.vocab);
-    else
-      for (float &x : c->ex->tensor<float>("inputs")) x = u(rng);
+    else {
+      std::vector<float> images(c->plan.tensors[c->plan.find("inputs")].bytes() / c->ex->element_size("inputs"));
+      for (float &x : images) x = u(rng);
+      c->ex->set_values("inputs", images);
+    }
     for (auto &l : c->ex->tensor<std::int32_t>("labels")) l = int(rng() % model.classes());
     c->scalars.grad_scale = 1.f / float(c->plan.rows);
     c->scalars.lr = 1e-4f;
@@ -70,18 +81,18 @@ void bench(const char *title, const char *name, const Model &model, std::span<co
   const double base_ms = median(cases[0]->ms), base_act = double(cases[0]->plan.activation_bytes);
   fmt::print("{}, batch {} ({} rows); median of {} interleaved steps (forward, backward, AdamW)\n", title, batch,
              cases[0]->plan.rows, rounds);
-  fmt::print("{:<18} {:>9} {:>10} {:>14} {:>14} {:>12} {:>10} {:>9}\n", "policy", "step ms", "rows/s", "activations",
+  fmt::print("{:<22} {:>9} {:>10} {:>14} {:>14} {:>12} {:>10} {:>9}\n", "policy", "step ms", "rows/s", "activations",
              "planned peak", "measured", "step/none", "act/none");
   for (auto &c : cases) {
     const double ms = median(c->ms);
-    fmt::print("{:<18} {:>9.1f} {:>10.0f} {:>10.1f} MiB {:>10.1f} MiB {:>8.1f} MiB {:>10.2f} {:>9.3f}\n",
-               policy_name(c->policy).view(), ms, c->plan.rows * 1000.0 / ms, c->plan.activation_bytes / 1048576.0,
+    fmt::print("{:<22} {:>9.1f} {:>10.0f} {:>10.1f} MiB {:>10.1f} MiB {:>8.1f} MiB {:>10.2f} {:>9.3f}\n",
+               c->config.name(), ms, c->plan.rows * 1000.0 / ms, c->plan.activation_bytes / 1048576.0,
                c->plan.peak_bytes / 1048576.0, c->measured_peak / 1048576.0, ms / base_ms,
                c->plan.activation_bytes / base_act);
   }
   for (auto &c : cases)
-    if (c->policy == full || c->policy == selective)
-      fmt::print("ratio step({})/step(none) = {:.2f}\n", policy_name(c->policy).view(), median(c->ms) / base_ms);
+    if (c->config.policy == full || c->config.policy == selective || c->config.precision == Precision::bf16)
+      fmt::print("ratio step({})/step(none) = {:.2f}\n", c->config.name(), median(c->ms) / base_ms);
   fmt::print("\n");
 }
 
@@ -95,8 +106,10 @@ int main(int argc, char **argv) {
   }
   const Policy every_2{Policy::Kind::every_n_layers, 2};
   bench(fmt::format("MLP: {} blocks, width {}, hidden {}", mlp::blocks, mlp::width, mlp::hidden).c_str(), "mlp",
-        mlp::model, mlp_kernels::table, 256, rounds, {none, every_2, sqrt_n, full});
+        mlp::model, mlp_kernels::table, 256, rounds, {{none}, {every_2}, {sqrt_n}, {full}, {none, Precision::bf16}});
   bench(fmt::format("GPT: {} blocks, {} wide, {} heads, T = {}", gpt::n_layer, gpt::n_embd, gpt::n_head, gpt::block_size).c_str(),
-        "gpt", gpt::model, gpt_kernels::table, gpt::default_batch, rounds, {none, selective, every_2, sqrt_n, full});
+        "gpt", gpt::model, gpt_kernels::table, gpt::default_batch, rounds,
+        {{none}, {selective}, {every_2}, {sqrt_n}, {full}, {none, Precision::bf16}, {selective, Precision::bf16},
+         {full, Precision::bf16}});
   return 0;
 }

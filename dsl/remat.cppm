@@ -483,10 +483,19 @@ constexpr bool read_by_backward(const Block &b, int j) {
   return false;
 }
 
+// Where the GEMMs of linear layers run. halide: Halide GEMMs inside the kernels, with fused
+// epilogues and operands computed per tile (the CPU). library: extern stages calling a GEMM
+// library (cuBLASLt on CUDA; a host loop for the OpenCL test build), whose operands and results
+// are buffers and whose only epilogue is the bias. The plans differ: a library plan buffers
+// every linear input and output.
+enum class Gemms : std::uint8_t { halide, library };
+
 // A GEMM epilogue chain: linear -> dropout / residual sum -> ..., computed in the GEMM's
 // epilogue. Output j is fused into it (never a buffer of its own) when it starts or continues
 // such a chain, nothing reads it but the next layer of the chain, and backward does not read it.
-constexpr bool fused(const Block &b, int j) {
+// Library GEMMs fuse nothing.
+constexpr bool fused(const Block &b, int j, Gemms g = Gemms::halide) {
+  if (g == Gemms::library) return false;
   if (!is_internal(b, j) || read_by_backward(b, j) || consumers(b, j) != 1) return false;
   const Op next = b.layers[j + 1].op;
   if (next != Op::dropout || b.source(j + 1) != j) {
@@ -497,31 +506,39 @@ constexpr bool fused(const Block &b, int j) {
   return (op == Op::dropout || op == Op::residual_end) && b.source(j) >= 0 && fused(b, b.source(j));
 }
 
-// Output j has a buffer of its own whenever it exists outside registers: GEMM, GELU and
-// attention outputs (not fused into a following epilogue) and the end of an epilogue chain.
-// Everything else (LayerNorm output, ReLU, dropout, residual sums of buffered values) is
-// rebuilt elementwise where it is used.
-constexpr bool materialized(const Block &b, int j) {
-  if (!b.produces(j) || fused(b, j)) return false;
-  const Op op = b.layers[j].op;
-  if (op == Op::linear || op == Op::gelu || op == Op::attention) return true;
-  return (op == Op::dropout || op == Op::residual_end) && b.source(j) >= 0 && fused(b, b.source(j));
-}
-
 constexpr bool feeds_linear(const Block &b, int j) {
   for (int k = j + 1; k < b.n_layers; ++k)
     if (b.source(k) == j && b.layers[k].op == Op::linear) return true;
   return false;
 }
 
-constexpr bool saved(const Block &b, int j, Keep keep) {
+// Output j has a buffer of its own whenever it exists outside registers: GEMM, GELU and
+// attention outputs (not fused into a following epilogue) and the end of an epilogue chain;
+// with library GEMMs also every linear input. Everything else (LayerNorm output, ReLU, dropout,
+// residual sums of buffered values) is rebuilt elementwise where it is used.
+constexpr bool materialized(const Block &b, int j, Gemms g = Gemms::halide) {
+  if (!b.produces(j) || fused(b, j, g)) return false;
+  const Op op = b.layers[j].op;
+  if (op == Op::linear || op == Op::gelu || op == Op::attention) return true;
+  if (g == Gemms::library && feeds_linear(b, j)) return true;
+  return (op == Op::dropout || op == Op::residual_end) && b.source(j) >= 0 && fused(b, b.source(j), g);
+}
+
+constexpr bool saved(const Block &b, int j, Keep keep, Gemms g = Gemms::halide) {
   switch (keep) {
   case Keep::all: return read_by_backward(b, j);
   case Keep::selective:
-    return read_by_backward(b, j) && materialized(b, j) && !recomputed_by_selective(b.layers[j].op);
+    return read_by_backward(b, j) && materialized(b, j, g) && !recomputed_by_selective(b.layers[j].op);
   case Keep::nothing: return false;
   }
   return false;
+}
+
+// Library GEMMs in bf16 read a bf16 copy of the linear's weight, made in the kernel (the
+// master weights stay fp32).
+constexpr bool weight_copy(Gemms g, Precision p) { return g == Gemms::library && p == Precision::bf16; }
+constexpr LocalTensor weight_copy_of(const Block &b, int k) {
+  return {cat("p", k, "_w16"), 2, {b.layers[k].out, b.layers[k].in}, k};
 }
 
 // A kernel's tensors besides x, y, dy, dx and parameters.
@@ -533,34 +550,44 @@ struct KernelTensors {
 
 // Forward: what the policy keeps is written out; outputs that cannot be rebuilt in registers
 // (GEMM, GELU, attention, statistics) go to scratch; cheap ones stay in registers.
-constexpr KernelTensors forward_tensors(const Block &b, Keep keep) {
+constexpr KernelTensors forward_tensors(const Block &b, Keep keep, Gemms g = Gemms::halide,
+                                        Precision p = Precision::fp32) {
   KernelTensors t;
   for (int j = 0; j < b.n_layers; ++j) {
     if (is_internal(b, j)) {
-      if (saved(b, j, keep)) t.saved.push_back(output_of(b, j));
-      else if (materialized(b, j)) t.scratch.push_back(output_of(b, j));
+      if (saved(b, j, keep, g)) t.saved.push_back(output_of(b, j));
+      else if (materialized(b, j, g)) t.scratch.push_back(output_of(b, j));
     }
     for (const LocalTensor &st : stats_of(b, j)) (keep == Keep::nothing ? t.scratch : t.saved).push_back(st);
+    if (b.layers[j].op == Op::linear && weight_copy(g, p)) t.scratch.push_back(weight_copy_of(b, j));
   }
   return t;
 }
 
 // Backward: reads the saved tensors; rebuilds what it reads but was not saved, with the
 // outputs those depend on (materialized unless cheap); and its own workspace.
-constexpr KernelTensors backward_tensors(const Block &b, Keep keep, bool needs_input_grad) {
+// Library GEMMs: the input gradient of linear k is written by the GEMM into its own buffer dp<k>
+// when the linear's input also gets gradient from elsewhere (then the sum is formed after).
+constexpr bool product_buffer(const Block &b, int k, Gemms g) {
+  return g == Gemms::library && b.layers[k].op == Op::linear && consumers(b, b.source(k)) > 1;
+}
+constexpr LocalTensor product_of(const Block &b, int k) { return rows(cat("dp", k), b.layers[k].in, k); }
+
+constexpr KernelTensors backward_tensors(const Block &b, Keep keep, bool needs_input_grad, Gemms g = Gemms::halide,
+                                         Precision p = Precision::fp32) {
   KernelTensors t;
   std::array<bool, max_block_layers> needed{};
-  for (int j = 0; j < b.n_layers; ++j) needed[j] = read_by_backward(b, j) && !saved(b, j, keep);
+  for (int j = 0; j < b.n_layers; ++j) needed[j] = read_by_backward(b, j) && !saved(b, j, keep, g);
   for (int j = b.n_layers - 1; j >= 0; --j) {  // inputs of what is rebuilt are needed too
     if (!needed[j]) continue;
     for (int i : {b.source(j), b.layers[j].op == Op::residual_end ? b.skip_source(j) : -1})
-      if (i >= 0 && !saved(b, i, keep)) needed[i] = true;
+      if (i >= 0 && !saved(b, i, keep, g)) needed[i] = true;
   }
   for (int j = 0; j < b.n_layers; ++j) {
-    if (is_internal(b, j) && saved(b, j, keep)) t.saved.push_back(output_of(b, j));
+    if (is_internal(b, j) && saved(b, j, keep, g)) t.saved.push_back(output_of(b, j));
     // A rebuilt value that a linear's weight gradient reads is buffered even when cheap: the
     // gradient GEMM reads each element once per output tile.
-    if (is_internal(b, j) && needed[j] && (materialized(b, j) || feeds_linear(b, j)))
+    if (is_internal(b, j) && needed[j] && (materialized(b, j, g) || feeds_linear(b, j)))
       t.scratch.push_back(output_of(b, j));
     for (const LocalTensor &st : stats_of(b, j)) (keep == Keep::nothing ? t.scratch : t.saved).push_back(st);
   }
@@ -572,7 +599,9 @@ constexpr KernelTensors backward_tensors(const Block &b, Keep keep, bool needs_i
       t.workspace.push_back(row_stat(cat("s", j, "_1"), j));
       t.workspace.push_back(row_stat(cat("s", j, "_2"), j));
     }
-    if (l.op == Op::linear && grad_in) t.workspace.push_back({cat("p", j, "_wt"), 2, {l.in, l.out}, j});
+    if (l.op == Op::linear && weight_copy(g, p)) t.workspace.push_back(weight_copy_of(b, j));
+    if (l.op == Op::linear && grad_in && g == Gemms::halide) t.workspace.push_back({cat("p", j, "_wt"), 2, {l.in, l.out}, j});
+    if (product_buffer(b, j, g) && grad_in) t.workspace.push_back(product_of(b, j));
     if (l.op == Op::attention) t.workspace.push_back(head_stat(cat("att", j, "_delta"), l.heads, j));
   }
   return t;
@@ -708,6 +737,7 @@ inline constexpr std::size_t arena_alignment = 64;
 struct Plan {
   Policy policy{};
   Precision precision{};
+  Gemms gemms{};
   int batch = 0;               // samples per micro-batch
   long long rows = 0;          // rows per micro-batch: samples x rows per sample
   std::vector<Tensor> tensors;
@@ -771,6 +801,7 @@ struct Builder {
   Policy policy;
   int batch;
   Precision precision;
+  Gemms gemms;
   long long n_rows = 0;
   Plan plan{};
 
@@ -862,7 +893,7 @@ struct Builder {
     st.args.push_back({"x", x});
     st.args.push_back({"y", y});
     bind_params(st, false);
-    const KernelTensors kt = forward_tensors(blk, keep);
+    const KernelTensors kt = forward_tensors(blk, keep, gemms, precision);
     for (const LocalTensor &lt : kt.saved) {
       const int t = local(u.stage, u.block, role, lt);
       st.alloc.push_back(t);
@@ -895,7 +926,7 @@ struct Builder {
     st.args.push_back({"x", x});
     st.args.push_back({"dy", dy});
     bind_params(st, true);
-    const KernelTensors kt = backward_tensors(blk, keep, needs_dx);
+    const KernelTensors kt = backward_tensors(blk, keep, needs_dx, gemms, precision);
     for (int t : kept) {
       const auto local_name = plan.tensors[t].name.view().substr(prefix(u.stage, u.block).size() + (naming_eval ? 5 : 0));
       st.args.push_back({Name{}.append(local_name), t});
@@ -964,6 +995,7 @@ struct Builder {
     n_rows = (long long)batch * m.rows_per_sample();
     plan.policy = policy;
     plan.precision = precision;
+    plan.gemms = gemms;
     plan.batch = batch;
     plan.rows = n_rows;
     make_params();
@@ -1130,8 +1162,10 @@ struct Builder {
 
 // The plan for one micro-batch of `batch` samples under `policy`. Runs at compile time for a
 // policy fixed in the model module and at run time for one chosen by a flag.
-constexpr Plan make_plan(const Model &m, Policy policy, int batch, Precision precision = Precision::fp32) {
-  detail::Builder builder{m, policy, batch, precision};
+// The GEMM choice must be the kernels' (CPU kernels: halide; CUDA and OpenCL kernels: library).
+constexpr Plan make_plan(const Model &m, Policy policy, int batch, Precision precision = Precision::fp32,
+                         Gemms gemms = Gemms::halide) {
+  detail::Builder builder{m, policy, batch, precision, gemms};
   builder.build();
   return std::move(builder.plan);
 }

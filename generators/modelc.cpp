@@ -33,7 +33,7 @@ std::string str(const Name &n) { return std::string(n.view()); }
 // A stored value as float: bf16 values (UInt(16) bits) are widened where they are read (an
 // inlined Func).
 Func widened(Func f) {
-  if (f.type() == Float(32)) return f;
+  if (f.type() != UInt(16)) return f;
   const gen::Vars v;  // named as every kernel's vars, so that schedules can split them
   std::vector<Var> at = {v.c, v.b};
   at.resize(f.dimensions());
@@ -98,19 +98,21 @@ struct PendingGemm {
 
 struct Values {
   std::vector<Func> out;                        // output of layer k (undefined while pending)
+  std::vector<Func> stored;                     // ... as stored (bf16 bits or float): GEMM operands
   std::vector<bool> buffered;                   // out[k] is in memory (an input or an output)
   std::map<int, PendingGemm> pending;           // by layer
   std::map<int, Layers::LayerNormStats> stats;  // LayerNorm statistics, by layer
   std::map<int, Func> lse;                      // attention statistics, by layer
-  Func x, y;
+  Func x, x_stored, y;
 };
 
 // A gradient contribution to one tensor: elementwise, or the product dy * wt of a linear's input
 // gradient (built last, with the elementwise ones added in its epilogue).
 struct Contribution {
   Func f;
-  std::optional<std::pair<Func, Func>> product;  // {dy, wt}
+  std::optional<std::pair<Func, Func>> product;  // {dy, wt}; library GEMMs: {dy as stored, w}
   int inner = 0;
+  int layer = -1;                                // the linear, for a product
   std::function<void(Func)> schedule;            // schedules f's internals inside the consumer
 };
 
@@ -118,7 +120,9 @@ class StageKernels {
 public:
   StageKernels(const Model &model, int stage, const Target &target, Precision precision)
       : blk(model.stages[stage]), stage(stage), needs_dx(needs_input_grad(model, stage)),
-        token_input(model.token_input()), args(precision),
+        token_input(model.token_input()), precision(precision),
+        gemms(target.has_gpu_feature() ? Gemms::library : Gemms::halide),
+        extern_device(target.has_feature(Target::CUDA) ? DeviceAPI::CUDA : DeviceAPI::OpenCL), args(precision),
         L(Float(32), v, precision == Precision::bf16), tr(L, model.rows_per_sample()),
         sched(target, v) {
     for (int k = 0; k < blk.n_layers; ++k)
@@ -135,7 +139,7 @@ public:
   }
 
   Pipeline forward(Keep keep) {
-    const KernelTensors kt = forward_tensors(blk, keep);
+    const KernelTensors kt = forward_tensors(blk, keep, gemms, precision);
     std::vector<Func> outputs;
     Values f = build_forward(kt, false, outputs);
     outputs.insert(outputs.begin(), f.y);
@@ -143,7 +147,7 @@ public:
   }
 
   Pipeline backward(Keep keep) {
-    const KernelTensors kt = backward_tensors(blk, keep, needs_dx);
+    const KernelTensors kt = backward_tensors(blk, keep, needs_dx, gemms, precision);
     std::vector<Func> outputs;
     Values f = build_forward(kt, true, outputs);
     build_backward(f, outputs);
@@ -153,9 +157,9 @@ public:
   std::vector<Argument> arguments() const { return args.order; }
 
 private:
-  Func x() {
+  Func x_stored() {
     if (token_input && stage == 0) return args.tensor("x", 1, {-1, 0}, Int(32));
-    return args.read(rows("x", blk.in()));
+    return args.tensor(rows("x", blk.in()));
   }
   Func param(int k, const char *which) {
     for (const LocalTensor &lt : params(blk))
@@ -183,6 +187,35 @@ private:
     return false;
   }
 
+  // ---- library GEMMs: extern stages (runtime/gemm.cpp) ----
+  // out = op(a) op(b) [+ bias] [+ out when accumulate], over `inner` products; a and b are
+  // buffers (kernel inputs, or Funcs that are kernel outputs), op transposes when asked.
+  Func library_gemm(const std::string &name, Func a, bool trans_a, Func b, bool trans_b, std::optional<Func> bias,
+                    Expr inner, Expr accumulate, Type type) {
+    std::vector<ExternFuncArgument> in = {a, b};
+    if (bias) in.push_back(*bias);
+    in.push_back(cast(Int(32), inner));
+    in.push_back(Expr(int32_t((trans_a ? 1 : 0) | (trans_b ? 2 : 0))));
+    in.push_back(cast(Int(32), accumulate));
+    Func out(name);
+    out.define_extern(bias ? "remat_gemm_bias" : "remat_gemm", in, type, {v.c, v.b}, NameMangling::C, extern_device);
+    out.compute_root();
+    return out;
+  }
+  Type stored_type() const { return precision == Precision::bf16 ? UInt(16) : Float(32); }
+  // The weight of linear k as a library GEMM operand: fp32, or its bf16 copy written here.
+  Func library_weight(int k, std::vector<Func> &outputs) {
+    if (!weight_copy(gemms, precision)) return param(k, "w");
+    if (!weight16.count(k)) {
+      Func w = param(k, "w"), copy(str(weight_copy_of(blk, k).name));
+      copy(v.c, v.b) = L.store(w(v.c, v.b));
+      sched.pointwise(copy);
+      output(outputs, copy, weight_copy_of(blk, k));
+      weight16[k] = copy;
+    }
+    return weight16.at(k);
+  }
+
   Func build_gemm(const std::string &name, const PendingGemm &p, int width) {
     MatMul m = L.matmul(name, p.a, p.w, p.inner, [&](Expr sum) {
       Expr e = sum + p.bias(v.c);
@@ -197,11 +230,14 @@ private:
   // a backward kernel, saved tensors are inputs and scratch tensors (what it rebuilds) outputs.
   Values build_forward(const KernelTensors &kt, bool backward, std::vector<Func> &outputs) {
     Values f;
-    f.x = x();
+    f.x_stored = x_stored();
+    f.x = widened(f.x_stored);
     f.out.resize(blk.n_layers);
+    f.stored.resize(blk.n_layers);
     f.buffered.resize(blk.n_layers);
     const int n = blk.n_layers;
     auto value = [&](int j) { return j < 0 ? f.x : f.out[j]; };
+    auto stored = [&](int j) { return j < 0 ? f.x_stored : f.stored[j]; };
     auto buffered = [&](int j) { return j < 0 || f.buffered[j]; };
     for (int j = 0; j < n; ++j) {
       const Layer &l = blk.layers[j];
@@ -223,7 +259,8 @@ private:
         }
       }
       if (!last && backward && listed(kt.saved, cat("h", j))) {  // saved by the forward
-        f.out[j] = args.read(output_of(blk, j));
+        f.stored[j] = args.tensor(output_of(blk, j));
+        f.out[j] = widened(f.stored[j]);
         f.buffered[j] = true;
         if (l.op == Op::attention) f.lse[j] = args.read(stats_of(blk, j)[0]);
         continue;
@@ -233,9 +270,17 @@ private:
       switch (l.op) {
       case Op::residual_begin:
         f.out[j] = value(src);
+        f.stored[j] = stored(src);
         f.buffered[j] = buffered(src);
         continue;
       case Op::linear: {
+        if (gemms == Gemms::library) {
+          if (!buffered(src)) throw std::runtime_error("library GEMM: the input of linear " + std::to_string(j) + " is not a buffer");
+          out = library_gemm(name, stored(src), false, library_weight(j, outputs), false, param(j, "b"), l.in,
+                             Expr(0), stored_type());
+          gemm_or_reduction = true;
+          break;
+        }
         PendingGemm p{value(src), gemm_weight(j), param(j, "b"), l.in, {}, buffered(src)};
         if (fused(blk, j)) {
           f.pending[j] = p;
@@ -298,6 +343,7 @@ private:
         Arguments::constrain(out.output_buffer(), 2, {l.out, -1});
         f.y = out;
       } else {
+        f.stored[j] = out;
         f.out[j] = widened(out);  // `out` is the stored value; layers read it as float
         if (listed(kt.saved, cat("h", j)) || listed(kt.scratch, cat("h", j))) {
           if (!gemm_or_reduction) sched.pointwise(out);
@@ -320,9 +366,10 @@ private:
     throw std::runtime_error("no parameter");
   }
 
-  // The gradient of one tensor, written to its buffer (rounded to the storage type); returned as
-  // float for the rules that read it.
-  Func materialize(std::vector<Func> &outputs, const std::string &name, const std::vector<Contribution> &parts, int width) {
+  // The gradient of one tensor, written to its buffer (rounded to the storage type): {as stored,
+  // as float for the rules that read it}.
+  std::pair<Func, Func> materialize(std::vector<Func> &outputs, const std::string &name,
+                                    const std::vector<Contribution> &parts, int width) {
     Func out;
     const Contribution *product = nullptr;
     for (const Contribution &c : parts)
@@ -335,7 +382,25 @@ private:
         if (!c.product) e = e + c.f(v.c, v.b);
       return e;
     };
-    if (product) {
+    if (product && gemms == Gemms::library) {
+      // the library writes dy w^T into this tensor, or into dp<k> when other terms are added
+      const bool alone = parts.size() == 1;
+      if (alone == product_buffer(blk, product->layer, gemms))
+        throw std::runtime_error("library GEMM: the plan's product buffer for linear " + std::to_string(product->layer) +
+                                 " does not match the gradient of " + name);
+      const std::string gemm_name = alone ? name : str(product_of(blk, product->layer).name);
+      Func p = library_gemm(gemm_name, product->product->first, false, product->product->second, true, std::nullopt,
+                            product->inner, Expr(0), stored_type());
+      if (alone) {
+        out = p;
+      } else {
+        output(outputs, p, product_of(blk, product->layer));
+        Func pv = widened(p);
+        out = Func(name);
+        out(v.c, v.b) = L.store(others(pv(v.c, v.b)));
+        sched.pointwise(out);
+      }
+    } else if (product) {
       MatMul m = L.matmul(name, product->product->first, product->product->second, product->inner,
                           [&](Expr sum) { return L.store(others(sum)); });
       sched.matmul(m, -1, width);
@@ -349,15 +414,16 @@ private:
     for (const Contribution &c : parts)
       if (c.schedule) c.schedule(out);
     output(outputs, out, rows(Name{}.append(name), width));
-    return widened(out);
+    return {out, widened(out)};
   }
 
   void build_backward(Values &f, std::vector<Func> &outputs) {
-    Func dy = args.read(rows("dy", blk.out()));
+    Func dy_stored = args.tensor(rows("dy", blk.out()));
     Expr batch = (token_input && stage == 0) ? args.tensor("x", 1, {-1, 0}, Int(32)).dim(0).extent()
                                              : args.tensor(rows("x", blk.in())).dim(1).extent();
     std::map<int, std::vector<Contribution>> grads;  // by tensor; -1 is the block input
     auto value = [&](int j) { return j < 0 ? f.x : f.out[j]; };
+    auto stored = [&](int j) { return j < 0 ? f.x_stored : f.stored[j]; };
     auto flows = [&](int j) { return j >= 0 || needs_dx; };
     for (int k = blk.n_layers - 1; k >= 0; --k) {
       const Layer &l = blk.layers[k];
@@ -367,10 +433,23 @@ private:
           for (Contribution &c : grads[k]) grads[src].push_back(c);
         continue;
       }
-      Func d = k + 1 == blk.n_layers ? dy : materialize(outputs, str(cat("dh", k)), grads[k], l.out);
+      auto [d_stored, d] = k + 1 == blk.n_layers ? std::pair{dy_stored, widened(dy_stored)}
+                                                 : materialize(outputs, str(cat("dh", k)), grads[k], l.out);
       switch (l.op) {
       case Op::linear: {
         auto [gw_name, gw_spec] = grad_of(k, "w");
+        if (gemms == Gemms::library) {  // dW = x^T dy (+ dW when accumulating), db a column sum
+          Func gw = library_gemm(gw_name, stored(src), true, d_stored, false, std::nullopt, batch, args.flag("accumulate"),
+                                 Float(32));
+          output(outputs, gw, gw_spec);
+          auto [gb_name, gb_spec] = grad_of(k, "b");
+          Func gb_sum = L.column_sum(gb_name + "_sum", d, batch), gb(gb_name);
+          gb(v.c) = accumulated(gb_name, gb_spec, gb_sum(v.c), {v.c});
+          sched.column_sum(gb, gb_sum, gb_sum.rvars(0)[0], l.out);
+          output(outputs, gb, gb_spec);
+          if (flows(src)) grads[src].push_back({Func(), std::pair{d_stored, library_weight(k, outputs)}, l.out, k, {}});
+          break;
+        }
         MatMul gw = L.linear_weight_grad(gw_name, value(src), d, batch, [&](Expr sum) {
           return accumulated(gw_name, gw_spec, sum, {v.c, v.b});
         });
@@ -385,7 +464,7 @@ private:
           Func wt = L.transpose(str(cat("p", k, "_wt")), param(k, "w"));
           sched.transpose(wt);
           output(outputs, wt, {cat("p", k, "_wt"), 2, {l.in, l.out}});
-          grads[src].push_back({Func(), std::pair{d, widened(wt)}, l.out, {}});
+          grads[src].push_back({Func(), std::pair{d, widened(wt)}, l.out, k, {}});
         }
         break;
       }
@@ -429,7 +508,7 @@ private:
         sched.attention_delta(g.delta);
         output(outputs, g.delta, head_stat(cat("att", k, "_delta"), l.heads));
         const int head_dim = l.out / l.heads;
-        grads[src].push_back({g.dqkv, {}, 0, [this, g, head_dim](Func consumer) {
+        grads[src].push_back({g.dqkv, {}, 0, -1, [this, g, head_dim](Func consumer) {
           sched.attention_grad(consumer, g, head_dim, tr.T);
         }});
         break;
@@ -455,6 +534,10 @@ private:
   const Block &blk;
   int stage;
   bool needs_dx, token_input;
+  Precision precision;
+  Gemms gemms;
+  DeviceAPI extern_device;     // the device of a library GEMM's buffers (CUDA, or OpenCL for the tests)
+  std::map<int, Func> weight16;  // library GEMMs in bf16: the weight copies, by layer
   gen::Vars v;
   Arguments args;
   Layers L;

@@ -1,5 +1,6 @@
 // Schedule templates, one per kernel shape (GEMM, pointwise, row and column reductions,
-// attention, embedding, loss, optimizer), for the CPU and for CUDA GPUs (chosen by the target).
+// attention, embedding, loss, optimizer), for the CPU and for GPUs (chosen by the target; GPU
+// kernels leave their GEMMs to a library, see Gemms in dsl/remat.cppm).
 // The model compiler gives every Func of a given role the same one in every kernel variant, so a
 // recomputed value is bit-identical to the one computed the first time; bench/bench_gemm.cpp
 // times the CPU GEMM template against OpenBLAS.
@@ -14,6 +15,7 @@
 #include <Halide.h>
 
 #include <optional>
+#include <stdexcept>
 #include <vector>
 
 namespace remat::gen {
@@ -38,23 +40,7 @@ public:
   // computed once per row tile, which then runs through every column tile.
   void matmul(MatMul &m, int rows /* -1: the batch */, int cols, std::optional<Func> computed = {}) {
     Var co("co"), bo("bo"), ci("ci"), bi("bi");
-    if (gpu) {
-      // A thread block computes 32 columns x 8 rows; each thread one column of 4 rows, its
-      // accumulators in registers. A computed operand is inlined (rebuilt per use).
-      Var bt("bt");
-      const TailStrategy rows_tail = rows >= 0 && rows % 8 == 0 ? TailStrategy::RoundUp : TailStrategy::ShiftInwards;
-      m.out.compute_root()
-          .split(v.c, co, ci, 32, TailStrategy::GuardWithIf)
-          .split(v.b, bo, bi, 8, rows_tail)
-          .split(bi, bt, bi, 4)
-          .reorder(bi, ci, bt, co, bo)
-          .unroll(bi)
-          .gpu_blocks(co, bo)
-          .gpu_threads(ci, bt);
-      m.acc.compute_at(m.out, ci).unroll(v.b);
-      m.acc.update().reorder(v.b, v.c, m.k).unroll(v.b);
-      return;
-    }
+    if (gpu) throw std::logic_error("GPU kernels run their GEMMs in a library (Gemms::library)");
     int tile_c = 0, tile_b = 1;
     for (int t : {2 * vec, vec})
       if (!tile_c && cols % t == 0) tile_c = t;

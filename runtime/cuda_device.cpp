@@ -5,8 +5,15 @@
 
 #ifdef REMAT_WITH_CUDA
 #include <HalideRuntimeCuda.h>
+#include <cublasLt.h>
 #include <cuda.h>
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <map>
+#include <tuple>
+#include <vector>
 
 namespace remat::cuda {
 namespace {
@@ -115,6 +122,110 @@ void event_destroy(Event e) { cudaEventDestroy(static_cast<cudaEvent_t>(e.handle
 void record(Event e, Stream s) { check(cudaEventRecord(static_cast<cudaEvent_t>(e.handle), stream(s)), "cudaEventRecord"); }
 void wait(Stream s, Event e) { check(cudaStreamWaitEvent(stream(s), static_cast<cudaEvent_t>(e.handle), 0), "cudaStreamWaitEvent"); }
 
+// ---- cuBLASLt, loaded with dlopen (the binaries start, and the CPU runs work, without it) ----
+namespace {
+
+struct CublasLt {
+#define REMAT_CUBLASLT_FUNCTIONS(X)                                                                  \
+  X(cublasLtCreate) X(cublasLtMatmulDescCreate) X(cublasLtMatmulDescSetAttribute)                    \
+  X(cublasLtMatrixLayoutCreate) X(cublasLtMatmulPreferenceCreate) X(cublasLtMatmulPreferenceSetAttribute) \
+  X(cublasLtMatmulAlgoGetHeuristic) X(cublasLtMatmul) X(cublasLtGetStatusString)
+#define REMAT_DECLARE(name) decltype(&::name) name = nullptr;
+  REMAT_CUBLASLT_FUNCTIONS(REMAT_DECLARE)
+#undef REMAT_DECLARE
+  cublasLtHandle_t handle = nullptr;
+
+  CublasLt() {
+    const std::string soname = "libcublasLt.so." + std::to_string(CUBLAS_VER_MAJOR);
+    std::vector<std::string> candidates = {soname, "/usr/local/cuda/lib64/" + soname,
+                                           "/usr/local/cuda/targets/x86_64-linux/lib/" + soname};
+    if (const char *path = std::getenv("REMAT_CUBLASLT")) candidates.insert(candidates.begin(), path);
+    void *lib = nullptr;
+    for (const std::string &c : candidates)
+      if ((lib = dlopen(c.c_str(), RTLD_NOW | RTLD_LOCAL))) break;
+    if (!lib)
+      throw std::runtime_error("cannot load " + soname + " (cuBLASLt): put it on LD_LIBRARY_PATH or name it in REMAT_CUBLASLT");
+#define REMAT_LOAD(name)                                                               \
+  name = reinterpret_cast<decltype(name)>(dlsym(lib, #name));                          \
+  if (!name) throw std::runtime_error("cuBLASLt: " + soname + " has no " #name);
+    REMAT_CUBLASLT_FUNCTIONS(REMAT_LOAD)
+#undef REMAT_LOAD
+    check(cublasLtCreate(&handle), "cublasLtCreate");
+  }
+  void check(cublasStatus_t status, const char *what) const {
+    if (status != CUBLAS_STATUS_SUCCESS)
+      throw std::runtime_error(std::string("cuBLASLt: ") + what + ": " + cublasLtGetStatusString(status));
+  }
+};
+
+CublasLt &cublaslt() {
+  static CublasLt lt;
+  return lt;
+}
+
+// A prepared GEMM: descriptors and the algorithm, made once per shape and kind.
+struct Prepared {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t x = nullptr, y = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+};
+
+// Row-major out[m, n] = A B is column-major out^T[n, m] = B^T A^T: cuBLASLt's first operand X is
+// B (as stored: [n, k] column-major is b[k, n] row-major; transposed when trans_b), its second Y
+// is A likewise, and bias runs along out^T's rows (the n output features).
+Prepared prepare(const GemmCall &g) {
+  CublasLt &lt = cublaslt();
+  Prepared p;
+  const cudaDataType_t in = g.bf16_in ? CUDA_R_16BF : CUDA_R_32F, out = g.bf16_out ? CUDA_R_16BF : CUDA_R_32F;
+  lt.check(lt.cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
+  const cublasOperation_t op_x = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_y = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  lt.check(lt.cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_x, sizeof op_x), "TRANSA");
+  lt.check(lt.cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_y, sizeof op_y), "TRANSB");
+  if (g.bias) {
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    const cudaDataType_t bias_type = CUDA_R_32F;
+    lt.check(lt.cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue), "EPILOGUE");
+    lt.check(lt.cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type),
+             "BIAS_DATA_TYPE");
+  }
+  // column-major (rows, cols, leading dimension)
+  lt.check(g.trans_b ? lt.cublasLtMatrixLayoutCreate(&p.x, in, g.k, g.n, g.k) : lt.cublasLtMatrixLayoutCreate(&p.x, in, g.n, g.k, g.n),
+           "layout of B");
+  lt.check(g.trans_a ? lt.cublasLtMatrixLayoutCreate(&p.y, in, g.m, g.k, g.m) : lt.cublasLtMatrixLayoutCreate(&p.y, in, g.k, g.m, g.k),
+           "layout of A");
+  lt.check(lt.cublasLtMatrixLayoutCreate(&p.d, out, g.n, g.m, g.n), "layout of out");
+  cublasLtMatmulPreference_t pref = nullptr;
+  lt.check(lt.cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
+  const std::size_t workspace = 0;
+  lt.check(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof workspace),
+           "MAX_WORKSPACE_BYTES");
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  lt.check(lt.cublasLtMatmulAlgoGetHeuristic(lt.handle, p.desc, p.x, p.y, p.d, p.d, pref, 1, &result, &found),
+           "cublasLtMatmulAlgoGetHeuristic");
+  if (found < 1) throw std::runtime_error("cuBLASLt has no algorithm for this GEMM without workspace");
+  p.algo = result.algo;
+  return p;
+}
+
+}  // namespace
+
+void gemm(const GemmCall &g) {
+  using Key = std::tuple<int, int, int, bool, bool, bool, bool, bool>;
+  static std::map<Key, Prepared> prepared;
+  const Key key{g.m, g.n, g.k, g.trans_a, g.trans_b, g.bf16_in, g.bf16_out, g.bias != nullptr};
+  auto it = prepared.find(key);
+  if (it == prepared.end()) it = prepared.emplace(key, prepare(g)).first;
+  Prepared &p = it->second;
+  CublasLt &lt = cublaslt();
+  if (g.bias)
+    lt.check(lt.cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof g.bias), "BIAS_POINTER");
+  const float alpha = 1.f, beta = g.accumulate ? 1.f : 0.f;
+  lt.check(lt.cublasLtMatmul(lt.handle, p.desc, &alpha, g.b, p.x, g.a, p.y, &beta, g.out, p.d, g.out, p.d, &p.algo,
+                             nullptr, 0, state.compute),
+           "cublasLtMatmul");
+}
+
 }  // namespace remat::cuda
 
 #else  // built without the CUDA toolkit
@@ -136,6 +247,7 @@ Event event_create() { unavailable(); }
 void event_destroy(Event) {}
 void record(Event, Stream) { unavailable(); }
 void wait(Stream, Event) { unavailable(); }
+void gemm(const GemmCall &) { unavailable(); }
 }  // namespace remat::cuda
 
 #endif

@@ -4,6 +4,8 @@
 // toolkit was found (REMAT_WITH_CUDA), otherwise every call reports that.
 #pragma once
 
+#include "gemm.h"
+
 #include <cstddef>
 #include <string>
 
@@ -41,5 +43,10 @@ Event event_create();
 void event_destroy(Event e);
 void record(Event e, Stream s);
 void wait(Stream s, Event e);  // s waits for e (on the device)
+
+// One GEMM with cuBLASLt on the compute stream (device pointers in g). cuBLASLt is loaded on first
+// use (libcublasLt.so.<major> from the library path or the CUDA toolkit; REMAT_CUBLASLT names
+// another file), with no workspace, so that device memory stays exactly the plan's.
+void gemm(const GemmCall &g);
 
 }  // namespace remat::cuda

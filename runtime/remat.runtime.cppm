@@ -59,6 +59,8 @@ float bf16_to_float(std::uint16_t h);
 // opencl: the GPU schedules run through OpenCL from host memory (Halide copies each input to the
 // device and the executor copies each output back), so tests check them on PoCL without a GPU.
 enum class Device { cpu, cuda, opencl };
+// The CPU kernels keep Halide GEMMs; the GPU ones call a GEMM library (plans must agree).
+constexpr Gemms gemms_of(Device d) { return d == Device::cpu ? Gemms::halide : Gemms::library; }
 
 // The arena: one allocation of the plan's size, in host memory (CPU) or device memory (CUDA,
 // one cudaMalloc; a host mirror of the same size holds what the trainer reads and writes, moved

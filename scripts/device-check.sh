@@ -10,8 +10,13 @@ mkdir -p "$OUT"
 export LD_LIBRARY_PATH=$PWD/.device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 status=0
 step() { echo "== $*"; }
+# cuBLASLt (the GEMMs of the CUDA kernels) is loaded at run time from the machine's CUDA toolkit
+if ! ldconfig -p | grep -q 'libcublasLt.so.13 '; then
+  export REMAT_CUBLASLT=$(ls /usr/local/cuda/lib64/libcublasLt.so.13 2>/dev/null ||
+    find / -name 'libcublasLt.so.13' -not -path '/proc/*' 2>/dev/null | head -n 1)
+fi
 
-step "GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -n 1)" | tee "$OUT/summary.txt"
+step "GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -n 1); cuBLASLt: ${REMAT_CUBLASLT:-from the library path}" | tee "$OUT/summary.txt"
 step "GPU tests" | tee -a "$OUT/summary.txt"
 timeout 150 .device/bin/test_cuda --run_test=@gpu --log_level=test_suite --report_level=short > "$OUT/gpu-tests.log" 2>&1 || status=1
 tail -n 30 "$OUT/gpu-tests.log" | tee -a "$OUT/summary.txt"

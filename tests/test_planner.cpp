@@ -238,6 +238,39 @@ BOOST_AUTO_TEST_CASE(bf16_plans_differ_only_in_activation_sizes) {
   BOOST_TEST(kernel_name("gpt", 0, Variant::adamw, Precision::bf16).view() == "gpt_adamw");
 }
 
+// Library-GEMM plans (the CUDA and OpenCL kernels): every linear input and output is a buffer,
+// no transposed weight copies (the library transposes), a bf16 copy of each linear's weight in
+// bf16 plans; their schedules replay cleanly and keep fewer activations under recompute.
+BOOST_AUTO_TEST_CASE(library_gemm_plans_replay_without_overlap) {
+  for (Precision precision : {Precision::fp32, Precision::bf16})
+    for (Policy p : all_policies) {
+      for (const Model *m : {&mlp::model, &gpt::model}) {
+        const Plan plan = make_plan(*m, p, 4, precision, Gemms::library);
+        BOOST_TEST((plan.gemms == Gemms::library));
+        check_schedule(plan, plan.train);
+        check_schedule(plan, plan.eval);
+        bool copies = false;
+        for (const Tensor &t : plan.tensors) {
+          BOOST_TEST(!t.name.view().ends_with("_wt"), t.name.view());
+          copies |= t.name.view().ends_with("_w16");
+        }
+        BOOST_TEST(copies == (precision == Precision::bf16));
+      }
+      if (p != none && !p.offload)
+        BOOST_TEST(make_plan(gpt::model, p, 4, precision, Gemms::library).activation_bytes <
+                   make_plan(gpt::model, none, 4, precision, Gemms::library).activation_bytes);
+    }
+  // the block's LayerNorm outputs are GEMM operands: buffered in the forward that discards
+  auto forward_writes_layer_norm_output = [](const Plan &plan) {
+    for (const Step &st : plan.train)
+      if (st.stage == 1 && st.block == 0 && st.variant == Variant::forward_discard)
+        return ranges::any_of(st.args, [](const Arg &a) { return a.name.view() == "h1"; });
+    return false;
+  };
+  BOOST_TEST(forward_writes_layer_norm_output(make_plan(gpt::model, full, 4, Precision::fp32, Gemms::library)));
+  BOOST_TEST(!forward_writes_layer_norm_output(make_plan(gpt::model, full, 4)));
+}
+
 // No plan ever holds a [B, H, T, T] tensor: every activation is [R] or [R, w] with w one of the
 // model's widths (H T is none of them).
 BOOST_AUTO_TEST_CASE(gpt_never_stores_attention_matrices) {

@@ -1,0 +1,142 @@
+// Extern stages of library-GEMM kernels (generators/modelc.cpp, library_gemm): Halide calls them
+// with the kernel's buffers, on the kernel's device, and leaves device transitions of the inputs
+// to them. CUDA buffers go to cuBLASLt on the runtime's compute stream. The OpenCL test build's
+// GEMMs run on the host: inputs are brought to host memory, the product computed by a plain loop
+// and sent back to the device, where the kernel's next stages read it.
+#include "cuda_device.h"
+#include "gemm.h"
+
+#include <HalideRuntime.h>
+#include <HalideRuntimeCuda.h>
+#include <HalideRuntimeOpenCL.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <stdexcept>
+#include <vector>
+
+extern "C" char remat_halide_error[1024];
+// Present when the kernels' Halide runtime includes CUDA (REMAT_CUDA_CAPABILITY != 0) / OpenCL.
+#pragma weak halide_cuda_device_interface
+#pragma weak halide_opencl_device_interface
+
+namespace remat {
+namespace {
+
+float load(const void *p, std::size_t i, bool bf16) {
+  if (!bf16) return static_cast<const float *>(p)[i];
+  const std::uint32_t bits = std::uint32_t(static_cast<const std::uint16_t *>(p)[i]) << 16;
+  float x;
+  std::memcpy(&x, &bits, 4);
+  return x;
+}
+
+// As gen::to_bf16_bits: round to nearest even, NaN to 0x7fc0.
+std::uint16_t to_bf16(float x) {
+  std::uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  if (x != x) return 0x7fc0;
+  return std::uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// The sums run over k in order for each output, as a dot product would.
+void host_gemm(const GemmCall &g) {
+  std::vector<float> row(g.n);
+  for (int i = 0; i < g.m; ++i) {
+    std::fill(row.begin(), row.end(), 0.f);
+    for (int p = 0; p < g.k; ++p) {
+      const float a = load(g.a, g.trans_a ? std::size_t(p) * g.m + i : std::size_t(i) * g.k + p, g.bf16_in);
+      for (int j = 0; j < g.n; ++j)
+        row[j] += a * load(g.b, g.trans_b ? std::size_t(j) * g.k + p : std::size_t(p) * g.n + j, g.bf16_in);
+    }
+    for (int j = 0; j < g.n; ++j) {
+      const std::size_t at = std::size_t(i) * g.n + j;
+      float v = row[j];
+      if (g.bias) v = v + g.bias[j];
+      if (g.accumulate) v = load(g.out, at, g.bf16_out) + v;
+      if (g.bf16_out) static_cast<std::uint16_t *>(g.out)[at] = to_bf16(v);
+      else static_cast<float *>(g.out)[at] = v;
+    }
+  }
+}
+
+bool on_cuda(const halide_buffer_t *b) {
+  return b->device && &halide_cuda_device_interface && b->device_interface == halide_cuda_device_interface();
+}
+
+// A bounds query asks which part of each input the output needs: all of them (the output is
+// always the whole tensor, computed at the root).
+void bounds(halide_buffer_t *a, halide_buffer_t *b, halide_buffer_t *bias, int k, int flags, const halide_buffer_t *out) {
+  const halide_dimension_t cols = out->dim[0], rows = out->dim[1];
+  const halide_dimension_t inner{0, k, 0, 0};
+  if (a->is_bounds_query()) {
+    a->dim[0] = flags & 1 ? rows : inner;
+    a->dim[1] = flags & 1 ? inner : rows;
+  }
+  if (b->is_bounds_query()) {
+    b->dim[0] = flags & 2 ? inner : cols;
+    b->dim[1] = flags & 2 ? cols : inner;
+  }
+  if (bias && bias->is_bounds_query()) bias->dim[0] = cols;
+}
+
+int run(halide_buffer_t *a, halide_buffer_t *b, halide_buffer_t *bias, int k, int flags, int accumulate,
+        halide_buffer_t *out) {
+  if (a->is_bounds_query() || b->is_bounds_query() || (bias && bias->is_bounds_query())) {
+    bounds(a, b, bias, k, flags, out);
+    return 0;
+  }
+  if (out->is_bounds_query()) return 0;
+  GemmCall g;
+  g.m = out->dim[1].extent;
+  g.n = out->dim[0].extent;
+  g.k = k;
+  g.trans_a = flags & 1;
+  g.trans_b = flags & 2;
+  g.bf16_in = a->type.bits == 16;
+  g.bf16_out = out->type.bits == 16;
+  g.accumulate = accumulate != 0;
+  try {
+    if (on_cuda(out)) {
+      g.a = reinterpret_cast<const void *>(a->device);
+      g.b = reinterpret_cast<const void *>(b->device);
+      g.bias = bias ? reinterpret_cast<const float *>(bias->device) : nullptr;
+      g.out = reinterpret_cast<void *>(out->device);
+      cuda::gemm(g);
+    } else {
+      for (halide_buffer_t *in : {a, b, bias})
+        if (in && in->device_dirty() && halide_copy_to_host(nullptr, in) != 0) throw std::runtime_error("copy to host failed");
+      if (out->device_dirty() && halide_copy_to_host(nullptr, out) != 0) throw std::runtime_error("copy to host failed");
+      g.a = a->host;
+      g.b = b->host;
+      g.bias = bias ? reinterpret_cast<const float *>(bias->host) : nullptr;
+      g.out = out->host;
+      host_gemm(g);
+      out->set_host_dirty(true);
+      const halide_device_interface_t *device =
+          out->device_interface ? out->device_interface
+                                : (&halide_opencl_device_interface ? halide_opencl_device_interface() : nullptr);
+      if (device && halide_copy_to_device(nullptr, out, device) != 0) throw std::runtime_error("copy to device failed");
+    }
+  } catch (const std::exception &e) {
+    std::snprintf(remat_halide_error, sizeof remat_halide_error, "GEMM %dx%dx%d: %s", g.m, g.n, g.k, e.what());
+    return -1;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace remat
+
+extern "C" int remat_gemm(halide_buffer_t *a, halide_buffer_t *b, int32_t k, int32_t flags, int32_t accumulate,
+                          halide_buffer_t *out) {
+  return remat::run(a, b, nullptr, k, flags, accumulate, out);
+}
+
+extern "C" int remat_gemm_bias(halide_buffer_t *a, halide_buffer_t *b, halide_buffer_t *bias, int32_t k, int32_t flags,
+                               int32_t accumulate, halide_buffer_t *out) {
+  return remat::run(a, b, bias, k, flags, accumulate, out);
+}
