@@ -534,9 +534,9 @@ constexpr bool saved(const Block &b, int j, Keep keep, Gemms g = Gemms::halide) 
   return false;
 }
 
-// Library GEMMs in bf16 read a bf16 copy of the linear's weight, made in the kernel (the
-// master weights stay fp32).
-constexpr bool weight_copy(Gemms g, Precision p) { return g == Gemms::library && p == Precision::bf16; }
+// bf16 GEMMs read a bf16 copy of the linear's weight, made once per kernel call into its own
+// workspace (the master weights stay fp32).
+constexpr bool weight_copy(Precision p) { return p == Precision::bf16; }
 constexpr LocalTensor weight_copy_of(const Block &b, int k) {
   return {cat("p", k, "_w16"), 2, {b.layers[k].out, b.layers[k].in}, k};
 }
@@ -545,7 +545,7 @@ constexpr LocalTensor weight_copy_of(const Block &b, int k) {
 struct KernelTensors {
   std::vector<LocalTensor> saved;      // written by forward and kept; read by backward
   std::vector<LocalTensor> scratch;    // internals written and dropped within the kernel call
-  std::vector<LocalTensor> workspace;  // backward's own short-lived buffers
+  std::vector<LocalTensor> workspace;  // the kernel's own short-lived buffers (gradients, weight copies)
 };
 
 // Forward: what the policy keeps is written out; outputs that cannot be rebuilt in registers
@@ -559,7 +559,7 @@ constexpr KernelTensors forward_tensors(const Block &b, Keep keep, Gemms g = Gem
       else if (materialized(b, j, g)) t.scratch.push_back(output_of(b, j));
     }
     for (const LocalTensor &st : stats_of(b, j)) (keep == Keep::nothing ? t.scratch : t.saved).push_back(st);
-    if (b.layers[j].op == Op::linear && weight_copy(g, p)) t.scratch.push_back(weight_copy_of(b, j));
+    if (b.layers[j].op == Op::linear && weight_copy(p)) t.workspace.push_back(weight_copy_of(b, j));
   }
   return t;
 }
@@ -599,7 +599,7 @@ constexpr KernelTensors backward_tensors(const Block &b, Keep keep, bool needs_i
       t.workspace.push_back(row_stat(cat("s", j, "_1"), j));
       t.workspace.push_back(row_stat(cat("s", j, "_2"), j));
     }
-    if (l.op == Op::linear && weight_copy(g, p)) t.workspace.push_back(weight_copy_of(b, j));
+    if (l.op == Op::linear && weight_copy(p)) t.workspace.push_back(weight_copy_of(b, j));
     if (l.op == Op::linear && grad_in && g == Gemms::halide) t.workspace.push_back({cat("p", j, "_wt"), 2, {l.in, l.out}, j});
     if (product_buffer(b, j, g) && grad_in) t.workspace.push_back(product_of(b, j));
     if (l.op == Op::attention) t.workspace.push_back(head_stat(cat("att", j, "_delta"), l.heads, j));
@@ -900,12 +900,13 @@ struct Builder {
       st.args.push_back({lt.name, t});
       if (kept) kept->push_back(t);
     }
-    for (const LocalTensor &lt : kt.scratch) {
-      const int t = local(u.stage, u.block, Role::recomputed, lt);
-      st.alloc.push_back(t);
-      st.args.push_back({lt.name, t});
-      st.free.push_back(t);
-    }
+    for (const auto &[list, role] : {std::pair{&kt.scratch, Role::recomputed}, {&kt.workspace, Role::scratch}})
+      for (const LocalTensor &lt : *list) {
+        const int t = local(u.stage, u.block, role, lt);
+        st.alloc.push_back(t);
+        st.args.push_back({lt.name, t});
+        st.free.push_back(t);
+      }
     out.push_back(st);
     return y;
   }

@@ -47,8 +47,6 @@ public:
   Halide::Expr constant(double x) const { return Halide::Internal::make_const(t, x); }
   // A stored activation: itself, or its bf16 bits.
   Halide::Expr store(Halide::Expr e) const { return bf16 ? to_bf16_bits(e) : e; }
-  // A value as a bf16 GEMM operand: rounded to bf16, as float (itself without bf16).
-  Halide::Expr rounded(Halide::Expr e) const { return bf16 ? from_bf16_bits(to_bf16_bits(e)) : e; }
 
   using Epilogue = std::function<Halide::Expr(Halide::Expr sum)>;
   MatMul matmul(const std::string &name, Halide::Func a, Halide::Func w, Halide::Expr inner,

@@ -141,6 +141,7 @@ public:
   Pipeline forward(Keep keep) {
     const KernelTensors kt = forward_tensors(blk, keep, gemms, precision);
     std::vector<Func> outputs;
+    write_weight_copies(kt, outputs);
     Values f = build_forward(kt, false, outputs);
     outputs.insert(outputs.begin(), f.y);
     return Pipeline(outputs);
@@ -149,6 +150,7 @@ public:
   Pipeline backward(Keep keep) {
     const KernelTensors kt = backward_tensors(blk, keep, needs_dx, gemms, precision);
     std::vector<Func> outputs;
+    write_weight_copies(kt, outputs);
     Values f = build_forward(kt, true, outputs);
     build_backward(f, outputs);
     return Pipeline(outputs);
@@ -165,15 +167,6 @@ private:
     for (const LocalTensor &lt : params(blk))
       if (lt.name == cat("p", k, "_", which)) return args.tensor(lt);
     throw std::runtime_error("no parameter");
-  }
-  // A linear's weight as a GEMM operand: rounded to the storage type (bf16 GEMMs read bf16
-  // weights; the fp32 master weights are what AdamW updates).
-  Func gemm_weight(int k) {
-    Func w = param(k, "w");
-    if (!L.bf16) return w;
-    Func rounded(str(cat("p", k, "_w_rounded")));
-    rounded(v.c, v.b) = L.rounded(w(v.c, v.b));
-    return rounded;
   }
   gen::Dropout dropout_at(int k) const { return drop.enabled ? drop.at(drop.block + k) : drop; }
   // Output buffers get the same layout constraints as inputs.
@@ -202,10 +195,15 @@ private:
     out.compute_root();
     return out;
   }
+  // Every weight copy the plan gives the kernel is written, used or not (the plan counts it).
+  void write_weight_copies(const KernelTensors &kt, std::vector<Func> &outputs) {
+    for (const LocalTensor &lt : kt.workspace)
+      if (lt.layer >= 0 && lt.name == weight_copy_of(blk, lt.layer).name) library_weight(lt.layer, outputs);
+  }
   Type stored_type() const { return precision == Precision::bf16 ? UInt(16) : Float(32); }
-  // The weight of linear k as a library GEMM operand: fp32, or its bf16 copy written here.
+  // The weight of linear k as a GEMM operand: fp32, or its bf16 copy, written once per call.
   Func library_weight(int k, std::vector<Func> &outputs) {
-    if (!weight_copy(gemms, precision)) return param(k, "w");
+    if (!weight_copy(precision)) return param(k, "w");
     if (!weight16.count(k)) {
       Func w = param(k, "w"), copy(str(weight_copy_of(blk, k).name));
       copy(v.c, v.b) = L.store(w(v.c, v.b));
@@ -281,7 +279,7 @@ private:
           gemm_or_reduction = true;
           break;
         }
-        PendingGemm p{value(src), gemm_weight(j), param(j, "b"), l.in, {}, buffered(src)};
+        PendingGemm p{value(src), widened(library_weight(j, outputs)), param(j, "b"), l.in, {}, buffered(src)};
         if (fused(blk, j)) {
           f.pending[j] = p;
           continue;
