@@ -33,14 +33,20 @@ void halide_free(void *, void *ptr) {
 }
 }
 
-// Halide's default error handler aborts the process. Keep the message instead; the executor
-// turns a failing kernel's error code and this message into an exception.
+// Halide's default error handler aborts the process. Keep the messages instead (the first, the
+// cause, first; an extern stage writes its own before Halide reports the failed stage); the
+// executor turns a failing kernel's error code and these messages into an exception.
 extern "C" {
 char remat_halide_error[1024];
 
 void halide_error(void *, const char *msg) {
-  std::strncpy(remat_halide_error, msg, sizeof remat_halide_error - 1);
-  const size_t n = std::strlen(remat_halide_error);
+  size_t n = std::strlen(remat_halide_error);
+  if (n > 0 && n + 2 < sizeof remat_halide_error) {
+    std::strcat(remat_halide_error, "; ");
+    n += 2;
+  }
+  std::strncat(remat_halide_error, msg, sizeof remat_halide_error - 1 - n);
+  n = std::strlen(remat_halide_error);
   if (n > 0 && remat_halide_error[n - 1] == '\n') remat_halide_error[n - 1] = 0;
 }
 }
