@@ -535,10 +535,18 @@ constexpr bool saved(const Block &b, int j, Keep keep, Gemms g = Gemms::halide) 
 }
 
 // bf16 GEMMs read a bf16 copy of the linear's weight, made once per kernel call into its own
-// workspace (the master weights stay fp32).
+// workspace (the master weights stay fp32); library GEMMs a bf16 copy of its bias too (cuBLASLt's
+// bias epilogue takes the output's element type).
 constexpr bool weight_copy(Precision p) { return p == Precision::bf16; }
+constexpr bool bias_copy(Gemms g, Precision p) { return g == Gemms::library && p == Precision::bf16; }
 constexpr LocalTensor weight_copy_of(const Block &b, int k) {
   return {cat("p", k, "_w16"), 2, {b.layers[k].out, b.layers[k].in}, k};
+}
+constexpr LocalTensor bias_copy_of(const Block &b, int k) { return {cat("p", k, "_b16"), 1, {b.layers[k].out, 0}, k}; }
+constexpr void add_parameter_copies(std::vector<LocalTensor> &to, const Block &b, int k, Gemms g, Precision p) {
+  if (b.layers[k].op != Op::linear) return;
+  if (weight_copy(p)) to.push_back(weight_copy_of(b, k));
+  if (bias_copy(g, p)) to.push_back(bias_copy_of(b, k));
 }
 
 // A kernel's tensors besides x, y, dy, dx and parameters.
@@ -559,7 +567,7 @@ constexpr KernelTensors forward_tensors(const Block &b, Keep keep, Gemms g = Gem
       else if (materialized(b, j, g)) t.scratch.push_back(output_of(b, j));
     }
     for (const LocalTensor &st : stats_of(b, j)) (keep == Keep::nothing ? t.scratch : t.saved).push_back(st);
-    if (b.layers[j].op == Op::linear && weight_copy(p)) t.workspace.push_back(weight_copy_of(b, j));
+    add_parameter_copies(t.workspace, b, j, g, p);
   }
   return t;
 }
@@ -567,11 +575,14 @@ constexpr KernelTensors forward_tensors(const Block &b, Keep keep, Gemms g = Gem
 // Backward: reads the saved tensors; rebuilds what it reads but was not saved, with the
 // outputs those depend on (materialized unless cheap); and its own workspace.
 // Library GEMMs: the input gradient of linear k is written by the GEMM into its own buffer dp<k>
-// when the linear's input also gets gradient from elsewhere (then the sum is formed after).
+// when the linear's input also gets gradient from elsewhere (then the sum is formed after, and
+// rounded once: dp<k> stays fp32, like a statistic).
 constexpr bool product_buffer(const Block &b, int k, Gemms g) {
   return g == Gemms::library && b.layers[k].op == Op::linear && consumers(b, b.source(k)) > 1;
 }
-constexpr LocalTensor product_of(const Block &b, int k) { return rows(cat("dp", k), b.layers[k].in, k); }
+constexpr LocalTensor product_of(const Block &b, int k) {
+  return {cat("dp", k), 2, {b.layers[k].in, -1}, k, false, LocalTensor::Kind::statistic};
+}
 
 constexpr KernelTensors backward_tensors(const Block &b, Keep keep, bool needs_input_grad, Gemms g = Gemms::halide,
                                          Precision p = Precision::fp32) {
@@ -599,7 +610,7 @@ constexpr KernelTensors backward_tensors(const Block &b, Keep keep, bool needs_i
       t.workspace.push_back(row_stat(cat("s", j, "_1"), j));
       t.workspace.push_back(row_stat(cat("s", j, "_2"), j));
     }
-    if (l.op == Op::linear && weight_copy(p)) t.workspace.push_back(weight_copy_of(b, j));
+    add_parameter_copies(t.workspace, b, j, g, p);
     if (l.op == Op::linear && grad_in && g == Gemms::halide) t.workspace.push_back({cat("p", j, "_wt"), 2, {l.in, l.out}, j});
     if (product_buffer(b, j, g) && grad_in) t.workspace.push_back(product_of(b, j));
     if (l.op == Op::attention) t.workspace.push_back(head_stat(cat("att", j, "_delta"), l.heads, j));

@@ -195,23 +195,39 @@ private:
     out.compute_root();
     return out;
   }
-  // Every weight copy the plan gives the kernel is written, used or not (the plan counts it).
+  // Every parameter copy the plan gives the kernel is written, used or not (the plan counts it).
   void write_weight_copies(const KernelTensors &kt, std::vector<Func> &outputs) {
     for (const LocalTensor &lt : kt.workspace)
-      if (lt.layer >= 0 && lt.name == weight_copy_of(blk, lt.layer).name) library_weight(lt.layer, outputs);
+      if (lt.layer >= 0 && blk.layers[lt.layer].op == Op::linear) {
+        if (lt.name == weight_copy_of(blk, lt.layer).name) library_weight(lt.layer, outputs);
+        if (lt.name == bias_copy_of(blk, lt.layer).name) library_bias(lt.layer, outputs);
+      }
   }
   Type stored_type() const { return precision == Precision::bf16 ? UInt(16) : Float(32); }
-  // The weight of linear k as a GEMM operand: fp32, or its bf16 copy, written once per call.
-  Func library_weight(int k, std::vector<Func> &outputs) {
-    if (!weight_copy(precision)) return param(k, "w");
-    if (!weight16.count(k)) {
-      Func w = param(k, "w"), copy(str(weight_copy_of(blk, k).name));
-      copy(v.c, v.b) = L.store(w(v.c, v.b));
-      sched.pointwise(copy);
-      output(outputs, copy, weight_copy_of(blk, k));
-      weight16[k] = copy;
+  // A bf16 copy of a parameter into its planned workspace, written once per call.
+  Func bf16_copy(int k, const char *which, const LocalTensor &lt, std::vector<Func> &outputs) {
+    const std::string name = str(lt.name);
+    if (!copies.count(name)) {
+      Func p = param(k, which), copy(name);
+      if (lt.dims == 2) {
+        copy(v.c, v.b) = L.store(p(v.c, v.b));
+        sched.pointwise(copy);
+      } else {
+        copy(v.c) = L.store(p(v.c));
+        sched.flat(copy);
+      }
+      output(outputs, copy, lt);
+      copies[name] = copy;
     }
-    return weight16.at(k);
+    return copies.at(name);
+  }
+  // The weight of linear k as a GEMM operand: fp32, or its bf16 copy.
+  Func library_weight(int k, std::vector<Func> &outputs) {
+    return weight_copy(precision) ? bf16_copy(k, "w", weight_copy_of(blk, k), outputs) : param(k, "w");
+  }
+  // The bias of linear k for a library GEMM's epilogue: fp32, or its bf16 copy for bf16 outputs.
+  Func library_bias(int k, std::vector<Func> &outputs) {
+    return bias_copy(gemms, precision) ? bf16_copy(k, "b", bias_copy_of(blk, k), outputs) : param(k, "b");
   }
 
   Func build_gemm(const std::string &name, const PendingGemm &p, int width) {
@@ -274,7 +290,7 @@ private:
       case Op::linear: {
         if (gemms == Gemms::library) {
           if (!buffered(src)) throw std::runtime_error("library GEMM: the input of linear " + std::to_string(j) + " is not a buffer");
-          out = library_gemm(name, stored(src), false, library_weight(j, outputs), false, param(j, "b"), l.in,
+          out = library_gemm(name, stored(src), false, library_weight(j, outputs), false, library_bias(j, outputs), l.in,
                              Expr(0), stored_type());
           gemm_or_reduction = true;
           break;
@@ -388,7 +404,7 @@ private:
                                  " does not match the gradient of " + name);
       const std::string gemm_name = alone ? name : str(product_of(blk, product->layer).name);
       Func p = library_gemm(gemm_name, product->product->first, false, product->product->second, true, std::nullopt,
-                            product->inner, Expr(0), stored_type());
+                            product->inner, Expr(0), alone ? stored_type() : Float(32));  // dp<k>: fp32
       if (alone) {
         out = p;
       } else {
@@ -535,7 +551,7 @@ private:
   Precision precision;
   Gemms gemms;
   DeviceAPI extern_device;     // the device of a library GEMM's buffers (CUDA, or OpenCL for the tests)
-  std::map<int, Func> weight16;  // library GEMMs in bf16: the weight copies, by layer
+  std::map<std::string, Func> copies;  // bf16 parameter copies, by name
   gen::Vars v;
   Arguments args;
   Layers L;
@@ -580,7 +596,7 @@ Pipeline adamw_kernel(Arguments &args, const Target &target) {
     args.order.push_back(s.back());
   }
   Func upd = L.adamw(p, g, m, var, s[0], s[1], s[2], s[3], s[4], s[5], s[6]);
-  Scheduler(target, v).adamw(upd);
+  Scheduler(target, v).flat(upd);
   Arguments::constrain(upd.output_buffers()[0], 1, {-1, 0});  // the others follow the first
   return Pipeline(upd);
 }

@@ -231,7 +231,8 @@ public:
     }
     pointwise(ce.dlogits);
   }
-  void adamw(Func upd) {
+  // A flat 1-D elementwise Func (AdamW, parameter copies).
+  void flat(Func upd) {
     Var co("co"), ci("ci");
     if (gpu) {
       upd.compute_root().gpu_tile(v.c, co, ci, 256, TailStrategy::GuardWithIf);

@@ -10,6 +10,7 @@
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <map>
 #include <tuple>
@@ -129,7 +130,7 @@ struct CublasLt {
 #define REMAT_CUBLASLT_FUNCTIONS(X)                                                                  \
   X(cublasLtCreate) X(cublasLtMatmulDescCreate) X(cublasLtMatmulDescSetAttribute)                    \
   X(cublasLtMatrixLayoutCreate) X(cublasLtMatmulPreferenceCreate) X(cublasLtMatmulPreferenceSetAttribute) \
-  X(cublasLtMatmulAlgoGetHeuristic) X(cublasLtMatmul) X(cublasLtGetStatusString)
+  X(cublasLtMatmulAlgoGetHeuristic) X(cublasLtMatmul) X(cublasLtGetStatusString) X(cublasLtMatmulPreferenceDestroy)
 #define REMAT_DECLARE(name) decltype(&::name) name = nullptr;
   REMAT_CUBLASLT_FUNCTIONS(REMAT_DECLARE)
 #undef REMAT_DECLARE
@@ -163,7 +164,15 @@ CublasLt &cublaslt() {
   return lt;
 }
 
-// A prepared GEMM: descriptors and the algorithm, made once per shape and kind.
+// The largest power of two (at most 256) that divides the address: what cuBLASLt may assume.
+int alignment(const void *p) {
+  const auto at = reinterpret_cast<std::uintptr_t>(p);
+  int a = 1;
+  while (a < 256 && at % (2 * a) == 0) a *= 2;
+  return a;
+}
+
+// A prepared GEMM: descriptors and the algorithm, made once per shape, kind and alignment.
 struct Prepared {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t x = nullptr, y = nullptr, d = nullptr;
@@ -181,12 +190,10 @@ Prepared prepare(const GemmCall &g) {
   const cublasOperation_t op_x = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_y = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   lt.check(lt.cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_x, sizeof op_x), "TRANSA");
   lt.check(lt.cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_y, sizeof op_y), "TRANSB");
-  if (g.bias) {
+  if (g.bias) {  // the bias has the output's type; its pointer's alignment guides the algorithm
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
-    const cudaDataType_t bias_type = CUDA_R_32F;
     lt.check(lt.cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue), "EPILOGUE");
-    lt.check(lt.cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type),
-             "BIAS_DATA_TYPE");
+    lt.check(lt.cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof g.bias), "BIAS_POINTER");
   }
   // column-major (rows, cols, leading dimension)
   lt.check(g.trans_b ? lt.cublasLtMatrixLayoutCreate(&p.x, in, g.k, g.n, g.k) : lt.cublasLtMatrixLayoutCreate(&p.x, in, g.n, g.k, g.n),
@@ -199,10 +206,19 @@ Prepared prepare(const GemmCall &g) {
   const std::size_t workspace = 0;
   lt.check(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof workspace),
            "MAX_WORKSPACE_BYTES");
+  // cuBLASLt's operand A is our b, its B our a (see above); C and D are out
+  const std::pair<cublasLtMatmulPreferenceAttributes_t, const void *> aligned[] = {
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, g.b}, {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, g.a},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, g.out}, {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, g.out}};
+  for (auto [attribute, pointer] : aligned) {
+    const std::uint32_t bytes = std::uint32_t(alignment(pointer));
+    lt.check(lt.cublasLtMatmulPreferenceSetAttribute(pref, attribute, &bytes, sizeof bytes), "MIN_ALIGNMENT");
+  }
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   lt.check(lt.cublasLtMatmulAlgoGetHeuristic(lt.handle, p.desc, p.x, p.y, p.d, p.d, pref, 1, &result, &found),
            "cublasLtMatmulAlgoGetHeuristic");
+  lt.cublasLtMatmulPreferenceDestroy(pref);
   if (found < 1) throw std::runtime_error("cuBLASLt has no algorithm for this GEMM without workspace");
   p.algo = result.algo;
   return p;
@@ -211,9 +227,10 @@ Prepared prepare(const GemmCall &g) {
 }  // namespace
 
 void gemm(const GemmCall &g) {
-  using Key = std::tuple<int, int, int, bool, bool, bool, bool, bool>;
+  using Key = std::tuple<int, int, int, bool, bool, bool, bool, int, int, int, int>;
   static std::map<Key, Prepared> prepared;
-  const Key key{g.m, g.n, g.k, g.trans_a, g.trans_b, g.bf16_in, g.bf16_out, g.bias != nullptr};
+  const Key key{g.m, g.n, g.k, g.trans_a, g.trans_b, g.bf16_in, g.bf16_out, g.bias ? alignment(g.bias) : 0,
+                alignment(g.a), alignment(g.b), alignment(g.out)};
   auto it = prepared.find(key);
   if (it == prepared.end()) it = prepared.emplace(key, prepare(g)).first;
   Prepared &p = it->second;

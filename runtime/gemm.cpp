@@ -55,7 +55,7 @@ void host_gemm(const GemmCall &g) {
     for (int j = 0; j < g.n; ++j) {
       const std::size_t at = std::size_t(i) * g.n + j;
       float v = row[j];
-      if (g.bias) v = v + g.bias[j];
+      if (g.bias) v = v + load(g.bias, j, g.bf16_out);
       if (g.accumulate) v = load(g.out, at, g.bf16_out) + v;
       if (g.bf16_out) static_cast<std::uint16_t *>(g.out)[at] = to_bf16(v);
       else static_cast<float *>(g.out)[at] = v;
@@ -83,6 +83,21 @@ void bounds(halide_buffer_t *a, halide_buffer_t *b, halide_buffer_t *bias, int k
   if (bias && bias->is_bounds_query()) bias->dim[0] = cols;
 }
 
+// The buffers must be whole dense tensors of the GEMM's shape (as the model compiler makes them).
+void check_shapes(const halide_buffer_t *a, const halide_buffer_t *b, const halide_buffer_t *bias, int k, int flags,
+                  const halide_buffer_t *out) {
+  auto dense = [](const halide_buffer_t *t, int cols, int rows) {
+    return t->dimensions == (rows ? 2 : 1) && t->dim[0].min == 0 && t->dim[0].extent == cols && t->dim[0].stride == 1 &&
+           (!rows || (t->dim[1].min == 0 && t->dim[1].extent == rows && t->dim[1].stride == cols));
+  };
+  const int m = out->dim[1].extent, n = out->dim[0].extent;
+  if (!dense(out, n, m) || !dense(a, flags & 1 ? m : k, flags & 1 ? k : m) || !dense(b, flags & 2 ? k : n, flags & 2 ? n : k) ||
+      (bias && !dense(bias, n, 0)))
+    throw std::runtime_error("operand shapes do not match the product");
+  if (a->type.bits != b->type.bits || (bias && bias->type.bits != out->type.bits))
+    throw std::runtime_error("operand element types do not match");
+}
+
 int run(halide_buffer_t *a, halide_buffer_t *b, halide_buffer_t *bias, int k, int flags, int accumulate,
         halide_buffer_t *out) {
   if (a->is_bounds_query() || b->is_bounds_query() || (bias && bias->is_bounds_query())) {
@@ -100,10 +115,16 @@ int run(halide_buffer_t *a, halide_buffer_t *b, halide_buffer_t *bias, int k, in
   g.bf16_out = out->type.bits == 16;
   g.accumulate = accumulate != 0;
   try {
+    check_shapes(a, b, bias, k, flags, out);
     if (on_cuda(out)) {
+      for (halide_buffer_t *in : {a, b, bias, out}) {  // Halide leaves an extern stage's inputs where they are
+        if (in && in->host_dirty() && halide_copy_to_device(nullptr, in, halide_cuda_device_interface()) != 0)
+          throw std::runtime_error("copy to the device failed");
+        if (in && !in->device) throw std::runtime_error("an operand is not in device memory");
+      }
       g.a = reinterpret_cast<const void *>(a->device);
       g.b = reinterpret_cast<const void *>(b->device);
-      g.bias = bias ? reinterpret_cast<const float *>(bias->device) : nullptr;
+      g.bias = bias ? reinterpret_cast<const void *>(bias->device) : nullptr;
       g.out = reinterpret_cast<void *>(out->device);
       cuda::gemm(g);
     } else {
@@ -112,7 +133,7 @@ int run(halide_buffer_t *a, halide_buffer_t *b, halide_buffer_t *bias, int k, in
       if (out->device_dirty() && halide_copy_to_host(nullptr, out) != 0) throw std::runtime_error("copy to host failed");
       g.a = a->host;
       g.b = b->host;
-      g.bias = bias ? reinterpret_cast<const float *>(bias->host) : nullptr;
+      g.bias = bias ? bias->host : nullptr;
       g.out = out->host;
       host_gemm(g);
       out->set_host_dirty(true);

@@ -8,10 +8,9 @@ namespace remat {
 // out[m, n] = sum_k A(m, k) B(k, n) (+ bias[n]) (+ out[m, n] when accumulate), all row-major
 // and dense: A is a[m, k], or a[k, m] when trans_a; B is b[k, n], or b[n, k] when trans_b.
 // Operands are fp32, or bf16 (uint16 bits) when bf16_in; out is fp32, or bf16 when bf16_out;
-// bias is fp32. Products accumulate in fp32.
+// bias (optional) has out's element type. Products accumulate in fp32.
 struct GemmCall {
-  const void *a = nullptr, *b = nullptr;
-  const float *bias = nullptr;
+  const void *a = nullptr, *b = nullptr, *bias = nullptr;
   void *out = nullptr;
   int m = 0, n = 0, k = 0;
   bool trans_a = false, trans_b = false, bf16_in = false, bf16_out = false, accumulate = false;
