@@ -199,7 +199,7 @@ private:
   void write_weight_copies(const KernelTensors &kt, std::vector<Func> &outputs) {
     for (const LocalTensor &lt : kt.workspace)
       if (lt.layer >= 0 && blk.layers[lt.layer].op == Op::linear) {
-        if (lt.name == weight_copy_of(blk, lt.layer).name) library_weight(lt.layer, outputs);
+        if (lt.name == weight_copy_of(blk, lt.layer).name) gemm_weight(lt.layer, outputs);
         if (lt.name == bias_copy_of(blk, lt.layer).name) library_bias(lt.layer, outputs);
       }
   }
@@ -222,7 +222,7 @@ private:
     return copies.at(name);
   }
   // The weight of linear k as a GEMM operand: fp32, or its bf16 copy.
-  Func library_weight(int k, std::vector<Func> &outputs) {
+  Func gemm_weight(int k, std::vector<Func> &outputs) {
     return weight_copy(precision) ? bf16_copy(k, "w", weight_copy_of(blk, k), outputs) : param(k, "w");
   }
   // The bias of linear k for a library GEMM's epilogue: fp32, or its bf16 copy for bf16 outputs.
@@ -290,12 +290,12 @@ private:
       case Op::linear: {
         if (gemms == Gemms::library) {
           if (!buffered(src)) throw std::runtime_error("library GEMM: the input of linear " + std::to_string(j) + " is not a buffer");
-          out = library_gemm(name, stored(src), false, library_weight(j, outputs), false, library_bias(j, outputs), l.in,
+          out = library_gemm(name, stored(src), false, gemm_weight(j, outputs), false, library_bias(j, outputs), l.in,
                              Expr(0), stored_type());
           gemm_or_reduction = true;
           break;
         }
-        PendingGemm p{value(src), widened(library_weight(j, outputs)), param(j, "b"), l.in, {}, buffered(src)};
+        PendingGemm p{value(src), widened(gemm_weight(j, outputs)), param(j, "b"), l.in, {}, buffered(src)};
         if (fused(blk, j)) {
           f.pending[j] = p;
           continue;
@@ -461,7 +461,7 @@ private:
           gb(v.c) = accumulated(gb_name, gb_spec, gb_sum(v.c), {v.c});
           sched.column_sum(gb, gb_sum, gb_sum.rvars(0)[0], l.out);
           output(outputs, gb, gb_spec);
-          if (flows(src)) grads[src].push_back({Func(), std::pair{d_stored, library_weight(k, outputs)}, l.out, k, {}});
+          if (flows(src)) grads[src].push_back({Func(), std::pair{d_stored, gemm_weight(k, outputs)}, l.out, k, {}});
           break;
         }
         MatMul gw = L.linear_weight_grad(gw_name, value(src), d, batch, [&](Expr sum) {

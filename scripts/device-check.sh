@@ -18,7 +18,7 @@ fi
 
 step "GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -n 1); cuBLASLt: ${REMAT_CUBLASLT:-from the library path}" | tee "$OUT/summary.txt"
 step "GPU tests" | tee -a "$OUT/summary.txt"
-timeout 150 .device/bin/test_cuda --run_test=@gpu --log_level=test_suite --report_level=short > "$OUT/gpu-tests.log" 2>&1 || status=1
+timeout 240 .device/bin/test_cuda --run_test=@gpu --log_level=test_suite --report_level=short > "$OUT/gpu-tests.log" 2>&1 || status=1
 tail -n 30 "$OUT/gpu-tests.log" | tee -a "$OUT/summary.txt"
 
 step "train-gpt on the GPU (fortunes are not here: a synthetic corpus), policies' gradient digests" | tee -a "$OUT/summary.txt"
@@ -26,7 +26,7 @@ mkdir -p /tmp/remat-corpus
 python3 -c "import random; random.seed(1); print(''.join(random.choice('abcdefgh \n') for _ in range(200000)))" > /tmp/remat-corpus/text
 for precision in "" --bf16; do
   for policy in none selective full every_n_layers=2 "full --offload"; do
-    timeout 60 .device/bin/train-gpt --device cuda --data-dir /tmp/remat-corpus --max-steps 3 --eval-samples 0 \
+    timeout 45 .device/bin/train-gpt --device cuda --data-dir /tmp/remat-corpus --max-steps 3 --eval-samples 0 \
       --dropout 0.1 --json $precision --checkpoint-policy $policy 2>>"$OUT/train-gpt.log" | tail -n 1 >> "$OUT/train-gpt.jsonl" || status=1
   done
 done
