@@ -111,7 +111,6 @@ struct Values {
 struct Contribution {
   Func f;
   std::optional<std::pair<Func, Func>> product;  // {dy, wt}; library GEMMs: {dy as stored, w}
-  int inner = 0;
   int layer = -1;                                // the linear, for a product
   std::function<void(Func)> schedule;            // schedules f's internals inside the consumer
 };
@@ -396,6 +395,7 @@ private:
         if (!c.product) e = e + c.f(v.c, v.b);
       return e;
     };
+    const int inner = product ? blk.layers[product->layer].out : 0;  // the linear's output width
     if (product && gemms == Gemms::library) {
       // the library writes dy w^T into this tensor, or into dp<k> when other terms are added
       const bool alone = parts.size() == 1;
@@ -404,7 +404,7 @@ private:
                                  " does not match the gradient of " + name);
       const std::string gemm_name = alone ? name : str(product_of(blk, product->layer).name);
       Func p = library_gemm(gemm_name, product->product->first, false, product->product->second, true, std::nullopt,
-                            product->inner, Expr(0), alone ? stored_type() : Float(32));  // dp<k>: fp32
+                            inner, Expr(0), alone ? stored_type() : Float(32));  // dp<k>: fp32
       if (alone) {
         out = p;
       } else {
@@ -415,7 +415,7 @@ private:
         sched.pointwise(out);
       }
     } else if (product) {
-      MatMul m = L.matmul(name, product->product->first, product->product->second, product->inner,
+      MatMul m = L.matmul(name, product->product->first, product->product->second, inner,
                           [&](Expr sum) { return L.store(others(sum)); });
       sched.matmul(m, -1, width);
       out = m.out;
@@ -451,34 +451,32 @@ private:
                                                  : materialize(outputs, str(cat("dh", k)), grads[k], l.out);
       switch (l.op) {
       case Op::linear: {
+        // dW = x^T dy (+ dW when accumulating), db a column sum, and the input gradient dy w^T
         auto [gw_name, gw_spec] = grad_of(k, "w");
-        if (gemms == Gemms::library) {  // dW = x^T dy (+ dW when accumulating), db a column sum
+        if (gemms == Gemms::library) {
           Func gw = library_gemm(gw_name, stored(src), true, d_stored, false, std::nullopt, batch, args.flag("accumulate"),
                                  Float(32));
           output(outputs, gw, gw_spec);
-          auto [gb_name, gb_spec] = grad_of(k, "b");
-          Func gb_sum = L.column_sum(gb_name + "_sum", d, batch), gb(gb_name);
-          gb(v.c) = accumulated(gb_name, gb_spec, gb_sum(v.c), {v.c});
-          sched.column_sum(gb, gb_sum, gb_sum.rvars(0)[0], l.out);
-          output(outputs, gb, gb_spec);
-          if (flows(src)) grads[src].push_back({Func(), std::pair{d_stored, gemm_weight(k, outputs)}, l.out, k, {}});
-          break;
+        } else {
+          MatMul gw = L.linear_weight_grad(gw_name, value(src), d, batch, [&](Expr sum) {
+            return accumulated(gw_name, gw_spec, sum, {v.c, v.b});
+          });
+          sched.matmul(gw, l.in, l.out);
+          output(outputs, gw.out, gw_spec);
         }
-        MatMul gw = L.linear_weight_grad(gw_name, value(src), d, batch, [&](Expr sum) {
-          return accumulated(gw_name, gw_spec, sum, {v.c, v.b});
-        });
-        sched.matmul(gw, l.in, l.out);
-        output(outputs, gw.out, gw_spec);
         auto [gb_name, gb_spec] = grad_of(k, "b");
         Func gb_sum = L.column_sum(gb_name + "_sum", d, batch), gb(gb_name);
         gb(v.c) = accumulated(gb_name, gb_spec, gb_sum(v.c), {v.c});
         sched.column_sum(gb, gb_sum, gb_sum.rvars(0)[0], l.out);
         output(outputs, gb, gb_spec);
-        if (flows(src)) {
+        if (!flows(src)) break;
+        if (gemms == Gemms::library) {  // the library transposes the weight itself
+          grads[src].push_back({Func(), std::pair{d_stored, gemm_weight(k, outputs)}, k, {}});
+        } else {
           Func wt = L.transpose(str(cat("p", k, "_wt")), param(k, "w"));
           sched.transpose(wt);
           output(outputs, wt, {cat("p", k, "_wt"), 2, {l.in, l.out}});
-          grads[src].push_back({Func(), std::pair{d, widened(wt)}, l.out, k, {}});
+          grads[src].push_back({Func(), std::pair{d, widened(wt)}, k, {}});
         }
         break;
       }
@@ -522,7 +520,7 @@ private:
         sched.attention_delta(g.delta);
         output(outputs, g.delta, head_stat(cat("att", k, "_delta"), l.heads));
         const int head_dim = l.out / l.heads;
-        grads[src].push_back({g.dqkv, {}, 0, -1, [this, g, head_dim](Func consumer) {
+        grads[src].push_back({g.dqkv, {}, -1, [this, g, head_dim](Func consumer) {
           sched.attention_grad(consumer, g, head_dim, tr.T);
         }});
         break;

@@ -310,10 +310,14 @@ Executor::~Executor() {
     if (t.second) std::fprintf(stderr, "profile %-32s %8.3f s %6ld calls\n", name.c_str(), t.first, t.second);
 }
 
-std::pair<std::size_t, std::size_t> Executor::locate(std::string_view name, std::size_t elem_bytes) const {
+const Tensor &Executor::find(std::string_view name) const {
   const int i = plan.find(name);
   if (i < 0) throw std::runtime_error(fmt::format("the plan has no tensor {}", name));
-  const Tensor &t = plan.tensors[i];
+  return plan.tensors[i];
+}
+
+std::pair<std::size_t, std::size_t> Executor::locate(std::string_view name, std::size_t elem_bytes) const {
+  const Tensor &t = find(name);
   if (elem_bytes && std::size_t(t.elem_bytes) != elem_bytes)
     throw std::runtime_error(fmt::format("tensor {} has {}-byte elements, not {}", name, t.elem_bytes, elem_bytes));
   return {t.offset + (t.view_of >= 0 ? plan.tensors[t.view_of].offset : 0), t.bytes()};
@@ -322,8 +326,9 @@ std::pair<std::size_t, std::size_t> Executor::locate(std::string_view name, std:
 std::vector<float> Executor::values(std::string_view name) const {
   auto [offset, bytes] = locate(name);
   const std::byte *at = arena.data() + offset;
-  std::vector<float> out(bytes / element_size(name));
-  if (element_size(name) == 4) {
+  const std::size_t size = element_size(name);
+  std::vector<float> out(bytes / size);
+  if (size == 4) {
     std::memcpy(out.data(), at, bytes);
   } else {
     for (std::size_t i = 0; i < out.size(); ++i) {
@@ -338,9 +343,10 @@ std::vector<float> Executor::values(std::string_view name) const {
 void Executor::set_values(std::string_view name, std::span<const float> from) {
   auto [offset, bytes] = locate(name);
   std::byte *at = arena.data() + offset;
-  if (from.size() * element_size(name) != bytes)
+  const std::size_t size = element_size(name);
+  if (from.size() * size != bytes)
     throw std::runtime_error(fmt::format("tensor {} holds {} bytes, not {} values", name, bytes, from.size()));
-  if (element_size(name) == 4) {
+  if (size == 4) {
     std::memcpy(at, from.data(), bytes);
   } else {
     for (std::size_t i = 0; i < from.size(); ++i) {
@@ -350,27 +356,7 @@ void Executor::set_values(std::string_view name, std::span<const float> from) {
   }
 }
 
-std::size_t Executor::element_size(std::string_view name) const {
-  const int i = plan.find(name);
-  if (i < 0) throw std::runtime_error(fmt::format("the plan has no tensor {}", name));
-  return std::size_t(plan.tensors[i].elem_bytes);
-}
-
-// Round to nearest even, NaN to the quiet NaN 0x7fc0: as the kernels (gen::to_bf16_bits).
-std::uint16_t float_to_bf16(float x) {
-  std::uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  if (std::isnan(x)) return 0x7fc0;
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return std::uint16_t(bits >> 16);
-}
-
-float bf16_to_float(std::uint16_t h) {
-  const std::uint32_t bits = std::uint32_t(h) << 16;
-  float x;
-  std::memcpy(&x, &bits, 4);
-  return x;
-}
+std::size_t Executor::element_size(std::string_view name) const { return std::size_t(find(name).elem_bytes); }
 
 void Executor::upload(std::string_view name) {
   auto [offset, bytes] = locate(name);

@@ -3,6 +3,7 @@
 // to them. CUDA buffers go to cuBLASLt on the runtime's compute stream. The OpenCL test build's
 // GEMMs run on the host: inputs are brought to host memory, the product computed by a plain loop
 // and sent back to the device, where the kernel's next stages read it.
+#include "bf16.h"
 #include "cuda_device.h"
 #include "gemm.h"
 
@@ -27,19 +28,7 @@ namespace remat {
 namespace {
 
 float load(const void *p, std::size_t i, bool bf16) {
-  if (!bf16) return static_cast<const float *>(p)[i];
-  const std::uint32_t bits = std::uint32_t(static_cast<const std::uint16_t *>(p)[i]) << 16;
-  float x;
-  std::memcpy(&x, &bits, 4);
-  return x;
-}
-
-// As gen::to_bf16_bits: round to nearest even, NaN to 0x7fc0.
-std::uint16_t to_bf16(float x) {
-  std::uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  if (x != x) return 0x7fc0;
-  return std::uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  return bf16 ? bf16_to_float(static_cast<const std::uint16_t *>(p)[i]) : static_cast<const float *>(p)[i];
 }
 
 // The sums run over k in order for each output, as a dot product would.
@@ -57,7 +46,7 @@ void host_gemm(const GemmCall &g) {
       float v = row[j];
       if (g.bias) v = v + load(g.bias, j, g.bf16_out);
       if (g.accumulate) v = load(g.out, at, g.bf16_out) + v;
-      if (g.bf16_out) static_cast<std::uint16_t *>(g.out)[at] = to_bf16(v);
+      if (g.bf16_out) static_cast<std::uint16_t *>(g.out)[at] = float_to_bf16(v);
       else static_cast<float *>(g.out)[at] = v;
     }
   }

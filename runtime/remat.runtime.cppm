@@ -3,6 +3,8 @@
 module;
 #include <HalideRuntime.h>
 
+#include "bf16.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -52,9 +54,9 @@ struct HalideHeap {
 HalideHeap halide_heap();
 void reset_halide_heap_peak();
 
-// bfloat16 <-> float (round to nearest even, as the kernels round).
-std::uint16_t float_to_bf16(float x);
-float bf16_to_float(std::uint16_t h);
+// bfloat16 <-> float (round to nearest even, as the kernels round; runtime/bf16.h).
+using remat::bf16_to_float;
+using remat::float_to_bf16;
 
 // opencl: the GPU schedules run through OpenCL from host memory (Halide copies each input to the
 // device and the executor copies each output back), so tests check them on PoCL without a GPU.
@@ -115,6 +117,7 @@ public:
   void download(std::string_view name);
 
 private:
+  const Tensor &find(std::string_view name) const;  // throws for a name the plan lacks
   // arena offset and bytes; elem_bytes (when not 0) must be the tensor's element size
   std::pair<std::size_t, std::size_t> locate(std::string_view name, std::size_t elem_bytes = 0) const;
   struct Bound;
