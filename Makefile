@@ -48,8 +48,9 @@ train-gpt: build
 train-mlp: build
 	$(BUILD)/bin/train-mlp $(TRAIN_ARGS)
 
+# ctest's own results also go to $(BUILD)/ctest-results.xml (JUnit), which .ci/run counts.
 test: build
-	$(VENV)/bin/ctest --test-dir $(BUILD) --output-on-failure
+	$(VENV)/bin/ctest --test-dir $(BUILD) --output-on-failure --output-junit $(abspath $(BUILD))/ctest-results.xml
 
 bench: build
 	$(BUILD)/bin/bench-policies 6

@@ -697,6 +697,13 @@ enum class Role : std::uint8_t {
   metrics,                        // per-row loss and correctness, persistent
 };
 
+// Tensors that hold values from outside the schedule (parameters, optimizer state, the batch,
+// the metrics): live through every step; all others live from their alloc to their free.
+constexpr bool persistent(Role r) {
+  return r == Role::params || r == Role::grads || r == Role::adam_m || r == Role::adam_v || r == Role::data ||
+         r == Role::metrics;
+}
+
 constexpr bool is_activation(Role r) {
   return r == Role::block_input || r == Role::internal || r == Role::recomputed;
 }
@@ -719,9 +726,14 @@ struct Tensor {
   }
 };
 
+// Whether a kernel reads an argument or writes it (a Halide input or output buffer). An argument
+// read and written in place (gradients accumulated, AdamW's state) is bound twice, once each way.
+enum class Access : std::uint8_t { read, write };
+
 struct Arg {
   Name name;   // the kernel argument's name
   int tensor;  // index into Plan::tensors
+  Access access = Access::read;
 };
 
 struct Step {
@@ -759,7 +771,7 @@ struct Plan {
   std::size_t activation_bytes = 0;   // most activation bytes live at once during training
   std::size_t eval_peak_bytes = 0;
   std::size_t offload_bytes = 0;      // pinned host buffer for offloaded checkpoints
-  long long param_count = 0;
+  long long param_count = 0;         // parameters (the flat buffers also hold alignment padding)
   int recompute_launches = 0;         // kernels per micro-batch that recompute forward work
   int total_launches = 0;
 
@@ -838,7 +850,8 @@ struct Builder {
   // Per (stage, block): tensor ids of parameters, gradients (views into the flat buffers).
   std::vector<std::vector<std::vector<Arg>>> param_args{}, grad_args{};
   int params_root = -1, grads_root = -1, m_root = -1, v_root = -1;
-  long long decayed_count = 0;
+  long long decayed_slots = 0;  // floats of the decayed range, padding included
+  static constexpr long long slot_alignment = arena_alignment / 4;
 
   constexpr void make_params() {
     params_root = add({"params", Role::params, 1});
@@ -852,15 +865,18 @@ struct Builder {
       grad_args[s].resize(m.stages[s].repeat);
     }
     // Two passes: decayed parameters (linear weights) first, so AdamW runs on two flat ranges.
-    long long count = 0;
+    // Each parameter starts on an arena_alignment boundary (GEMM libraries want aligned operands,
+    // and an alignment that is the same under every policy); the padding floats stay zero.
+    long long count = 0, slots = 0;
     for (bool decayed : {true, false}) {
       for (int s = 0; s < m.n_stages; ++s)
         for (int b = 0; b < m.stages[s].repeat; ++b)
           for (const LocalTensor &lt : params(m.stages[s])) {
             if (lt.decay != decayed) continue;
             const int p = local(s, b, Role::params, lt);
+            slots = (slots + slot_alignment - 1) / slot_alignment * slot_alignment;
             plan.tensors[p].view_of = params_root;
-            plan.tensors[p].offset = std::size_t(count) * 4;
+            plan.tensors[p].offset = std::size_t(slots) * 4;
             Tensor g = plan.tensors[p];
             g.name = cat(prefix(s, b).view(), grad_name(lt.name).view());
             g.role = Role::grads;
@@ -868,11 +884,13 @@ struct Builder {
             param_args[s][b].push_back({lt.name, p});
             grad_args[s][b].push_back({grad_name(lt.name), add(g)});
             count += lt.elements(n_rows);
+            slots += lt.elements(n_rows);
           }
-      if (decayed) decayed_count = count;
+      slots = (slots + slot_alignment - 1) / slot_alignment * slot_alignment;
+      if (decayed) decayed_slots = slots;
     }
     plan.param_count = count;
-    for (int r : {params_root, grads_root, m_root, v_root}) plan.tensors[r].extent[0] = count;
+    for (int r : {params_root, grads_root, m_root, v_root}) plan.tensors[r].extent[0] = slots;
   }
 
   constexpr Step step(int stage, Variant v, int block, int rng_block) const {
@@ -887,7 +905,7 @@ struct Builder {
     for (const Arg &a : param_args[st.stage][st.block]) st.args.push_back(a);
     if (grads)
       for (const Arg &a : grad_args[st.stage][st.block]) {
-        st.args.push_back(a);
+        st.args.push_back({a.name, a.tensor, Access::write});
         st.args.push_back({cat(a.name.view(), "_prev"), a.tensor});  // accumulated in place
       }
   }
@@ -902,20 +920,20 @@ struct Builder {
     const int y = local(u.stage, u.block, Role::block_input, rows("y", blk.out()));
     st.alloc.push_back(y);
     st.args.push_back({"x", x});
-    st.args.push_back({"y", y});
+    st.args.push_back({"y", y, Access::write});
     bind_params(st, false);
     const KernelTensors kt = forward_tensors(blk, keep, gemms, precision);
     for (const LocalTensor &lt : kt.saved) {
       const int t = local(u.stage, u.block, role, lt);
       st.alloc.push_back(t);
-      st.args.push_back({lt.name, t});
+      st.args.push_back({lt.name, t, Access::write});
       if (kept) kept->push_back(t);
     }
     for (const auto &[list, role] : {std::pair{&kt.scratch, Role::recomputed}, {&kt.workspace, Role::scratch}})
       for (const LocalTensor &lt : *list) {
         const int t = local(u.stage, u.block, role, lt);
         st.alloc.push_back(t);
-        st.args.push_back({lt.name, t});
+        st.args.push_back({lt.name, t, Access::write});
         st.free.push_back(t);
       }
     out.push_back(st);
@@ -933,7 +951,7 @@ struct Builder {
     if (needs_dx) {
       dx = local(u.stage, u.block, Role::gradient, rows("dx", blk.in()));
       st.alloc.push_back(dx);
-      st.args.push_back({"dx", dx});
+      st.args.push_back({"dx", dx, Access::write});
     }
     st.args.push_back({"x", x});
     st.args.push_back({"dy", dy});
@@ -948,7 +966,7 @@ struct Builder {
       for (const LocalTensor &lt : *list) {
         const int t = local(u.stage, u.block, role, lt);
         st.alloc.push_back(t);
-        st.args.push_back({lt.name, t});
+        st.args.push_back({lt.name, t, Access::write});
         st.free.push_back(t);
       }
     st.free.push_back(dy);
@@ -1061,8 +1079,8 @@ struct Builder {
     const int logit_bytes = element_bytes(rows("dlogits", m.classes()), precision);
     const int dlogits = add({"dlogits", Role::gradient, 2, {m.classes(), n_rows}, logit_bytes});
     loss.alloc.push_back(dlogits);
-    loss.args = {{"logits", x}, {"labels", labels}, {"dlogits", dlogits}};
-    for (int i = 0; i < 4; ++i) loss.args.push_back({metric_names[i], metrics[i]});
+    loss.args = {{"logits", x}, {"labels", labels}, {"dlogits", dlogits, Access::write}};
+    for (int i = 0; i < 4; ++i) loss.args.push_back({metric_names[i], metrics[i], Access::write});
     loss.free.push_back(x);
     plan.train.push_back(loss);
     // ---- backward ----
@@ -1093,10 +1111,13 @@ struct Builder {
       }
       u = first;
     }
+    // the model input's gradient (a repeat stage first: its blocks pass input gradients on) has
+    // no reader: it dies with the step that wrote it
+    if (dy >= 0) plan.train.back().free.push_back(dy);
     // ---- optimizer: decayed parameters, then the rest ----
     for (bool decayed : {true, false}) {
-      const long long begin = decayed ? 0 : decayed_count;
-      const long long end = decayed ? decayed_count : plan.param_count;
+      const long long begin = decayed ? 0 : decayed_slots;
+      const long long end = decayed ? decayed_slots : plan.tensors[params_root].extent[0];
       if (begin == end) continue;
       Step st = step(-1, Variant::adamw, decayed ? 0 : 1, 0);
       st.weight_decay = decayed;
@@ -1110,7 +1131,7 @@ struct Builder {
       }
       // The kernel's Tuple output {p, m, v} is written in place over its inputs.
       for (auto [out, in] : {std::pair{"adamw.0", 0}, {"adamw.1", 2}, {"adamw.2", 3}})
-        st.args.push_back({out, st.args[in].tensor});
+        st.args.push_back({out, st.args[in].tensor, Access::write});
       plan.optimize.push_back(st);
     }
     // ---- evaluation: forward-discard of every block, then the loss kernel ----

@@ -25,31 +25,51 @@ module remat.runtime;
 import remat;
 
 extern "C" std::atomic<size_t> remat_halide_heap_current, remat_halide_heap_peak;
+extern "C" std::atomic<bool> remat_heap_counting;
+extern "C" std::atomic<size_t> remat_heap_allocations, remat_heap_bytes;
 extern "C" char remat_halide_error[1024];
 
 namespace remat::runtime {
 
 HalideHeap halide_heap() { return {remat_halide_heap_current.load(), remat_halide_heap_peak.load()}; }
 void reset_halide_heap_peak() { remat_halide_heap_peak = remat_halide_heap_current.load(); }
+StepHeap step_heap() { return {remat_heap_allocations.load(), remat_heap_bytes.load()}; }
+void reset_step_heap() {
+  remat_heap_allocations = 0;
+  remat_heap_bytes = 0;
+}
+
+namespace {
+// Counts heap allocations (every thread) while alive: the executor's kernels and transfers.
+struct CountingHeap {
+  CountingHeap() { remat_heap_counting = true; }
+  ~CountingHeap() { remat_heap_counting = false; }
+};
+}  // namespace
 
 // ---- Arena -------------------------------------------------------------------------------------
 namespace {
-// A NaN payload no kernel produces, as fp32 and as each of its bf16 halves.
-constexpr std::uint32_t canary = 0x7FA57FA5u;
-}
+// A NaN payload no kernel produces, as fp32 (0x7FA57FA5) and as each of its bf16 halves; the
+// arena is filled and scanned in 16-bit units (every tensor is a whole number of them).
+constexpr std::uint16_t canary = 0x7FA5u;
+constexpr std::size_t canary_units(std::size_t bytes) { return (bytes + 1) / 2; }
+}  // namespace
 
 Arena::Arena(std::size_t size, Device device) : bytes(size), where(device) {
-  host = static_cast<std::byte *>(std::aligned_alloc(arena_alignment, detail::align_up(size + 4)));
+  const std::size_t total = detail::align_up(size + guard_bytes);
+  host = static_cast<std::byte *>(std::aligned_alloc(arena_alignment, total));
   if (!host) throw std::runtime_error(fmt::format("cannot allocate an arena of {} bytes", size));
   if (device == Device::cuda) {
     try {
       cuda::init();
-      dev = static_cast<std::byte *>(cuda::device_malloc(detail::align_up(size + 4)));
+      dev = static_cast<std::byte *>(cuda::device_malloc(total));
     } catch (...) {
       std::free(host);
       throw;
     }
   }
+  fill_canary(bytes, guard_bytes);  // the guard holds the canary from the start, filled or not
+  upload(bytes, guard_bytes);
 }
 
 Arena::~Arena() {
@@ -71,18 +91,49 @@ void Arena::synchronize() {
   if (dev) cuda::synchronize(cuda::Stream::compute);
 }
 
+void Arena::fill_canary(std::size_t offset, std::size_t n) {
+  auto *units = reinterpret_cast<std::uint16_t *>(host + offset);
+  std::fill(units, units + canary_units(n), canary);
+}
+
 void Arena::fill_canary() {
-  auto *words = reinterpret_cast<std::uint32_t *>(host);
-  std::fill(words, words + (bytes + 3) / 4, canary);
-  upload(0, (bytes + 3) / 4 * 4);
+  filled = true;
+  released_high = 0;
+  fill_canary(0, bytes + guard_bytes);
+  upload(0, canary_units(bytes + guard_bytes) * 2);
+}
+
+long Arena::first_written(std::size_t offset, std::size_t n) const {
+  const auto *units = reinterpret_cast<const std::uint16_t *>(host + offset);
+  const auto *end = units + canary_units(n);
+  const auto *hit = std::find_if(units, end, [](std::uint16_t u) { return u != canary; });
+  return hit == end ? -1 : long(offset + 2 * (hit - units));
+}
+
+namespace {
+// One past the last unit of [begin, end) that is not canary, as a byte offset from `base`; 0 if none.
+std::size_t written_end(const std::byte *base, std::size_t begin, std::size_t end) {
+  const auto *units = reinterpret_cast<const std::uint16_t *>(base);
+  for (std::size_t i = canary_units(end); i > begin / 2; --i)
+    if (units[i - 1] != canary) return i * 2;
+  return 0;
+}
+}  // namespace
+
+void Arena::release(std::size_t offset, std::size_t n) {
+  released_high = std::max(released_high, written_end(host, offset, offset + n));
+  fill_canary(offset, n);
 }
 
 std::size_t Arena::high_water() {
-  download(0, (bytes + 3) / 4 * 4);
-  const auto *words = reinterpret_cast<const std::uint32_t *>(host);
-  for (std::size_t i = (bytes + 3) / 4; i > 0; --i)
-    if (words[i - 1] != canary) return i * 4;
-  return 0;
+  download(0, canary_units(bytes + guard_bytes) * 2);
+  return std::max(released_high, written_end(host, 0, bytes + guard_bytes));
+}
+
+long Arena::guard_damage() {
+  download(bytes, guard_bytes);
+  const long at = first_written(bytes, guard_bytes);
+  return at < 0 ? -1 : at - long(bytes);
 }
 
 // ---- Executor ----------------------------------------------------------------------------------
@@ -193,8 +244,10 @@ struct Executor::Transfers {
 };
 
 Executor::Executor(const Plan &plan, std::string_view model_name, std::span<const Kernel> kernels,
-                   Arena &arena, Scalars &scalars)
-    : plan(plan), arena(arena) {
+                   Arena &arena, Scalars &scalars, Checks checks_)
+    : plan(plan), arena(arena), checks(checks_) {
+  if (checks.free_memory && arena.device() == Device::cuda)
+    throw std::runtime_error("the free-memory check reads the arena on the host: not on --device cuda");
   auto bind = [&](const Step &st) {
     auto b = std::make_unique<Bound>();
     b->rng_block = st.rng_block;
@@ -212,19 +265,16 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
                                                                     : scalar_field(scalars, arg.name);
         continue;
       }
-      // Halide makes Func names unique per process ("y$2", "adamw$1.0"); the plan's name is the
-      // name without the "$<digits>".
-      std::string arg_name = arg.name;
-      if (const auto dollar = arg_name.find('$'); dollar != std::string::npos) {
-        auto end = dollar + 1;
-        while (end < arg_name.size() && std::isdigit((unsigned char)arg_name[end])) ++end;
-        arg_name.erase(dollar, end - dollar);
-      }
+      const std::string arg_name = plan_argument_name(arg.name);
       auto it = std::find_if(st.args.begin(), st.args.end(),
                              [&](const Arg &x) { return x.name.view() == arg_name; });
       if (it == st.args.end())
         throw std::runtime_error(fmt::format("{}: the plan binds no tensor to argument {}",
                                              b->kernel->name, arg.name));
+      const bool written = arg.kind == halide_argument_kind_output_buffer;
+      if (written != (it->access == Access::write))
+        throw std::runtime_error(fmt::format("{}: the plan says argument {} is {}, the kernel {} it", b->kernel->name,
+                                             arg.name, written ? "read" : "written", written ? "writes" : "reads"));
       const Tensor &t = plan.tensors[it->tensor];
       if (t.dims != arg.dimensions || t.elem_bytes != arg.type.bytes())
         throw std::runtime_error(fmt::format("{}: argument {} has {} dimensions of {}-byte elements, tensor {} {} of {}",
@@ -260,6 +310,9 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
   };
   if (kernels.empty())
     throw std::runtime_error(fmt::format("model {} has no kernels for this device in this build", model_name));
+  // Halide starts its worker threads on the first parallel loop (allocating their stacks and
+  // thread state): start them here, so that no training step allocates.
+  halide_do_par_for(nullptr, [](void *, int, std::uint8_t *) { return 0; }, 0, 256, nullptr);
   for (const Step &st : plan.train) train_calls.push_back(bind(st));
   for (const Step &st : plan.optimize) optimize_calls.push_back(bind(st));
   for (const Step &st : plan.eval) eval_calls.push_back(bind(st));
@@ -272,28 +325,87 @@ void Executor::run(Phase phase) {
   static const bool trace = std::getenv("REMAT_TRACE_HEAP") != nullptr;
   static const bool profile = std::getenv("REMAT_PROFILE") != nullptr;
   auto &calls = phase == Phase::train ? train_calls : phase == Phase::optimize ? optimize_calls : eval_calls;
+  const std::vector<Step> &steps = phase == Phase::train ? plan.train : phase == Phase::optimize ? plan.optimize : plan.eval;
+  static const bool check_env = std::getenv("REMAT_CHECK_ARENA") != nullptr;
+  if (checks.free_memory && !arena.canary_filled())
+    throw std::runtime_error("the free-memory check needs an arena filled with the canary (Arena::fill_canary)");
+  const bool check_free = (checks.free_memory || check_env) && arena.canary_filled() && arena.device() != Device::cuda;
+  std::vector<int> live;  // with the free-memory check: the root tensors live at this step
+  if (check_free)
+    for (int t = 0; t < int(plan.tensors.size()); ++t)
+      if (plan.tensors[t].view_of < 0 && persistent(plan.tensors[t].role)) live.push_back(t);
   for (std::size_t i = 0; i < calls.size(); ++i) {
     auto &b = calls[i];
-    const Step *step = transfers && phase == Phase::train ? &plan.train[i] : nullptr;
-    if (step) transfers->before(*step);
+    const Step &st = steps[i];
+    if (check_free) live.insert(live.end(), st.alloc.begin(), st.alloc.end());
     if (trace) std::fprintf(stderr, "kernel %s\n", b->kernel->name);
     const auto t0 = profile ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
-    const bool host_driven = arena.device() == Device::opencl;
-    if (host_driven)  // the host copy is the truth: Halide copies it to the device
-      for (int a : b->inputs) b->buffers[a].flags |= halide_buffer_flag_host_dirty;
-    int err = b->kernel->argv(b->argv.data());
-    if (host_driven)
-      for (int a : b->outputs) err = err ? err : halide_copy_to_host(nullptr, &b->buffers[a]);
+    int err = 0;
+    {
+      CountingHeap counting;
+      if (transfers && phase == Phase::train) transfers->before(st);
+      const bool host_driven = arena.device() == Device::opencl;
+      if (host_driven)  // the host copy is the truth: Halide copies it to the device
+        for (int a : b->inputs) b->buffers[a].flags |= halide_buffer_flag_host_dirty;
+      err = b->kernel->argv(b->argv.data());
+      if (host_driven)
+        for (int a : b->outputs) err = err ? err : halide_copy_to_host(nullptr, &b->buffers[a]);
+      if (err == 0 && transfers && phase == Phase::train) transfers->after(st);
+    }
     if (err != 0) {
       const std::string message = remat_halide_error;
       remat_halide_error[0] = 0;
       throw std::runtime_error(fmt::format("kernel {} failed (Halide error {}): {}", b->kernel->name, err, message));
     }
-    if (step) transfers->after(*step);
+    check_after(*b, st, check_free ? &live : nullptr);
     if (profile) {
       b->seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       ++b->calls;
     }
+  }
+  if (arena.device() == Device::cuda && !calls.empty()) {  // one look at the guard per phase
+    if (const long damage = arena.guard_damage(); damage >= 0)
+      throw std::runtime_error(fmt::format("a kernel of this phase wrote past the end of the arena (byte {} beyond the "
+                                           "plan's {} bytes); REMAT_CUDA_SYNC=1 names it", damage, arena.size()));
+  }
+}
+
+// After each kernel call: the guard (CPU and OpenCL: always; CUDA: with REMAT_CUDA_SYNC=1, which
+// first waits for the kernel so that an asynchronous fault is reported with its name), then the
+// free-memory check, and the memory of the tensors that die here is refilled with the canary.
+void Executor::check_after(const Bound &b, const Step &st, std::vector<int> *live_roots) {
+  static const bool sync_each = std::getenv("REMAT_CUDA_SYNC") != nullptr;
+  if (arena.device() == Device::cuda) {
+    if (!sync_each) return;
+    try {
+      arena.synchronize();
+    } catch (const std::exception &e) {
+      throw std::runtime_error(fmt::format("kernel {}: {}", b.kernel->name, e.what()));
+    }
+  }
+  if (const long damage = arena.guard_damage(); damage >= 0)
+    throw std::runtime_error(fmt::format("kernel {} wrote past the end of the arena (byte {} beyond the plan's {} bytes)",
+                                         b.kernel->name, damage, arena.size()));
+  if (!live_roots) return;
+  std::vector<int> &live = *live_roots;
+  std::ranges::sort(live, {}, [&](int t) { return plan.tensors[t].offset; });
+  std::size_t at = 0;
+  auto check_gap = [&](std::size_t end, std::string_view after) {
+    if (end <= at) return;
+    if (const long hit = arena.first_written(at, end - at); hit >= 0)
+      throw std::runtime_error(fmt::format("kernel {} wrote byte {} of the arena, which no live tensor holds (the "
+                                           "nearest live tensor below it is {})", b.kernel->name, hit, after));
+  };
+  std::string_view below = "none";
+  for (int t : live) {
+    check_gap(plan.tensors[t].offset, below);
+    at = std::max(at, plan.tensors[t].offset + plan.tensors[t].bytes());
+    below = plan.tensors[t].name.view();
+  }
+  check_gap(arena.size(), below);
+  for (int t : st.free) {
+    arena.release(plan.tensors[t].offset, plan.tensors[t].bytes());
+    std::erase(live, t);
   }
 }
 
@@ -374,6 +486,16 @@ void Scalars::set_dropout(double p) {
 }
 
 // ---- small helpers -----------------------------------------------------------------------------
+std::string plan_argument_name(std::string_view halide_name) {
+  std::string name(halide_name);
+  if (const auto dollar = name.find('$'); dollar != std::string::npos) {
+    auto end = dollar + 1;
+    while (end < name.size() && std::isdigit((unsigned char)name[end])) ++end;
+    name.erase(dollar, end - dollar);
+  }
+  return name;
+}
+
 Policy parse_policy(std::string_view text) {
   if (text == "none") return none;
   if (text == "full") return full;

@@ -54,6 +54,14 @@ struct HalideHeap {
 HalideHeap halide_heap();
 void reset_halide_heap_peak();
 
+// Every heap allocation (malloc, calloc, realloc, aligned allocations, operator new: any thread)
+// made while the executor runs a phase, counted since the last reset (runtime/heap_hooks.cpp).
+struct StepHeap {
+  std::size_t allocations = 0, bytes = 0;
+};
+StepHeap step_heap();
+void reset_step_heap();
+
 // bfloat16 <-> float (round to nearest even, as the kernels round; runtime/bf16.h).
 using remat::bf16_to_float;
 using remat::float_to_bf16;
@@ -66,10 +74,12 @@ constexpr Gemms gemms_of(Device d) { return d == Device::cpu ? Gemms::halide : G
 
 // The arena: one allocation of the plan's size, in host memory (CPU) or device memory (CUDA,
 // one cudaMalloc; a host mirror of the same size holds what the trainer reads and writes, moved
-// by upload/download). Unused bytes hold a canary pattern so the high-water mark actually
-// written by kernels can be measured after the fact.
+// by upload/download), followed by a guard region that no plan uses. Unused bytes hold a canary
+// pattern, so the high-water mark actually written by kernels is measured after the fact, and a
+// write past the plan's end shows in the guard (the executor checks it after every kernel).
 class Arena {
 public:
+  static constexpr std::size_t guard_bytes = 16384;
   explicit Arena(std::size_t bytes, Device device = Device::cpu);
   ~Arena();
   Arena(const Arena &) = delete;
@@ -83,13 +93,37 @@ public:
   void upload(std::size_t offset, std::size_t n);
   void download(std::size_t offset, std::size_t n);
   void synchronize();  // CUDA: waits for the queued kernels
-  void fill_canary();
-  std::size_t high_water();  // one past the highest byte that no longer holds the canary
+  void fill_canary();                          // the whole arena and its guard
+  bool canary_filled() const { return filled; }
+  // Refills [offset, offset + n) of the host view (CPU, OpenCL) with the canary, keeping what
+  // was written there in high_water().
+  void release(std::size_t offset, std::size_t n);
+  // One past the highest byte, guard included, that no longer holds the canary: above size()
+  // when something wrote past the plan.
+  std::size_t high_water();
+  // The first byte of the guard that no longer holds the canary, as an offset past size(); or -1.
+  long guard_damage();
+  // The first byte in [offset, offset + n) of the host view that is not canary, or -1.
+  long first_written(std::size_t offset, std::size_t n) const;
 
 private:
   std::size_t bytes;
   Device where;
+  bool filled = false;
+  std::size_t released_high = 0;  // the high-water mark of released memory
   std::byte *host = nullptr, *dev = nullptr;
+  void fill_canary(std::size_t offset, std::size_t n);
+};
+
+// What the executor checks around every kernel call, besides the arena's guard (always checked
+// on the CPU; on CUDA after each phase, or after every kernel with REMAT_CUDA_SYNC=1, which also
+// synchronizes after every kernel so that an asynchronous fault names its kernel).
+struct ExecutorChecks {
+  // Every byte outside the tensors live at that step still holds the canary (memory of freed
+  // tensors is refilled with it): a kernel writing outside its tensors is named. Host-visible
+  // arenas only (CPU, OpenCL); costs a scan of the arena per kernel (tests). Needs an arena
+  // filled with the canary. REMAT_CHECK_ARENA=1 turns it on for every such arena.
+  bool free_memory = false;
 };
 
 // Binds every step of a plan to its kernel and arena buffers once; running a step then only
@@ -98,8 +132,9 @@ private:
 // plain copies, used by the tests).
 class Executor {
 public:
+  using Checks = ExecutorChecks;
   Executor(const Plan &plan, std::string_view model_name, std::span<const Kernel> kernels,
-           Arena &arena, Scalars &scalars);
+           Arena &arena, Scalars &scalars, Checks checks = {});
   ~Executor();
   enum class Phase { train, optimize, eval };
   void run(Phase phase);
@@ -122,8 +157,10 @@ private:
   std::pair<std::size_t, std::size_t> locate(std::string_view name, std::size_t elem_bytes = 0) const;
   struct Bound;
   struct Transfers;
+  void check_after(const Bound &b, const Step &step, std::vector<int> *live_roots);
   const Plan &plan;
   Arena &arena;
+  Checks checks;
   std::vector<std::unique_ptr<Bound>> train_calls, optimize_calls, eval_calls;
   std::unique_ptr<Transfers> transfers;
 };
@@ -209,6 +246,10 @@ void print_plan_report(std::FILE *out, const Model &model, const Plan &plan);
 
 // Policy from its flag spelling: none | full | every_n_layers=N | sqrt_n | selective.
 Policy parse_policy(std::string_view text);
+
+// The plan's name of a kernel argument: Halide makes Func names unique per process ("y$2",
+// "adamw$1.0"); the plan's name is the name without the "$<digits>".
+std::string plan_argument_name(std::string_view halide_name);
 
 // FNV-1a over bytes, as 16 hex digits.
 std::string digest(std::span<const std::byte> bytes);

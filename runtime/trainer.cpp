@@ -75,6 +75,8 @@ float uniform(std::mt19937_64 &rng) { return float(double(rng() >> 11) * 0x1.0p-
 
 void init_params(const Plan &plan, Executor &ex, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
+  // zero everything first: the alignment padding between parameters (and their gradients) stays 0
+  for (auto name : {"params", "grads"}) std::ranges::fill(ex.tensor<float>(name), 0.f);
   for (const Tensor &t : plan.tensors) {
     if (t.role != Role::params || t.view_of < 0 || t.name.view().find('.') == std::string_view::npos)
       continue;
@@ -88,7 +90,7 @@ void init_params(const Plan &plan, Executor &ex, std::uint64_t seed) {
     }
   }
   for (auto name : {"adam_m", "adam_v"}) std::ranges::fill(ex.tensor<float>(name), 0.f);
-  for (auto name : {"params", "adam_m", "adam_v"}) ex.upload(name);
+  for (auto name : {"params", "grads", "adam_m", "adam_v"}) ex.upload(name);
 }
 
 double learning_rate(const Options &o, long step, long max_steps) {  // step counts from 1
@@ -369,6 +371,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
       save_snapshot(path, info.name, plan, ex, {step, o.seed, run_flags, data->state()});
     };
     reset_halide_heap_peak();
+    reset_step_heap();
     scalars.seed = o.seed;
     scalars.set_dropout(o.dropout);
     scalars.grad_scale = float(1.0 / (double(plan.rows) * micro));
@@ -411,7 +414,8 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
       ex.run(Executor::Phase::optimize);
       arena.synchronize();  // CUDA: the step's time includes its kernels
       const auto t1 = std::chrono::steady_clock::now();
-      if (first) measured_peak = arena.high_water() + halide_heap().peak;
+      // what the kernels wrote (guard included), what Halide allocated, any other heap allocation
+      if (first) measured_peak = arena.high_water() + halide_heap().peak + step_heap().bytes;
       const double ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
       step_ms.push_back(ms);
       train_seconds += ms / 1000;
@@ -487,6 +491,8 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
           {"planned_peak_bytes", plan.peak_bytes},
           {"measured_peak_bytes", measured_peak},
           {"halide_heap_peak_bytes", halide_heap().peak},
+          {"step_heap_allocations", step_heap().allocations},
+          {"step_heap_bytes", step_heap().bytes},
           {"activation_bytes", plan.activation_bytes},
           {"activation_bytes_none", baseline.activation_bytes},
           {"param_count", plan.param_count},
@@ -496,6 +502,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
           {"param_digest", param_digest},
       };
       std::printf("%s\n", j.dump().c_str());
+      std::fflush(stdout);  // the summary is out even if teardown fails later
     }
     return 0;
   } catch (const InputError &e) {

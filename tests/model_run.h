@@ -28,6 +28,9 @@ struct Run {
         ex(plan, name, kernels, arena, scalars) {
     using namespace remat;
     if (canary) arena.fill_canary();
+    // parameters, their gradients (the alignment padding between parameters is never written by
+    // a kernel) and the AdamW moments start at zero, as the trainer's do
+    for (auto root : {"params", "grads", "adam_m", "adam_v"}) std::ranges::fill(ex.tensor<float>(root), 0.f);
     std::mt19937_64 rng(7);
     std::uniform_real_distribution<float> u(-1.f, 1.f);
     for (const Tensor &t : plan.tensors)
@@ -44,7 +47,7 @@ struct Run {
     }
     auto labels = ex.tensor<std::int32_t>("labels");
     for (std::size_t b = 0; b < labels.size(); ++b) labels[b] = int((b * 7 + 3) % m.classes());
-    for (auto tensor : {"params", "inputs", "labels"}) ex.upload(tensor);
+    for (auto tensor : {"params", "grads", "adam_m", "adam_v", "inputs", "labels"}) ex.upload(tensor);
     scalars.grad_scale = 1.f / float(plan.rows);
     scalars.seed = 1234;
     scalars.step = 3;

@@ -3,18 +3,15 @@
 // GPU schedules, generated for OpenCL, run on PoCL (OpenCL on the CPU; label "pocl") against the
 // CPU kernels and across policies: this checks the schedules themselves (bounds, guards, shared
 // memory, per-block recompute) without a GPU.
-// On a CUDA GPU (label "gpu", scripts/device-check.sh; elsewhere they print "[SKIP] no CUDA device"):
-//  - CUDA gradients match the CPU's: each gradient tensor within 1e-3 of its largest CPU
-//    magnitude (both float32; the GPU sums in another order, serially per thread, than the CPU's
-//    vector lanes), the losses within 1e-5 and the parameters after AdamW within 1e-4 of theirs;
-//  - every policy, offload included, gives the same gradients bit for bit on the GPU;
+// On a CUDA GPU (label "gpu", scripts/device-check.sh; elsewhere they are skipped, each its own
+// ctest entry, and counted as skipped):
+//  - CUDA (and PoCL) results match the CPU kernels': row losses, every gradient tensor, the
+//    parameters after AdamW (run from the same gradients on both sides) and the evaluation loss,
+//    within the limits stated at `Tolerances` below (the GPU sums in another order than the CPU's
+//    vector lanes; in bf16 that can move a value across a rounding boundary, 2^-8 relative, and
+//    the difference travels on);
+//  - every policy, offload included, gives the same gradients bit for bit on the device;
 //  - the measured peak of the device arena (canary scan) equals the plan; kernels allocate nothing.
-// bf16 kernels (GPU schedules against the CPU's bf16 kernels, both rounding each stored value to
-// bf16 the same way): the sums run in another order, which can move a value across a bf16
-// rounding boundary (2^-8 relative) and that difference travels on; each gradient tensor must
-// agree within 5e-2 of its largest magnitude, losses within 1e-2, parameters after one AdamW step
-// (lr 1e-2, whose update is about lr x sign(g) for small g) within 3e-2. Across policies the bf16
-// gradients must still agree bit for bit.
 #include <boost/test/unit_test.hpp>
 
 #include "cuda_device.h"
@@ -37,6 +34,7 @@ import mlp.kernels;
 import gpt;
 import gpt.kernels;
 
+#include "compare.h"
 #include "model_run.h"
 
 using namespace remat;
@@ -68,8 +66,15 @@ constexpr Policy every_2{Policy::Kind::every_n_layers, 2};
 
 namespace {
 
-struct Tolerances { double loss, grads, params; };
-constexpr Tolerances fp32_tolerances{1e-5, 1e-3, 1e-4}, bf16_tolerances{1e-2, 5e-2, 3e-2};
+// Limits as fractions of each tensor's largest CPU magnitude (rtol 0), set just above the worst
+// errors observed on PoCL (tests/compare.h; REMAT_SHOW_ERRORS=1 prints them), MLP / GPT:
+//   fp32: row losses 3.3e-7 / 1.5e-7 (train), 1.9e-7 / 1.3e-7 (eval); gradients 2.3e-6 / 9.6e-7;
+//         parameters after AdamW from the same gradients 9.9e-8 / 9.9e-8.
+//   bf16: row losses 3.9e-3 / 1.7e-3 (train), 2.2e-3 / 1.2e-3 (eval); gradients 2.9e-2 / 1.4e-2;
+//         parameters 9.9e-8 (AdamW is fp32 in both precisions).
+// CUDA (cuBLASLt's summation order) is held to the same limits; its figures are not yet observed.
+struct Tolerances { testing::Tolerance loss, grads, params; };
+constexpr Tolerances fp32_tolerances{{2e-6, 0}, {1e-5, 0}, {5e-7, 0}}, bf16_tolerances{{1e-2, 0}, {5e-2, 0}, {5e-7, 0}};
 
 // One training step and the optimizer on `device` against the CPU kernels: the mean loss, every
 // gradient tensor, the updated parameters and the evaluation loss.
@@ -82,13 +87,10 @@ void expect_close_to_the_cpu(Device device, std::span<const runtime::Kernel> mlp
     Run cpu(c.m, c.name, c.cpu, none, c.samples, c.dropout, false, Device::cpu, precision);
     Run gpu(c.m, c.name, c.gpu, none, c.samples, c.dropout, true, device, precision);
     auto close = [&](std::string_view what, const std::vector<float> &want, const std::vector<float> &got,
-                     std::size_t first, std::size_t n, double tolerance) {
-      double scale = 0, err = 0;
-      for (std::size_t i = first; i < first + n; ++i) {
-        scale = std::max(scale, double(std::abs(want[i])));
-        err = std::max(err, double(std::abs(got[i] - want[i])));  // NaN fails below
-      }
-      BOOST_TEST(err <= tolerance * scale, c.name << " " << what << ": max error " << err << " of " << scale);
+                     std::size_t first, std::size_t n, testing::Tolerance tolerance) {
+      const auto result = testing::compare(std::span(got).subspan(first, n), std::span(want).subspan(first, n), tolerance);
+      BOOST_TEST(result.ok(), c.name << " " << what << ": " << result.describe());
+      if (testing::show_errors()) BOOST_TEST_MESSAGE(c.name << " " << what << ": " << result.describe());
     };
     for (Run *r : {&cpu, &gpu}) r->ex.run(Executor::Phase::train);
     const auto loss_cpu = cpu.read("row_loss"), loss_gpu = gpu.read("row_loss");
@@ -97,6 +99,11 @@ void expect_close_to_the_cpu(Device device, std::span<const runtime::Kernel> mlp
     for (const Tensor &t : cpu.plan.tensors)
       if (t.role == Role::grads && t.view_of >= 0 && t.name.view().find('.') != std::string_view::npos)
         close(t.name.view(), g_cpu, g_gpu, t.offset / 4, t.bytes() / 4, tol.grads);
+    // AdamW from the same gradients on both sides: its update is about lr x sign(g), so feeding it
+    // each side's own gradients would turn a rounding difference in a near-zero gradient into a
+    // difference of 2 lr in the parameter, and compare nothing of the AdamW kernel itself.
+    std::ranges::copy(g_cpu, gpu.ex.tensor<float>("grads").begin());
+    gpu.ex.upload("grads");
     for (Run *r : {&cpu, &gpu}) {
       r->scalars.lr = 1e-2f;
       r->scalars.bias1 = 0.1f;
@@ -119,7 +126,6 @@ void expect_policies_identical(Device device, std::span<const runtime::Kernel> g
   base.ex.run(Executor::Phase::train);
   const auto expected = base.grads();
   for (Policy p : {selective, full, every_2, sqrt_n, with_offload(full), with_offload(every_2), with_offload(sqrt_n)}) {
-    if (p.offload && device != Device::cuda) continue;  // offload moves device memory
     Run run(gpt::model, "gpt", gpt_gpu, p, samples, 0.1, true, device, precision);
     run.ex.run(Executor::Phase::train);
     const auto got = run.grads();
@@ -157,12 +163,17 @@ std::vector<std::string> ptx_modules(const std::string &bytes) {
 // ptxas (from the CUDA toolkit) assembles every CUDA kernel for the pinned capability and for
 // the H200's sm_90, which the driver will JIT-compile it for: invalid PTX, or a kernel needing
 // more shared memory or registers than the GPU has, fails here rather than on the device.
-BOOST_AUTO_TEST_CASE(cuda_kernels_assemble_for_real_gpus, *boost::unit_test::label("build")) {
-  const std::string ptxas = REMAT_PTXAS;
-  if (ptxas.empty()) {
+boost::test_tools::assertion_result has_ptxas(boost::unit_test::test_unit_id) {
+  if (std::string_view(REMAT_PTXAS).empty()) {
     std::printf("[SKIP] no ptxas (CUDA toolkit) in this build\n");
-    return;
+    return false;
   }
+  return true;
+}
+
+BOOST_AUTO_TEST_CASE(cuda_kernels_assemble_for_real_gpus,
+                     *boost::unit_test::label("build") * boost::unit_test::precondition(has_ptxas)) {
+  const std::string ptxas = REMAT_PTXAS;
   const auto dir = std::filesystem::temp_directory_path() / ("remat-ptx-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   std::size_t assembled = 0;

@@ -4,7 +4,12 @@
 #include <range/v3/algorithm/any_of.hpp>
 
 #include <algorithm>
+#include <array>
+#include <cstddef>
+#include <map>
 #include <set>
+#include <string>
+#include <string_view>
 #include <vector>
 import remat;
 import mlp;
@@ -20,40 +25,228 @@ Model small_model() {
                           layer_norm(), linear(16, 3), softmax_cross_entropy()))
       .model;
 }
+// Shapes the examples do not have: a repeat stage first (its blocks pass input gradients to each
+// other), two repeat stages around a loose one (segments stay inside a stage), and no repeat
+// stage at all (every policy degenerates to none).
+Model repeat_first_model() {
+  return check(make_model(input(8), repeat(3, residual(layer_norm(), linear(8, 8))), softmax_cross_entropy())).model;
+}
+Model two_stacks_model() {
+  return check(make_model(input(8), repeat(3, residual(linear(8, 8), gelu())), layer_norm(),
+                          repeat(4, residual(linear(8, 8))), softmax_cross_entropy()))
+      .model;
+}
+Model flat_model() { return check(make_model(input(8), linear(8, 4), softmax_cross_entropy())).model; }
 
 const Policy every_2{Policy::Kind::every_n_layers, 2};
-const std::vector<Policy> all_policies = {none, full, every_2, sqrt_n, with_offload(full), with_offload(every_2),
-                                          with_offload(sqrt_n)};
+// Every policy a model module or the command line can ask for (--offload goes with any policy;
+// it moves nothing where nothing is checkpointed). selective applies to repeat stages only.
+const std::vector<Policy> all_policies = {none, selective, full, every_2, sqrt_n, with_offload(selective),
+                                          with_offload(full), with_offload(every_2), with_offload(sqrt_n)};
 
-// Replays a schedule: every tensor a kernel touches is live, and live tensors never overlap.
-void check_schedule(const Plan &plan, const std::vector<Step> &steps) {
-  std::set<int> live;
-  for (int t = 0; t < int(plan.tensors.size()); ++t) {
-    const Role r = plan.tensors[t].role;
-    if (plan.tensors[t].view_of < 0 && !is_activation(r) && r != Role::gradient && r != Role::scratch)
-      live.insert(t);
-  }
-  auto root = [&](int t) { return plan.tensors[t].view_of < 0 ? t : plan.tensors[t].view_of; };
-  for (const Step &st : steps) {
-    for (int t : st.alloc) BOOST_TEST_REQUIRE(live.insert(t).second, "allocated twice: " << plan.tensors[t].name.view());
+std::string str(std::string_view s) { return std::string(s); }
+std::string num(std::size_t v) { return std::to_string(v); }
+
+std::string label(const Plan &p) {
+  return str(policy_name(p.policy).view()) + " " + str(precision_name(p.precision)) +
+         (p.gemms == Gemms::library ? " library" : " halide") + " batch " + std::to_string(p.batch);
+}
+
+// Tensors that hold values from outside the schedule (roots and their views).
+bool is_persistent(Role r) {
+  return r == Role::params || r == Role::grads || r == Role::adam_m || r == Role::adam_v || r == Role::data ||
+         r == Role::metrics;
+}
+
+enum class Phase { train, optimize, eval };
+const std::vector<Step> &steps_of(const Plan &plan, Phase phase) {
+  return phase == Phase::train ? plan.train : phase == Phase::optimize ? plan.optimize : plan.eval;
+}
+std::string phase_name(Phase phase) {
+  return phase == Phase::train ? "train" : phase == Phase::optimize ? "optimize" : "eval";
+}
+
+// Replays one phase of a schedule and returns its first problem (empty when there is none):
+// - liveness: a step allocates only dead roots and frees only live ones, every tensor a kernel
+//   binds (read or written) is live, nothing but the persistent tensors is live after the last step;
+// - dataflow: every argument a kernel reads is persistent, or was written by an earlier step of
+//   the phase (or fetched into by this step or an earlier one) and not freed since;
+// - offload: a fetch brings back a tensor copied out earlier, into a live tensor of its size; no
+//   kernel binds a fetched tensor before a step awaits its arrival; a tensor freed while its
+//   copy-out may still run is awaited (await_out) by the very next step, before anything reuses
+//   its memory;
+// - layout: live tensors never overlap, and the highest byte they reach is the phase's planned
+//   peak (peak_bytes for train and optimize, eval_peak_bytes for eval), exactly for train and eval;
+//   in train the activation bytes live at once reach plan.activation_bytes exactly.
+std::string check_schedule(const Plan &plan, Phase phase) {
+  const std::vector<Step> &steps = steps_of(plan, phase);
+  const std::vector<Tensor> &ts = plan.tensors;
+  const int n = int(ts.size());
+  auto valid = [&](int t) { return 0 <= t && t < n; };
+  auto name = [&](int t) { return valid(t) ? str(ts[t].name.view()) : "tensor #" + std::to_string(t); };
+  auto root = [&](int t) { return ts[t].view_of < 0 ? t : ts[t].view_of; };
+  auto persistent = [&](int t) { return is_persistent(ts[root(t)].role); };
+  std::vector<char> live(n), written(n), in_flight(n), on_host(n), copying_out(n);
+  std::vector<int> freed_while_copying;  // by the previous step
+  for (int t = 0; t < n; ++t)
+    if (ts[t].view_of < 0 && persistent(t)) live[t] = written[t] = 1;
+  const std::size_t peak = phase == Phase::eval ? plan.eval_peak_bytes : plan.peak_bytes;
+  std::size_t highest = 0, activations_peak = 0;
+  for (int i = 0; i < int(steps.size()); ++i) {
+    const Step &st = steps[i];
+    const std::string at = "step " + std::to_string(i) + " (" + str(variant_name(st.variant)) + " s" +
+                           std::to_string(st.stage) + ".b" + std::to_string(st.block) + "): ";
+    // Before the kernel: copy-outs awaited, allocations, fetches started, arrivals awaited.
+    for (int t : st.await_out) {
+      if (!valid(t) || !on_host[t]) return at + "awaits the copy-out of " + name(t) + ", never copied out";
+      copying_out[t] = 0;
+    }
+    for (int t : freed_while_copying)
+      if (copying_out[t])
+        return at + "may reuse the memory of " + name(t) +
+               " while its copy-out runs (freed by the step before, not awaited)";
+    freed_while_copying.clear();
+    for (int t : st.alloc) {
+      if (!valid(t)) return at + "allocates " + name(t);
+      if (ts[t].view_of >= 0) return at + "allocates " + name(t) + ", a view";
+      if (live[t]) return at + "allocates " + name(t) + ", already live (allocated twice)";
+      live[t] = 1;
+    }
+    for (auto [host, into] : st.fetch) {
+      if (!valid(host) || !on_host[host]) return at + "fetches the host copy of " + name(host) + ", never copied out";
+      if (!valid(into) || !live[into]) return at + "fetches " + name(host) + " into " + name(into) + ", a dead tensor";
+      if (ts[into].bytes() != ts[host].bytes()) return at + "fetches " + name(host) + " into a tensor of another size";
+      in_flight[into] = written[into] = 1;
+    }
+    for (int t : st.await_in) {
+      if (!valid(t) || !in_flight[t]) return at + "awaits the arrival of " + name(t) + ", which nothing fetches";
+      in_flight[t] = 0;
+    }
+    // The kernel: its reads see the state before it, then its writes land.
+    for (const Arg &a : st.args) {
+      const std::string arg = "argument " + str(a.name.view()) + " (" + name(a.tensor) + ")";
+      if (!valid(a.tensor)) return at + "binds " + arg;
+      const bool reads = a.access == Access::read;
+      if (!live[root(a.tensor)]) return at + (reads ? "reads " : "writes ") + arg + ", a dead tensor";
+      if (in_flight[a.tensor]) return at + "binds " + arg + " before its fetch arrives";
+      if (reads && !persistent(a.tensor) && !written[a.tensor]) return at + "reads " + arg + " before it is written";
+    }
     for (const Arg &a : st.args)
-      BOOST_TEST_REQUIRE(live.count(root(a.tensor)) == 1u,
-                         "kernel argument " << a.name.view() << " is bound to a dead tensor");
-    for (int a : live)
-      for (int b : live) {
-        if (a >= b) continue;
-        const Tensor &x = plan.tensors[a], &y = plan.tensors[b];
-        const bool disjoint = x.offset + x.bytes() <= y.offset || y.offset + y.bytes() <= x.offset;
-        BOOST_TEST_REQUIRE(disjoint, x.name.view() << " overlaps " << y.name.view());
-        BOOST_TEST_REQUIRE(std::max(x.offset + x.bytes(), y.offset + y.bytes()) <=
-                           std::max(plan.peak_bytes, plan.eval_peak_bytes));
+      if (a.access == Access::write) written[a.tensor] = 1;
+    // The live tensors of this step.
+    std::vector<int> now;
+    std::size_t activations = 0;
+    for (int t = 0; t < n; ++t)
+      if (live[t]) {
+        now.push_back(t);
+        if (is_activation(ts[t].role)) activations += ts[t].bytes();
+        const std::size_t end = ts[t].offset + ts[t].bytes();
+        if (end > peak) return at + name(t) + " ends at byte " + num(end) + ", past the peak " + num(peak);
+        highest = std::max(highest, end);
       }
-    for (int t : st.free) BOOST_TEST_REQUIRE(live.erase(t) == 1u, "freed while dead: " << plan.tensors[t].name.view());
+    activations_peak = std::max(activations_peak, activations);
+    for (std::size_t a = 0; a < now.size(); ++a)
+      for (std::size_t b = a + 1; b < now.size(); ++b) {
+        const Tensor &x = ts[now[a]], &y = ts[now[b]];
+        if (!(x.offset + x.bytes() <= y.offset || y.offset + y.bytes() <= x.offset))
+          return at + name(now[a]) + " overlaps " + name(now[b]);
+      }
+    // After the kernel: copy-outs start, tensors die.
+    for (int t : st.offload) {
+      if (!valid(t) || !live[t] || !written[t]) return at + "copies out " + name(t) + ", which holds no value";
+      if (persistent(t)) return at + "copies out " + name(t) + ", a persistent tensor";
+      on_host[t] = copying_out[t] = 1;
+    }
+    for (int t : st.free) {
+      if (!valid(t) || !live[t]) return at + "frees " + name(t) + ", already dead (freed while dead)";
+      if (persistent(t)) return at + "frees " + name(t) + ", a persistent tensor";
+      if (in_flight[t]) return at + "frees " + name(t) + " before its fetch arrives";
+      live[t] = written[t] = 0;
+      if (copying_out[t]) freed_while_copying.push_back(t);
+    }
   }
+  for (int t = 0; t < n; ++t) {
+    if (live[t] && !persistent(t)) return name(t) + " is still live after the last step (never freed)";
+    if (in_flight[t]) return name(t) + " is fetched but its arrival is never awaited";
+  }
+  if (phase != Phase::optimize && highest != peak)
+    return "the live tensors reach byte " + num(highest) + " but the planned peak is " + num(peak);
+  if (phase == Phase::train && activations_peak != plan.activation_bytes)
+    return "the live activations reach " + num(activations_peak) + " bytes but the plan says " +
+           num(plan.activation_bytes);
+  return {};
+}
+
+// The layout of the tensors themselves: roots start on arena_alignment boundaries; a view lies
+// inside its root, has its root's role and starts on an arena_alignment boundary of it; the
+// per-layer parameter views tile the flat parameter buffer in order, each starting at the first
+// boundary after the one before (padding only for alignment), their elements add up to
+// param_count; each gradient sits where its parameter does; the four flat buffers are alike.
+std::string check_layout(const Plan &plan) {
+  const std::vector<Tensor> &ts = plan.tensors;
+  const int n = int(ts.size());
+  auto name = [&](int t) { return str(ts[t].name.view()); };
+  auto align_up = [](std::size_t v) { return (v + arena_alignment - 1) / arena_alignment * arena_alignment; };
+  std::map<std::string, int> by_name;
+  std::vector<int> params;  // per-layer parameter views
+  int flat[4] = {-1, -1, -1, -1};
+  for (int t = 0; t < n; ++t) {
+    const Tensor &x = ts[t];
+    if (x.offset % arena_alignment != 0)
+      return name(t) + " starts at byte " + num(x.offset) + (x.view_of < 0 ? " of the arena" : " of its root") +
+             ", off a " + num(arena_alignment) + "-byte boundary";
+    if (x.view_of < 0) {
+      for (Role r : {Role::params, Role::grads, Role::adam_m, Role::adam_v})
+        if (x.role == r) {
+          if (flat[int(r)] >= 0) return "two roots with the role of " + name(t);
+          flat[int(r)] = t;
+        }
+      continue;
+    }
+    if (x.view_of >= n || ts[x.view_of].view_of >= 0) return name(t) + " is a view of a view or of nothing";
+    const Tensor &r = ts[x.view_of];
+    if (r.role != x.role) return name(t) + " has another role than its root " + name(x.view_of);
+    if (x.offset + x.bytes() > r.bytes()) return name(t) + " runs past the end of " + name(x.view_of);
+    if (x.stage >= 0) by_name[name(t)] = t;
+    if (x.stage >= 0 && x.role == Role::params) params.push_back(t);
+  }
+  for (int r = 0; r < 4; ++r)
+    if (flat[r] < 0) return "a flat parameter, gradient or AdamW buffer is missing";
+  for (int r = 1; r < 4; ++r)
+    if (ts[flat[r]].bytes() != ts[flat[0]].bytes()) return name(flat[r]) + " differs in size from params";
+  std::sort(params.begin(), params.end(), [&](int a, int b) { return ts[a].offset < ts[b].offset; });
+  std::size_t next = 0;
+  long long count = 0;
+  for (int p : params) {
+    if (ts[p].offset != next)
+      return name(p) + " starts at byte " + num(ts[p].offset) + " of params, not at " + num(next) +
+             " (the first boundary after the parameter before)";
+    next = align_up(ts[p].offset + ts[p].bytes());
+    count += (long long)(ts[p].bytes() / 4);
+    std::string g = name(p);
+    g[g.rfind('.') + 1] = 'g';  // s1.b0.p3_w -> s1.b0.g3_w
+    const auto it = by_name.find(g);
+    if (it == by_name.end() || ts[it->second].role != Role::grads) return name(p) + " has no gradient " + g;
+    if (ts[it->second].offset != ts[p].offset || ts[it->second].bytes() != ts[p].bytes())
+      return g + " does not sit where " + name(p) + " does";
+  }
+  if (count != plan.param_count)
+    return "the parameter views hold " + std::to_string(count) + " values, param_count is " +
+           std::to_string(plan.param_count);
+  if (ts[flat[0]].bytes() != next)
+    return "params holds " + num(ts[flat[0]].bytes()) + " bytes, its views end at the boundary " + num(next);
+  return {};
+}
+
+// The layout, then the train, optimize and eval phases; the first problem, named by where it is.
+std::string check_plan(const Plan &plan) {
+  if (std::string e = check_layout(plan); !e.empty()) return label(plan) + ": layout: " + e;
+  for (Phase phase : {Phase::train, Phase::optimize, Phase::eval})
+    if (std::string e = check_schedule(plan, phase); !e.empty()) return label(plan) + ": " + phase_name(phase) + ": " + e;
+  return {};
 }
 
 }  // namespace
-
 BOOST_AUTO_TEST_CASE(shapes_are_inferred) {
   const Model m = small_model();
   BOOST_TEST(m.n_stages == 3);
@@ -90,30 +283,27 @@ BOOST_AUTO_TEST_CASE(more_mistakes_are_named) {
              "remat: stage 0 layer 1 (causal_self_attention): attention needs sequences: tokens(vocab, block_size)");
 }
 
-// Plans for shapes the examples do not have: a repeat stage first (its blocks pass input
-// gradients to each other), two repeat stages around a loose one (segments stay inside a stage),
-// and no repeat stage at all (every policy degenerates to none).
+
+// Plans for the unusual shapes (repeat_first_model and the others above).
 BOOST_AUTO_TEST_CASE(unusual_stacks_plan_consistently) {
-  const Model repeat_first = check(make_model(input(8), repeat(3, residual(layer_norm(), linear(8, 8))),
-                                              softmax_cross_entropy())).model;
-  const Model two_stacks = check(make_model(input(8), repeat(3, residual(linear(8, 8), gelu())), layer_norm(),
-                                            repeat(4, residual(linear(8, 8))), softmax_cross_entropy())).model;
-  const Model flat = check(make_model(input(8), linear(8, 4), softmax_cross_entropy())).model;
+  const Model repeat_first = repeat_first_model(), two_stacks = two_stacks_model(), flat = flat_model();
   for (const Model &m : {repeat_first, two_stacks, flat})
     for (Policy p : all_policies) {
       const Plan plan = make_plan(m, p, 8);
-      check_schedule(plan, plan.train);
-      check_schedule(plan, plan.eval);
-      // every backward but the model's very first block produces the gradient of its input
+      const std::string problem = check_plan(plan);
+      BOOST_TEST(problem.empty(), problem);
+      // every backward but the model's very first block writes the gradient of its input
       int with_dx = 0, backwards = 0;
       for (const Step &st : plan.train)
-        if (st.variant == Variant::backward_saved || st.variant == Variant::backward_recompute) {
+        if (st.variant == Variant::backward_saved || st.variant == Variant::backward_selective ||
+            st.variant == Variant::backward_recompute) {
           ++backwards;
-          for (const Arg &a : st.args) with_dx += a.name.view() == "dx";
+          for (const Arg &a : st.args) with_dx += a.name.view() == "dx" && a.access == Access::write;
         }
       BOOST_TEST(with_dx == backwards - (m.stages[0].repeat > 1 ? 0 : 1), policy_name(p).view());
     }
   BOOST_TEST(make_plan(flat, sqrt_n, 8).recompute_launches == 0);
+  BOOST_TEST(make_plan(flat, selective, 8).recompute_launches == 0);  // no repeat stage: selective is none
   // sqrt_n over 3 + 4 blocks: ceil(sqrt(3)) = 2 segments and ceil(sqrt(4)) = 2, none crossing
   BOOST_TEST(make_plan(two_stacks, sqrt_n, 8).recompute_launches == 2 + 1 + 2 + 2);
 }
@@ -125,6 +315,7 @@ BOOST_AUTO_TEST_CASE(policies_choose_segments) {
     return out;
   };
   BOOST_TEST(segments(none, 16).empty());
+  BOOST_TEST(segments(selective, 16).empty());  // selective recomputes inside each block's backward
   BOOST_TEST(firsts(full, 4) == (std::vector<int>{0, 1, 2, 3}));
   BOOST_TEST(firsts(Policy{Policy::Kind::every_n_layers, 3}, 10) == (std::vector<int>{0, 3, 6, 9}));
   const auto sq = segments(sqrt_n, 16);  // ceil(sqrt(16)) = 4 segments of 4 blocks
@@ -134,16 +325,180 @@ BOOST_AUTO_TEST_CASE(policies_choose_segments) {
   BOOST_TEST(segments(sqrt_n, 10).size() == 4u);  // ceil(sqrt(10)) = 4 segments, 3+3+3+1
 }
 
-BOOST_AUTO_TEST_CASE(every_schedule_replays_without_overlap) {
-  for (const Model &m : {small_model(), mlp::model})
+// Every (model, policy, precision, GEMM placement, batch) combination replays cleanly in train,
+// optimize and eval (check_plan); batch 7 gives row counts off every alignment.
+BOOST_AUTO_TEST_CASE(every_schedule_replays_cleanly) {
+  const std::vector<std::pair<std::string, Model>> models = {
+      {"small", small_model()}, {"repeat_first", repeat_first_model()}, {"two_stacks", two_stacks_model()},
+      {"flat", flat_model()},   {"mlp", mlp::model},                    {"gpt", gpt::model}};
+  int replayed = 0;
+  for (const auto &[model_name, m] : models)
     for (Policy p : all_policies)
-      for (int batch : {8, 256}) {
-        const Plan plan = make_plan(m, p, batch);
-        check_schedule(plan, plan.train);
-        check_schedule(plan, plan.optimize);
-        check_schedule(plan, plan.eval);
-        BOOST_TEST(plan.eval_peak_bytes <= plan.peak_bytes);
-      }
+      for (Precision precision : {Precision::fp32, Precision::bf16})
+        for (Gemms gemms : {Gemms::halide, Gemms::library})
+          for (int batch : {1, 7, 256}) {
+            const Plan plan = make_plan(m, p, batch, precision, gemms);
+            BOOST_TEST((plan.policy == p && plan.precision == precision && plan.gemms == gemms && plan.batch == batch));
+            const std::string problem = check_plan(plan);
+            BOOST_TEST(problem.empty(), model_name << " " << problem);
+            BOOST_TEST(plan.eval_peak_bytes <= plan.peak_bytes, model_name << " " << label(plan));
+            ++replayed;
+          }
+  BOOST_TEST(replayed == 6 * 9 * 2 * 2 * 3);
+}
+
+// The replay finds what it is meant to find: each corruption of a copy of a real plan is reported
+// with the problem it introduces.
+BOOST_AUTO_TEST_CASE(replay_reports_corrupted_plans) {
+  const Plan good = make_plan(mlp::model, full, 8);
+  BOOST_TEST_REQUIRE(check_plan(good).empty(), check_plan(good));
+  auto expect = [](const Plan &bad, const std::string &what, std::string_view corruption) {
+    const std::string problem = check_plan(bad);
+    BOOST_TEST(problem.find(what) != std::string::npos,
+               corruption << ": expected \"" << what << "\", got \"" << problem << "\"");
+  };
+  auto step_of = [](const std::vector<Step> &steps, Variant v, int stage, int block) {
+    for (int i = 0; i < int(steps.size()); ++i)
+      if (steps[i].variant == v && steps[i].stage == stage && steps[i].block == block) return i;
+    BOOST_TEST_REQUIRE(false, "no step " << variant_name(v) << " s" << stage << ".b" << block);
+    return -1;
+  };
+  auto arg_of = [](const Step &st, std::string_view name, Access access) {
+    for (int k = 0; k < int(st.args.size()); ++k)
+      if (st.args[k].name.view() == name && st.args[k].access == access) return k;
+    BOOST_TEST_REQUIRE(false, "no argument " << name);
+    return -1;
+  };
+  auto tensor = [](const Plan &plan, std::string_view name) {
+    const int t = plan.find(name);
+    BOOST_TEST_REQUIRE(t >= 0, "no tensor " << name);
+    return t;
+  };
+  // MLP under full: train = stem forward, s1.b0..15 forward_discard, head forward, loss, head
+  // backward, s1.b15..0 backward_recompute, stem backward.
+  const int fwd3 = step_of(good.train, Variant::forward_discard, 1, 3);
+  const int bwd15 = step_of(good.train, Variant::backward_recompute, 1, 15);
+  const int bwd14 = step_of(good.train, Variant::backward_recompute, 1, 14);
+  {  // a kernel reads a live tensor that nothing has written yet: its own output
+    Plan bad = good;
+    Step &st = bad.train[fwd3];
+    st.args[arg_of(st, "x", Access::read)].tensor = st.args[arg_of(st, "y", Access::write)].tensor;
+    expect(bad, "reads argument x (s1.b3.y) before it is written", "x bound to y");
+  }
+  {  // a read bound to a tensor only written later
+    Plan bad = good;
+    Step &st = bad.train[bwd15];
+    st.args[arg_of(st, "dy", Access::read)].tensor = tensor(bad, "s1.b14.dx");
+    expect(bad, "reads argument dy (s1.b14.dx), a dead tensor", "dy bound to a later dx");
+  }
+  {  // a forward step dropped: the next forward reads an input that never came to life
+    Plan bad = good;
+    bad.train.erase(bad.train.begin() + fwd3);
+    expect(bad, "reads argument x (s1.b3.y), a dead tensor", "forward of s1.b3 dropped");
+  }
+  {  // a backward that no longer writes dx: the next backward reads it unwritten
+    Plan bad = good;
+    Step &st = bad.train[bwd15];
+    st.args.erase(st.args.begin() + arg_of(st, "dx", Access::write));
+    expect(bad,
+           "step " + std::to_string(bwd14) +
+               " (backward_recompute s1.b14): reads argument dy (s1.b15.dx) before it is written",
+           "dx not written");
+  }
+  {  // a checkpoint freed right after the forward that reads it, not after its backward
+    Plan bad = good;
+    const int x = tensor(bad, "s1.b0.y"), fwd1 = step_of(bad.train, Variant::forward_discard, 1, 1);
+    for (Step &st : bad.train) std::erase(st.free, x);
+    bad.train[fwd1].free.push_back(x);
+    expect(bad, "reads argument x (s1.b0.y), a dead tensor", "checkpoint freed early");
+  }
+  {  // a tensor never freed: the input gradient the last step (the stem's backward) reads
+    Plan bad = good;
+    std::erase(bad.train.back().free, tensor(bad, "s1.b0.dx"));
+    expect(bad, "s1.b0.dx is still live after the last step", "dx leaked");
+  }
+  {  // a tensor allocated while live
+    Plan bad = good;
+    bad.train[fwd3 + 1].alloc.push_back(tensor(bad, "s1.b2.y"));
+    expect(bad, "allocates s1.b2.y, already live", "allocated twice");
+  }
+  {  // two live tensors at one offset
+    Plan bad = good;
+    bad.tensors[tensor(bad, "s1.b0.y")].offset = bad.tensors[tensor(bad, "s1.b1.y")].offset;
+    expect(bad, "overlaps", "overlap");
+  }
+  {  // the planned numbers must be the replay's
+    Plan low = good, high = good, act = good, eval = good;
+    low.peak_bytes -= arena_alignment;
+    expect(low, "past the peak", "peak too low");
+    high.peak_bytes += arena_alignment;
+    expect(high, "but the planned peak is " + num(high.peak_bytes), "peak too high");
+    act.activation_bytes += 4;
+    expect(act, "the live activations reach " + num(good.activation_bytes), "activation bytes");
+    eval.eval_peak_bytes += arena_alignment;
+    expect(eval, "eval: the live tensors reach", "eval peak");
+  }
+  {  // optimize: AdamW's moment update bound to an activation, dead in that phase
+    Plan bad = good;
+    Step &st = bad.optimize[0];
+    st.args[arg_of(st, "adamw.1", Access::write)].tensor = tensor(bad, "s1.b0.y");
+    expect(bad, "optimize: step 0 (adamw s-1.b0): writes argument adamw.1 (s1.b0.y), a dead tensor", "adamw.1");
+  }
+  {  // eval: its first forward dropped
+    Plan bad = good;
+    bad.eval.erase(bad.eval.begin());
+    expect(bad, "eval: step 0 (forward_discard s1.b0): reads argument x (eval.s0.b0.y), a dead tensor",
+           "eval forward dropped");
+  }
+  {  // layout: a parameter off its place, off alignment, or apart from its gradient
+    Plan moved = good, unaligned = good, apart = good;
+    moved.tensors[tensor(moved, "s1.b3.p2_w")].offset += arena_alignment;
+    expect(moved, "layout: s1.b3.p2_w starts at byte", "parameter moved");
+    unaligned.tensors[tensor(unaligned, "s1.b3.p2_b")].offset += 4;
+    expect(unaligned, "layout: s1.b3.p2_b starts at byte", "parameter unaligned");
+    std::swap(apart.tensors[tensor(apart, "s1.b3.g2_b")].offset, apart.tensors[tensor(apart, "s1.b3.g4_b")].offset);
+    expect(apart, "does not sit where", "gradient apart from its parameter");
+  }
+
+  // Offload (GPT under sqrt_n + offload): the transfers must be in place.
+  const Plan off = make_plan(gpt::model, with_offload(sqrt_n), 4);
+  BOOST_TEST_REQUIRE(check_plan(off).empty(), check_plan(off));
+  int fetching = -1, awaiting_out = -1;
+  for (int i = 0; i < int(off.train.size()); ++i) {
+    if (fetching < 0 && !off.train[i].fetch.empty()) fetching = i;
+    if (awaiting_out < 0 && !off.train[i].await_out.empty()) awaiting_out = i;
+  }
+  BOOST_TEST_REQUIRE(fetching >= 0);
+  BOOST_TEST_REQUIRE(awaiting_out >= 0);
+  const auto [host, restored] = off.train[fetching].fetch[0];
+  BOOST_TEST_REQUIRE(ranges::any_of(off.train[fetching + 1].await_in, [&](int t) { return t == restored; }));
+  {  // no fetch, no wait: the restored copy is read with nothing in it
+    Plan bad = off;
+    bad.train[fetching].fetch.erase(bad.train[fetching].fetch.begin());
+    std::erase(bad.train[fetching + 1].await_in, restored);
+    expect(bad, "(" + str(off.tensors[restored].name.view()) + ") before it is written", "fetch dropped");
+  }
+  {  // the fetch but no wait for it
+    Plan bad = off;
+    std::erase(bad.train[fetching + 1].await_in, restored);
+    expect(bad, "before its fetch arrives", "await_in dropped");
+  }
+  {  // a wait for a fetch never started
+    Plan bad = off;
+    bad.train[fetching].fetch.erase(bad.train[fetching].fetch.begin());
+    expect(bad, "awaits the arrival of " + str(off.tensors[restored].name.view()) + ", which nothing fetches",
+           "fetch dropped, await_in kept");
+  }
+  {  // memory reused while its copy-out may run
+    Plan bad = off;
+    bad.train[awaiting_out].await_out.clear();
+    expect(bad, "while its copy-out runs", "await_out dropped");
+  }
+  {  // a host copy that is never made
+    Plan bad = off;
+    for (Step &st : bad.train) std::erase(st.offload, host);
+    expect(bad, "never copied out", "offload dropped");
+  }
 }
 
 // Activation bytes against a hand count for the MLP (fp32, B rows, C = width, H = hidden):
@@ -152,12 +507,17 @@ BOOST_AUTO_TEST_CASE(every_schedule_replays_without_overlap) {
 //         output and statistics, and the logits (10):   4B (17C + 16 (C + 2H + 2) + C + 2 + 10)
 //   full: the 16 block inputs and the head input, plus one block's recomputed internals (the
 //         LayerNorm output stays in registers):          4B (17C + 2H + 2)
+//   selective: per block its input and the first linear's output (H) and the two statistics;
+//         the peak is the last block's backward, which rebuilds its LayerNorm output (C, an
+//         operand of a weight-gradient GEMM) and GELU output (H) once the head input is gone:
+//         4B (16C + 16 (H + 2) + C + H) = 4B (17C + 17H + 32)
 BOOST_AUTO_TEST_CASE(activation_bytes_match_the_hand_count) {
   const long B = 256, C = mlp::width, H = mlp::hidden;
   const Plan p_none = make_plan(mlp::model, none, B), p_full = make_plan(mlp::model, full, B);
   BOOST_TEST(p_none.activation_bytes == std::size_t(4 * B * (17 * C + 16 * (C + 2 * H + 2) + C + 2 + 10)));
   BOOST_TEST(p_full.activation_bytes == std::size_t(4 * B * (17 * C + 2 * H + 2)));
   BOOST_TEST(p_full.activation_bytes <= p_none.activation_bytes / 4);
+  BOOST_TEST(make_plan(mlp::model, selective, B).activation_bytes == std::size_t(4 * B * (17 * C + 17 * H + 32)));
   const Plan p_sqrt = make_plan(mlp::model, sqrt_n, B), p_two = make_plan(mlp::model, every_2, B);
   BOOST_TEST(p_sqrt.activation_bytes < p_two.activation_bytes);
   BOOST_TEST(p_two.activation_bytes < p_none.activation_bytes);
@@ -166,20 +526,154 @@ BOOST_AUTO_TEST_CASE(activation_bytes_match_the_hand_count) {
 BOOST_AUTO_TEST_CASE(recompute_launches_per_policy) {
   auto launches = [](Policy p) { return make_plan(mlp::model, p, 64).recompute_launches; };
   BOOST_TEST(launches(none) == 0);
-  BOOST_TEST(launches(full) == 16);     // one fused recompute-backward per block
-  BOOST_TEST(launches(every_2) == 8);   // blocks 0, 2, ..., 14
-  BOOST_TEST(launches(sqrt_n) == 16);   // per segment of 4: 3 forward replays + 1 fused backward
+  BOOST_TEST(launches(full) == 16);       // one fused recompute-backward per block
+  BOOST_TEST(launches(every_2) == 8);     // blocks 0, 2, ..., 14
+  BOOST_TEST(launches(sqrt_n) == 16);     // per segment of 4: 3 forward replays + 1 fused backward
+  BOOST_TEST(launches(selective) == 16);  // every block's backward rebuilds its GELU output
   // Recompute kernels appear only under policies that checkpoint.
-  const Plan plan = make_plan(mlp::model, none, 64);
-  BOOST_TEST(!ranges::any_of(plan.train, [](const Step &s) { return s.variant == Variant::backward_recompute; }));
+  for (Policy p : {none, selective}) {
+    const Plan plan = make_plan(mlp::model, p, 64);
+    BOOST_TEST(!ranges::any_of(plan.train, [](const Step &s) { return s.variant == Variant::backward_recompute; }),
+               policy_name(p).view());
+  }
 }
 
-// The compile-time plan and the run-time plan are the same function of the same inputs.
+namespace {
+
+// A plan frozen at compile time: one constant evaluation of make_plan per table, copied into
+// arrays (a constexpr Plan cannot outlive its evaluation: it owns vectors).
+struct TensorRow {
+  Name name;
+  Role role;
+  int view_of;
+  std::size_t offset, bytes;
+};
+struct ArgRow {  // the arguments of every train step, in order
+  int step;
+  Name name;
+  int tensor;
+  Access access;
+};
+struct Numbers {
+  std::size_t tensors, train_args, train_steps, peak_bytes, activation_bytes, eval_peak_bytes, offload_bytes,
+      flat_bytes;  // the params, grads, adam_m and adam_v buffers
+  long long param_count;
+  int recompute_launches, total_launches;
+};
+
+template <const Model &M, Policy P, int Batch> struct Frozen {
+  static constexpr Numbers numbers = [] {
+    const Plan p = make_plan(M, P, Batch);
+    Numbers n{p.tensors.size(), 0, p.train.size(), p.peak_bytes, p.activation_bytes, p.eval_peak_bytes,
+              p.offload_bytes, 0, p.param_count, p.recompute_launches, p.total_launches};
+    for (const Step &st : p.train) n.train_args += st.args.size();
+    for (const Tensor &t : p.tensors)
+      if (t.view_of < 0 && (t.role == Role::params || t.role == Role::grads || t.role == Role::adam_m ||
+                            t.role == Role::adam_v))
+        n.flat_bytes += t.bytes();
+    return n;
+  }();
+  static constexpr std::array<TensorRow, numbers.tensors> tensors = [] {
+    const Plan p = make_plan(M, P, Batch);
+    std::array<TensorRow, numbers.tensors> rows{};
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      const Tensor &t = p.tensors[i];
+      rows[i] = {t.name, t.role, t.view_of, t.offset, t.bytes()};
+    }
+    return rows;
+  }();
+  static constexpr std::array<ArgRow, numbers.train_args> train_args = [] {
+    const Plan p = make_plan(M, P, Batch);
+    std::array<ArgRow, numbers.train_args> rows{};
+    std::size_t k = 0;
+    for (int i = 0; i < int(p.train.size()); ++i)
+      for (const Arg &a : p.train[i].args) rows[k++] = {i, a.name, a.tensor, a.access};
+    return rows;
+  }();
+};
+
+using FrozenMlp = Frozen<mlp::model, full, 32>;
+using FrozenGpt = Frozen<gpt::model, selective, 8>;
+
+// The hand counts of activation_bytes_match_the_hand_count and
+// gpt_activation_bytes_match_the_hand_count, checked by the compiler.
+namespace mlp_count {
+constexpr long long B = 32, C = mlp::width, H = mlp::hidden, K = mlp::classes;
+// stem linear; per block LayerNorm (2C), linear C -> H, linear H -> C; head LayerNorm, linear
+constexpr long long params =
+    mlp::image_pixels * C + C + mlp::blocks * (2 * C + C * H + H + H * C + C) + 2 * C + C * K + K;
+static_assert(FrozenMlp::numbers.activation_bytes == std::size_t(4 * B * (17 * C + 2 * H + 2)));
+static_assert(FrozenMlp::numbers.param_count == params);
+// Every parameter is a multiple of 16 floats but the head's bias (10 floats), the last of the
+// undecayed range: each of the four flat buffers carries 6 floats of alignment padding.
+static_assert(FrozenMlp::numbers.flat_bytes == 4 * 4 * std::size_t(params + 6));
+static_assert(FrozenMlp::numbers.peak_bytes >= FrozenMlp::numbers.activation_bytes + FrozenMlp::numbers.flat_bytes);
+static_assert(FrozenMlp::numbers.eval_peak_bytes <= FrozenMlp::numbers.peak_bytes);
+static_assert(FrozenMlp::numbers.peak_bytes % arena_alignment == 0);
+static_assert(FrozenMlp::numbers.recompute_launches == mlp::blocks);
+}  // namespace mlp_count
+
+namespace gpt_count {
+constexpr long long B = 8, R = B * gpt::block_size, C = gpt::n_embd, H = gpt::n_head, L = gpt::n_layer, V = gpt::vocab;
+// token and position tables; per block two LayerNorms, q/k/v, projection, MLP up and down; head
+constexpr long long params = V * C + gpt::block_size * C +
+                             L * (4 * C + C * 3 * C + 3 * C + C * C + C + C * 4 * C + 4 * C + 4 * C * C + C) +
+                             2 * C + C * V + V;
+static_assert(FrozenGpt::numbers.activation_bytes == std::size_t(4 * R * (L * (9 * C + H + 4) + 7 * C)));
+static_assert(FrozenGpt::numbers.param_count == params);
+static_assert(FrozenGpt::numbers.flat_bytes == 4 * 4 * std::size_t(params));  // every size a multiple of 16 floats
+static_assert(FrozenGpt::numbers.peak_bytes >= FrozenGpt::numbers.activation_bytes + FrozenGpt::numbers.flat_bytes);
+static_assert(FrozenGpt::numbers.eval_peak_bytes <= FrozenGpt::numbers.peak_bytes);
+}  // namespace gpt_count
+
+// The frozen plan against the run-time planner's plan for the same inputs, element by element.
+template <class F> void compare_with_frozen(const Plan &plan) {
+  const Numbers &n = F::numbers;
+  BOOST_TEST(plan.peak_bytes == n.peak_bytes);
+  BOOST_TEST(plan.activation_bytes == n.activation_bytes);
+  BOOST_TEST(plan.eval_peak_bytes == n.eval_peak_bytes);
+  BOOST_TEST(plan.offload_bytes == n.offload_bytes);
+  BOOST_TEST(plan.param_count == n.param_count);
+  BOOST_TEST(plan.recompute_launches == n.recompute_launches);
+  BOOST_TEST(plan.total_launches == n.total_launches);
+  BOOST_TEST_REQUIRE(plan.tensors.size() == F::tensors.size());
+  for (std::size_t i = 0; i < F::tensors.size(); ++i) {
+    const Tensor &t = plan.tensors[i];
+    const TensorRow &c = F::tensors[i];
+    BOOST_TEST(t.name.view() == c.name.view());
+    BOOST_TEST((t.role == c.role), t.name.view());
+    BOOST_TEST(t.view_of == c.view_of, t.name.view());
+    BOOST_TEST(t.offset == c.offset, t.name.view());
+    BOOST_TEST(t.bytes() == c.bytes, t.name.view());
+  }
+  BOOST_TEST_REQUIRE(plan.train.size() == n.train_steps);
+  std::size_t k = 0;
+  for (int i = 0; i < int(plan.train.size()); ++i)
+    for (const Arg &a : plan.train[i].args) {
+      BOOST_TEST_REQUIRE(k < F::train_args.size());
+      const ArgRow &c = F::train_args[k++];
+      BOOST_TEST(c.step == i);
+      BOOST_TEST(a.name.view() == c.name.view(), "step " << i);
+      BOOST_TEST(a.tensor == c.tensor, "step " << i << " " << a.name.view());
+      BOOST_TEST((a.access == c.access), "step " << i << " " << a.name.view());
+    }
+  BOOST_TEST(k == F::train_args.size());
+  const std::string problem = check_plan(plan);
+  BOOST_TEST(problem.empty(), problem);
+}
+
+}  // namespace
+
+// The plan a model module computes at compile time (static_asserts above: the hand counts and
+// the layout's bounds) is the plan the run-time planner computes for a batch it reads at run time.
 BOOST_AUTO_TEST_CASE(plan_is_known_at_compile_time) {
-  constexpr std::size_t peak = make_plan(mlp::model, full, 32).peak_bytes;
-  BOOST_TEST(peak == make_plan(mlp::model, full, 32).peak_bytes);
+  static volatile int mlp_batch = 32, gpt_batch = 8;  // not constant expressions
+  const int b_mlp = mlp_batch, b_gpt = gpt_batch;
+  compare_with_frozen<FrozenMlp>(make_plan(mlp::model, full, b_mlp));
+  compare_with_frozen<FrozenGpt>(make_plan(gpt::model, selective, b_gpt));
+  // the batch does reach the plan: another one gives other numbers
+  BOOST_TEST(make_plan(mlp::model, full, b_mlp + 1).activation_bytes != FrozenMlp::numbers.activation_bytes);
 }
-
 // GPT activation bytes against a hand count, per Korthikanti et al. 2022 adapted to fp32 and to
 // this layout. Per token and transformer block, Korthikanti counts 34 C bytes in fp16 (2 bytes
 // per value for the LayerNorm input and output, q/k/v, attention output, the residual sum, the
@@ -213,26 +707,31 @@ BOOST_AUTO_TEST_CASE(gpt_bf16_activation_bytes_match_the_hand_count) {
 
 // A bf16 plan runs the same steps on the same tensors as the fp32 plan, plus a bf16 copy of each
 // linear's weight as kernel workspace; only activation elements shrink. Parameters, their
-// gradients, the AdamW moments and statistics stay fp32.
+// gradients, the AdamW moments and statistics stay fp32. (Both replay cleanly:
+// every_schedule_replays_cleanly.)
 BOOST_AUTO_TEST_CASE(bf16_plans_differ_only_in_activation_sizes) {
-  for (Policy p : {none, selective, full, every_2, with_offload(sqrt_n)}) {
+  for (Policy p : all_policies) {
     const Plan fp32 = make_plan(gpt::model, p, 4), bf16 = make_plan(gpt::model, p, 4, Precision::bf16);
     BOOST_TEST((bf16.precision == Precision::bf16));
     std::vector<Tensor> same;
+    std::vector<int> to_fp32;  // bf16 tensor -> the fp32 plan's tensor; -1 for the weight copies
     for (const Tensor &t : bf16.tensors) {
       if (!t.name.view().ends_with("_w16")) {
+        to_fp32.push_back(int(same.size()));
         same.push_back(t);
         continue;
       }
+      to_fp32.push_back(-1);
       BOOST_TEST((t.role == Role::scratch && t.elem_bytes == 2 && t.dims == 2), t.name.view());
     }
     BOOST_TEST_REQUIRE(fp32.tensors.size() == same.size());
-    BOOST_TEST(fp32.train.size() == bf16.train.size());
     BOOST_TEST(bf16.peak_bytes < fp32.peak_bytes);
     BOOST_TEST(bf16.offload_bytes * 2 == fp32.offload_bytes);
     for (std::size_t i = 0; i < fp32.tensors.size(); ++i) {
       const Tensor &a = fp32.tensors[i], &b = same[i];
       BOOST_TEST(a.name.view() == b.name.view());
+      BOOST_TEST((a.role == b.role), a.name.view());
+      BOOST_TEST(a.view_of == (b.view_of < 0 ? -1 : to_fp32[b.view_of]), a.name.view());
       const std::string_view local = a.name.view().substr(a.name.view().rfind('.') + 1);
       const bool statistic = local.starts_with("mean") || local.starts_with("rstd") || local.ends_with("_lse") ||
                              local.ends_with("_delta") || (local.starts_with("s") && a.dims == 1);
@@ -241,6 +740,44 @@ BOOST_AUTO_TEST_CASE(bf16_plans_differ_only_in_activation_sizes) {
                                a.name.view() == "inputs" || statistic;
       BOOST_TEST(a.elem_bytes == 4);
       BOOST_TEST(b.elem_bytes == (fp32_always ? 4 : 2), a.name.view());
+    }
+    // The same steps: each binds the same tensors the same way, the weight copies aside.
+    auto ids = [&](const std::vector<int> &list, bool map) {
+      std::string out;
+      for (int t : list)
+        if (!map || to_fp32[t] >= 0) out += std::to_string(map ? to_fp32[t] : t) + " ";
+      return out;
+    };
+    auto args = [&](const std::vector<Arg> &list, bool map) {
+      std::string out;
+      for (const Arg &a : list)
+        if (!map || to_fp32[a.tensor] >= 0)
+          out += str(a.name.view()) + (a.access == Access::read ? "<" : ">") +
+                 std::to_string(map ? to_fp32[a.tensor] : a.tensor) + " ";
+      return out;
+    };
+    auto pairs = [&](const std::vector<std::pair<int, int>> &list, bool map) {
+      std::vector<int> flat;
+      for (auto [a, b] : list) flat.insert(flat.end(), {a, b});
+      return ids(flat, map);
+    };
+    for (Phase phase : {Phase::train, Phase::optimize, Phase::eval}) {
+      const std::vector<Step> &s32 = steps_of(fp32, phase), &s16 = steps_of(bf16, phase);
+      BOOST_TEST_REQUIRE(s32.size() == s16.size(), phase_name(phase));
+      for (std::size_t i = 0; i < s32.size(); ++i) {
+        const Step &a = s32[i], &b = s16[i];
+        const std::string where = phase_name(phase) + " step " + std::to_string(i) + " " + str(policy_name(p).view());
+        BOOST_TEST((a.variant == b.variant && a.stage == b.stage && a.block == b.block && a.rng_block == b.rng_block &&
+                    a.recompute == b.recompute && a.weight_decay == b.weight_decay),
+                   where);
+        BOOST_TEST(args(a.args, false) == args(b.args, true), where);
+        BOOST_TEST(ids(a.alloc, false) == ids(b.alloc, true), where);
+        BOOST_TEST(ids(a.free, false) == ids(b.free, true), where);
+        BOOST_TEST(ids(a.offload, false) == ids(b.offload, true), where);
+        BOOST_TEST(ids(a.await_out, false) == ids(b.await_out, true), where);
+        BOOST_TEST(ids(a.await_in, false) == ids(b.await_in, true), where);
+        BOOST_TEST(pairs(a.fetch, false) == pairs(b.fetch, true), where);
+      }
     }
   }
   BOOST_TEST(kernel_name("gpt", 1, Variant::backward_recompute, Precision::bf16).view() == "gpt_s1_backward_recompute_bf16");
@@ -256,8 +793,8 @@ BOOST_AUTO_TEST_CASE(library_gemm_plans_replay_without_overlap) {
       for (const Model *m : {&mlp::model, &gpt::model}) {
         const Plan plan = make_plan(*m, p, 4, precision, Gemms::library);
         BOOST_TEST((plan.gemms == Gemms::library));
-        check_schedule(plan, plan.train);
-        check_schedule(plan, plan.eval);
+        const std::string problem = check_plan(plan);
+        BOOST_TEST(problem.empty(), problem);
         bool copies = false;
         for (const Tensor &t : plan.tensors) {
           BOOST_TEST(!t.name.view().ends_with("_wt"), t.name.view());
@@ -265,15 +802,16 @@ BOOST_AUTO_TEST_CASE(library_gemm_plans_replay_without_overlap) {
         }
         BOOST_TEST(copies == (precision == Precision::bf16));
       }
-      if (p != none && !p.offload)
+      if (p != none)
         BOOST_TEST(make_plan(gpt::model, p, 4, precision, Gemms::library).activation_bytes <
-                   make_plan(gpt::model, none, 4, precision, Gemms::library).activation_bytes);
+                       make_plan(gpt::model, none, 4, precision, Gemms::library).activation_bytes,
+                   policy_name(p).view());
     }
   // the block's LayerNorm outputs are GEMM operands: buffered in the forward that discards
   auto forward_writes_layer_norm_output = [](const Plan &plan) {
     for (const Step &st : plan.train)
       if (st.stage == 1 && st.block == 0 && st.variant == Variant::forward_discard)
-        return ranges::any_of(st.args, [](const Arg &a) { return a.name.view() == "h1"; });
+        return ranges::any_of(st.args, [](const Arg &a) { return a.name.view() == "h1" && a.access == Access::write; });
     return false;
   };
   BOOST_TEST(forward_writes_layer_norm_output(make_plan(gpt::model, full, 4, Precision::fp32, Gemms::library)));
@@ -286,7 +824,7 @@ BOOST_AUTO_TEST_CASE(gpt_never_stores_attention_matrices) {
   const long C = gpt::n_embd, H = gpt::n_head;
   const std::set<long> widths = {C, 3 * C, 4 * C, H, gpt::vocab};
   BOOST_TEST(!widths.count(H * gpt::block_size));
-  for (Policy p : {none, selective, full, sqrt_n}) {
+  for (Policy p : all_policies) {
     const Plan plan = make_plan(gpt::model, p, 4);
     for (const Tensor &t : plan.tensors)
       if ((is_activation(t.role) || t.role == Role::scratch || t.role == Role::gradient) &&
@@ -297,19 +835,11 @@ BOOST_AUTO_TEST_CASE(gpt_never_stores_attention_matrices) {
   }
 }
 
-BOOST_AUTO_TEST_CASE(gpt_schedules_replay_without_overlap) {
-  for (Policy p : {none, selective, full, every_2, sqrt_n, with_offload(full), with_offload(every_2)}) {
-    const Plan plan = make_plan(gpt::model, p, 4);
-    check_schedule(plan, plan.train);
-    check_schedule(plan, plan.eval);
-  }
-}
-
 // Offload: each checkpoint is copied out after the forward that reads it, stays in the arena one
 // more step (the copy overlaps it) and the step after waits for the copy before its memory can be
 // reused; its restored copy is allocated and fetched one step ahead of the first step that reads
 // it, which waits for the arrival. Only checkpoints travel, and fewer of them are on the device
-// at once than without offload.
+// at once than without offload. Under selective nothing is checkpointed: nothing travels.
 BOOST_AUTO_TEST_CASE(offload_schedules_transfers_one_step_ahead) {
   for (Policy p : {full, every_2, sqrt_n}) {
     const Plan plain = make_plan(gpt::model, p, 4), plan = make_plan(gpt::model, with_offload(p), 4);
@@ -319,26 +849,36 @@ BOOST_AUTO_TEST_CASE(offload_schedules_transfers_one_step_ahead) {
     const auto &train = plan.train;
     std::size_t offloaded = 0;
     int fetched = 0;
-    auto reads = [&](const Step &st, int t) { return ranges::any_of(st.args, [&](const Arg &a) { return a.tensor == t; }); };
+    auto binds = [&](const Step &st, int t) {
+      return ranges::any_of(st.args, [&](const Arg &a) { return a.tensor == t; });
+    };
+    auto reads = [&](const Step &st, int t) {
+      return ranges::any_of(st.args, [&](const Arg &a) { return a.tensor == t && a.access == Access::read; });
+    };
+    auto has = [](const std::vector<int> &list, int t) { return ranges::any_of(list, [&](int u) { return u == t; }); };
     for (int i = 0; i < int(train.size()); ++i) {
       for (int x : train[i].offload) {
         offloaded += plan.tensors[x].bytes();
         BOOST_TEST((plan.tensors[x].role == Role::block_input));
         BOOST_TEST(reads(train[i], x));
         BOOST_TEST_REQUIRE(i + 2 < int(train.size()));
-        BOOST_TEST(ranges::any_of(train[i + 1].free, [&](int t) { return t == x; }));
-        BOOST_TEST(ranges::any_of(train[i + 2].await_out, [&](int t) { return t == x; }));
-        for (int j = i + 1; j < int(train.size()); ++j) BOOST_TEST(!reads(train[j], x), "read after offload");
+        BOOST_TEST(has(train[i + 1].free, x));
+        BOOST_TEST(has(train[i + 2].await_out, x));
+        for (int j = i + 1; j < int(train.size()); ++j) BOOST_TEST(!binds(train[j], x), "bound after offload");
       }
       for (auto [x, r] : train[i].fetch) {
         ++fetched;
+        BOOST_TEST(r != x);
         BOOST_TEST(plan.tensors[x].name.view() == plan.tensors[r].name.view());
-        BOOST_TEST(ranges::any_of(train[i].alloc, [&](int t) { return t == r; }));
-        BOOST_TEST(!reads(train[i], r));
+        BOOST_TEST(plan.tensors[x].bytes() == plan.tensors[r].bytes());
+        BOOST_TEST(has(train[i].alloc, r));
+        BOOST_TEST(!binds(train[i], r));
         BOOST_TEST_REQUIRE(i + 1 < int(train.size()));
         BOOST_TEST(reads(train[i + 1], r));
-        BOOST_TEST(ranges::any_of(train[i + 1].await_in, [&](int t) { return t == r; }));
-        for (int j = 0; j <= i; ++j) BOOST_TEST(!ranges::any_of(train[j].offload, [&](int t) { return t == r; }));
+        BOOST_TEST(has(train[i + 1].await_in, r));
+        bool copied_out_before = false;  // by an earlier step
+        for (int j = 0; j < i; ++j) copied_out_before |= has(train[j].offload, x);
+        BOOST_TEST(copied_out_before, plan.tensors[x].name.view());
       }
     }
     BOOST_TEST(offloaded == plan.offload_bytes);
@@ -346,4 +886,64 @@ BOOST_AUTO_TEST_CASE(offload_schedules_transfers_one_step_ahead) {
     for (const Step &st : train) checkpoints += int(st.offload.size());
     BOOST_TEST(fetched == checkpoints);
   }
+  const Plan sel = make_plan(gpt::model, selective, 4), sel_off = make_plan(gpt::model, with_offload(selective), 4);
+  BOOST_TEST(sel_off.offload_bytes == 0u);
+  BOOST_TEST(sel_off.activation_bytes == sel.activation_bytes);
+  BOOST_TEST(sel_off.peak_bytes == sel.peak_bytes);
+}
+
+// AdamW updates every parameter exactly once, in place: each of its steps binds ranges of params,
+// grads, adam_m and adam_v at one offset and of one size, reads all four and writes p, m and v
+// back over themselves; the ranges tile the flat buffers in order; a parameter is decayed exactly
+// when it is a linear's weight.
+BOOST_AUTO_TEST_CASE(optimizer_updates_every_parameter_once) {
+  for (const Model &m : {small_model(), repeat_first_model(), two_stacks_model(), flat_model(), mlp::model, gpt::model})
+    for (Precision precision : {Precision::fp32, Precision::bf16})
+      for (Gemms gemms : {Gemms::halide, Gemms::library}) {
+        const Plan plan = make_plan(m, full, 4, precision, gemms);
+        const std::vector<Tensor> &ts = plan.tensors;
+        const int params = plan.find("params");
+        BOOST_TEST_REQUIRE(params >= 0);
+        struct Range { std::size_t begin, end; bool decayed; };
+        std::vector<Range> ranges_;
+        for (const Step &st : plan.optimize) {
+          BOOST_TEST_REQUIRE((st.variant == Variant::adamw));
+          auto bound = [&](std::string_view name, Access access) {
+            int t = -1, count = 0;
+            for (const Arg &a : st.args)
+              if (a.name.view() == name && a.access == access) t = a.tensor, ++count;
+            return count == 1 ? t : -1;
+          };
+          const int p = bound("p", Access::read), g = bound("g", Access::read), mm = bound("m", Access::read),
+                    v = bound("v", Access::read);
+          BOOST_TEST_REQUIRE((p >= 0 && g >= 0 && mm >= 0 && v >= 0));
+          BOOST_TEST(bound("adamw.0", Access::write) == p);
+          BOOST_TEST(bound("adamw.1", Access::write) == mm);
+          BOOST_TEST(bound("adamw.2", Access::write) == v);
+          BOOST_TEST(st.args.size() == 7u);  // nothing else, and the gradients are only read
+          const Role roles[4] = {Role::params, Role::grads, Role::adam_m, Role::adam_v};
+          const int views[4] = {p, g, mm, v};
+          for (int k = 0; k < 4; ++k) {
+            const Tensor &t = ts[views[k]];
+            BOOST_TEST_REQUIRE(t.view_of >= 0);
+            BOOST_TEST((t.role == roles[k] && ts[t.view_of].role == roles[k]), t.name.view());
+            BOOST_TEST(t.offset == ts[p].offset, t.name.view());
+            BOOST_TEST(t.bytes() == ts[p].bytes(), t.name.view());
+          }
+          BOOST_TEST(ts[p].offset == (ranges_.empty() ? 0 : ranges_.back().end));
+          ranges_.push_back({ts[p].offset, ts[p].offset + ts[p].bytes(), st.weight_decay});
+        }
+        BOOST_TEST_REQUIRE(!ranges_.empty());
+        BOOST_TEST(ranges_.back().end == ts[params].bytes());
+        for (const Tensor &t : ts) {
+          if (t.role != Role::params || t.view_of < 0 || t.stage < 0) continue;
+          int in = 0;
+          bool decayed = false;
+          for (const Range &r : ranges_)
+            if (r.begin <= t.offset && t.offset + t.bytes() <= r.end) ++in, decayed = r.decayed;
+          BOOST_TEST(in == 1, t.name.view());
+          const bool linear_weight = m.stages[t.stage].layers[t.layer].op == Op::linear && t.name.view().ends_with("_w");
+          BOOST_TEST(decayed == linear_weight, t.name.view());
+        }
+      }
 }

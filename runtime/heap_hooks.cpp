@@ -1,0 +1,106 @@
+// Heap use that the plan does not see, counted so the measured peak includes it.
+// - Halide kernels allocate through halide_malloc / halide_free (weak in Halide's runtime): these
+//   strong definitions count the bytes a kernel allocates.
+// - Everything else: this file interposes the C allocation functions (the program's definitions
+//   win over glibc's for every library in the process, libstdc++'s operator new included) and
+//   forwards them to glibc's own. While the executor runs a phase (remat_heap_counting), every
+//   allocation on any thread is counted with its bytes. free is not interposed: every block still
+//   comes from glibc's allocator.
+#include <HalideRuntime.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+extern "C" {
+void *__libc_malloc(size_t);
+void *__libc_calloc(size_t, size_t);
+void *__libc_realloc(void *, size_t);
+void *__libc_memalign(size_t, size_t);
+
+std::atomic<bool> remat_heap_counting{false};
+std::atomic<size_t> remat_heap_allocations{0}, remat_heap_bytes{0};
+
+// Called for each counted allocation: `break remat_heap_counted` in gdb shows who allocated.
+__attribute__((noinline)) void remat_heap_counted(size_t bytes) { asm volatile("" ::"r"(bytes)); }
+
+static inline void count(size_t bytes) {
+  if (!remat_heap_counting.load(std::memory_order_relaxed)) return;
+  remat_heap_counted(bytes);
+  remat_heap_allocations.fetch_add(1, std::memory_order_relaxed);
+  remat_heap_bytes.fetch_add(bytes, std::memory_order_relaxed);
+}
+
+void *malloc(size_t bytes) {
+  count(bytes);
+  return __libc_malloc(bytes);
+}
+void *calloc(size_t n, size_t size) {
+  count(n * size);
+  return __libc_calloc(n, size);
+}
+void *realloc(void *p, size_t bytes) {
+  count(bytes);
+  return __libc_realloc(p, bytes);
+}
+void *aligned_alloc(size_t alignment, size_t bytes) {
+  count(bytes);
+  return __libc_memalign(alignment, bytes);
+}
+void *memalign(size_t alignment, size_t bytes) {
+  count(bytes);
+  return __libc_memalign(alignment, bytes);
+}
+int posix_memalign(void **out, size_t alignment, size_t bytes) {
+  if (alignment % sizeof(void *) != 0 || (alignment & (alignment - 1)) != 0) return EINVAL;
+  count(bytes);
+  void *p = __libc_memalign(alignment, bytes);
+  if (!p) return ENOMEM;
+  *out = p;
+  return 0;
+}
+
+std::atomic<size_t> remat_halide_heap_current{0}, remat_halide_heap_peak{0};
+
+void *halide_malloc(void *, size_t bytes) {
+  // Halide wants 128-byte alignment; the size word sits in front of the returned block.
+  constexpr size_t header = 128;
+  auto *raw = static_cast<unsigned char *>(__libc_memalign(header, (bytes + 2 * header - 1) / header * header));
+  if (!raw) return nullptr;
+  std::memcpy(raw, &bytes, sizeof bytes);
+  if (std::getenv("REMAT_TRACE_HEAP")) std::fprintf(stderr, "halide_malloc %zu bytes\n", bytes);
+  const size_t now = remat_halide_heap_current += bytes;
+  size_t peak = remat_halide_heap_peak.load();
+  while (now > peak && !remat_halide_heap_peak.compare_exchange_weak(peak, now)) {}
+  return raw + header;
+}
+
+void halide_free(void *, void *ptr) {
+  if (!ptr) return;
+  auto *raw = static_cast<unsigned char *>(ptr) - 128;
+  size_t bytes;
+  std::memcpy(&bytes, raw, sizeof bytes);
+  remat_halide_heap_current -= bytes;
+  std::free(raw);  // glibc's free: the block came from __libc_memalign
+}
+}
+
+// Halide's default error handler aborts the process. Keep the messages instead (the first, the
+// cause, first; an extern stage writes its own before Halide reports the failed stage); the
+// executor turns a failing kernel's error code and these messages into an exception.
+extern "C" {
+char remat_halide_error[1024];
+
+void halide_error(void *, const char *msg) {
+  size_t n = std::strlen(remat_halide_error);
+  if (n > 0 && n + 2 < sizeof remat_halide_error) {
+    std::strcat(remat_halide_error, "; ");
+    n += 2;
+  }
+  std::strncat(remat_halide_error, msg, sizeof remat_halide_error - 1 - n);
+  n = std::strlen(remat_halide_error);
+  if (n > 0 && remat_halide_error[n - 1] == '\n') remat_halide_error[n - 1] = 0;
+}
+}
