@@ -4,7 +4,8 @@
 // (forward, backward, AdamW), planned and measured peak device memory, activation bytes, and the
 // first step's gradient digest (the same for every policy). Prints a table with ratios against
 // none and writes the rows as JSON for bench/torch_gpt2.py, which runs the same model in PyTorch
-// and prints both side by side. Without a GPU it prints [SKIP] and exits 0.
+// and prints both side by side. A policy that fails gives an error row (the others still run);
+// the JSON is always written, also without a GPU (then [SKIP], a "skipped" record and exit 0).
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -14,6 +15,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <exception>
 #include <fstream>
 #include <random>
 #include <string>
@@ -26,6 +28,61 @@ import gpt2s.kernels;
 using namespace remat;
 using remat::runtime::Executor;
 
+namespace {
+
+// One policy: a warm-up step (its gradients and peak are the figures), then `steps` timed steps.
+nlohmann::json run_policy(Policy p, int batch, int steps, Precision precision, double &base_rate) {
+  const long long tokens = (long long)batch * gpt2s::block_size;
+  const Plan plan = make_plan(gpt2s::model, p, batch, precision, runtime::gemms_of(runtime::Device::cuda));
+  const std::size_t arena_bytes = std::max(plan.peak_bytes, plan.eval_peak_bytes);
+  if (const std::size_t free_bytes = cuda::probe().free_bytes; arena_bytes > free_bytes) {
+    const std::string why = fmt::format("the plan needs {} B, more than the {} B of free device memory", arena_bytes, free_bytes);
+    fmt::print("{:<18} skipped: {}\n", policy_name(p).view(), why);
+    return {{"policy", std::string(policy_name(p).view())}, {"skipped", why}};
+  }
+  runtime::Arena arena(arena_bytes, runtime::Device::cuda);
+  arena.fill_canary();
+  runtime::Scalars scalars;
+  Executor ex(plan, "gpt2s", gpt2s_kernels::cuda_table, arena, scalars);
+  std::mt19937_64 rng(1);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  for (float &x : ex.tensor<float>("params")) x = 0.02f * u(rng);
+  for (auto root : {"adam_m", "adam_v"}) std::ranges::fill(ex.tensor<float>(root), 0.f);
+  for (auto &t : ex.tensor<std::int32_t>("inputs")) t = int(rng() % gpt2s::vocab);
+  for (auto &l : ex.tensor<std::int32_t>("labels")) l = int(rng() % gpt2s::vocab);
+  for (auto name : {"params", "adam_m", "adam_v", "inputs", "labels"}) ex.upload(name);
+  scalars.grad_scale = 1.f / float(plan.rows);
+  scalars.lr = 1e-4f;
+  scalars.step = 1;
+  auto step = [&] {
+    ex.run(Executor::Phase::train);
+    ex.run(Executor::Phase::optimize);
+  };
+  runtime::reset_halide_heap_peak();
+  ex.run(Executor::Phase::train);  // warm-up step; its gradients and peak are the figures
+  ex.download("grads");
+  const std::string grad_digest = runtime::digest(std::as_bytes(ex.tensor<float>("grads")));
+  ex.run(Executor::Phase::optimize);
+  const std::size_t measured = arena.high_water() + runtime::halide_heap().peak;
+  arena.synchronize();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int s = 0; s < steps; ++s) step();
+  arena.synchronize();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double rate = double(tokens) * steps / seconds;
+  if (p == none) base_rate = rate;
+  fmt::print("{:<18} {:>10.0f} {:>9.2f} {:>16} {:>16} {:>8} {:>14.1f} {:>9}  {}\n", policy_name(p).view(), rate,
+             base_rate > 0 ? rate / base_rate : 0.0, plan.peak_bytes, measured,
+             measured == plan.peak_bytes ? "yes" : "NO", plan.activation_bytes / 1048576.0,
+             plan.offload_bytes, grad_digest);
+  return {{"policy", std::string(policy_name(p).view())}, {"tokens_per_s", rate},
+          {"planned_peak_bytes", plan.peak_bytes}, {"measured_peak_bytes", measured},
+          {"activation_bytes", plan.activation_bytes}, {"offload_bytes", plan.offload_bytes},
+          {"grad_digest", grad_digest}};
+}
+
+}  // namespace
+
 int main(int argc, char **argv) {
   int batch = 8, steps = 3;
   std::string out, precision_flag = "bf16";
@@ -36,81 +93,46 @@ int main(int argc, char **argv) {
   app.add_option("--out", out, "write the rows as JSON here");
   CLI11_PARSE(app, argc, argv);
 
-  const cuda::DeviceInfo device = cuda::probe();
-  if (!device.error.empty()) {
-    std::printf("[SKIP] no CUDA device (%s)\n", device.error.c_str());
-    return 0;
-  }
   const Precision precision = precision_flag == "bf16" ? Precision::bf16 : Precision::fp32;
-  const Policy policies[] = {none, full, Policy{Policy::Kind::every_n_layers, 2}, selective, with_offload(full)};
-  const long long tokens = (long long)batch * gpt2s::block_size;
-  fmt::print("remat on {} ({} MiB free): GPT-2-small shape, {} layers, {} wide, {} heads, T={}, vocab {}, batch {} "
-             "({} tokens/step), {}, {} timed steps\n",
-             device.name, device.free_bytes >> 20, gpt2s::n_layer, gpt2s::n_embd, gpt2s::n_head, gpt2s::block_size,
-             gpt2s::vocab, batch, tokens, precision_name(precision), steps);
-  fmt::print("{:<18} {:>10} {:>9} {:>16} {:>16} {:>8} {:>14} {:>9}  {}\n", "policy", "tokens/s", "vs none",
-             "planned peak B", "measured peak B", "equal", "activations MiB", "offload", "grad digest");
-  nlohmann::json rows = nlohmann::json::array();
-  double base_rate = 0;
-  for (Policy p : policies) {
-    const Plan plan = make_plan(gpt2s::model, p, batch, precision, runtime::gemms_of(runtime::Device::cuda));
-    const std::size_t arena_bytes = std::max(plan.peak_bytes, plan.eval_peak_bytes);
-    if (arena_bytes > cuda::probe().free_bytes) {
-      fmt::print("{:<18} skipped: the plan needs {} B, more than the free device memory\n", policy_name(p).view(), arena_bytes);
-      continue;
-    }
-    runtime::Arena arena(arena_bytes, runtime::Device::cuda);
-    arena.fill_canary();
-    runtime::Scalars scalars;
-    Executor ex(plan, "gpt2s", gpt2s_kernels::cuda_table, arena, scalars);
-    std::mt19937_64 rng(1);
-    std::uniform_real_distribution<float> u(-1.f, 1.f);
-    for (float &x : ex.tensor<float>("params")) x = 0.02f * u(rng);
-    for (auto root : {"adam_m", "adam_v"}) std::ranges::fill(ex.tensor<float>(root), 0.f);
-    for (auto &t : ex.tensor<std::int32_t>("inputs")) t = int(rng() % gpt2s::vocab);
-    for (auto &l : ex.tensor<std::int32_t>("labels")) l = int(rng() % gpt2s::vocab);
-    for (auto name : {"params", "adam_m", "adam_v", "inputs", "labels"}) ex.upload(name);
-    scalars.grad_scale = 1.f / float(plan.rows);
-    scalars.lr = 1e-4f;
-    scalars.step = 1;
-    auto step = [&] {
-      ex.run(Executor::Phase::train);
-      ex.run(Executor::Phase::optimize);
-    };
-    runtime::reset_halide_heap_peak();
-    ex.run(Executor::Phase::train);  // warm-up step; its gradients and peak are the figures
-    ex.download("grads");
-    const std::string grad_digest = runtime::digest(std::as_bytes(ex.tensor<float>("grads")));
-    ex.run(Executor::Phase::optimize);
-    const std::size_t measured = arena.high_water() + runtime::halide_heap().peak;
-    arena.synchronize();
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int s = 0; s < steps; ++s) step();
-    arena.synchronize();
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    const double rate = double(tokens) * steps / seconds;
-    if (p == none) base_rate = rate;
-    fmt::print("{:<18} {:>10.0f} {:>9.2f} {:>16} {:>16} {:>8} {:>14.1f} {:>9}  {}\n", policy_name(p).view(), rate,
-               base_rate > 0 ? rate / base_rate : 0.0, plan.peak_bytes, measured,
-               measured == plan.peak_bytes ? "yes" : "NO", plan.activation_bytes / 1048576.0,
-               plan.offload_bytes, grad_digest);
+  nlohmann::json record{{"batch_size", batch}, {"block_size", gpt2s::block_size}, {"steps", steps},
+                        {"precision", std::string(precision_name(precision))}, {"rows", nlohmann::json::array()}};
+  // The JSON is written whatever happened, so that bench/torch_gpt2.py always finds it.
+  auto finish = [&](int status) {
     std::fflush(stdout);
-    rows.push_back({{"policy", std::string(policy_name(p).view())}, {"tokens_per_s", rate},
-                    {"planned_peak_bytes", plan.peak_bytes}, {"measured_peak_bytes", measured},
-                    {"activation_bytes", plan.activation_bytes}, {"offload_bytes", plan.offload_bytes},
-                    {"grad_digest", grad_digest}});
-  }
-  if (!out.empty()) {
+    if (out.empty()) return status;
     std::ofstream f(out);
-    f << nlohmann::json{{"batch_size", batch}, {"block_size", gpt2s::block_size}, {"steps", steps},
-                        {"precision", std::string(precision_name(precision))},
-                        {"device", device.name}, {"rows", rows}}
-             .dump(1)
-      << '\n';
+    f << record.dump(1) << '\n';
     if (!f) {
       std::fprintf(stderr, "bench-gpu: error: cannot write %s\n", out.c_str());
       return 2;
     }
+    return status;
+  };
+  const cuda::DeviceInfo device = cuda::probe();
+  if (!device.error.empty()) {
+    std::printf("[SKIP] no CUDA device (%s)\n", device.error.c_str());
+    record["skipped"] = "no CUDA device (" + device.error + ")";
+    return finish(0);
   }
-  return 0;
+  record["device"] = device.name;
+  const Policy policies[] = {none, full, Policy{Policy::Kind::every_n_layers, 2}, selective, with_offload(full)};
+  fmt::print("remat on {} ({} MiB free): GPT-2-small shape, {} layers, {} wide, {} heads, T={}, vocab {}, batch {} "
+             "({} tokens/step), {}, {} timed steps\n",
+             device.name, device.free_bytes >> 20, gpt2s::n_layer, gpt2s::n_embd, gpt2s::n_head, gpt2s::block_size,
+             gpt2s::vocab, batch, (long long)batch * gpt2s::block_size, precision_name(precision), steps);
+  fmt::print("{:<18} {:>10} {:>9} {:>16} {:>16} {:>8} {:>14} {:>9}  {}\n", "policy", "tokens/s", "vs none",
+             "planned peak B", "measured peak B", "equal", "activations MiB", "offload", "grad digest");
+  int status = 0;
+  double base_rate = 0;
+  for (Policy p : policies) {
+    try {
+      record["rows"].push_back(run_policy(p, batch, steps, precision, base_rate));
+    } catch (const std::exception &e) {  // e.g. a failing kernel: the other policies still run
+      fmt::print("{:<18} error: {}\n", policy_name(p).view(), e.what());
+      record["rows"].push_back({{"policy", std::string(policy_name(p).view())}, {"error", e.what()}});
+      status = 1;
+    }
+    std::fflush(stdout);
+  }
+  return finish(status);
 }

@@ -7,7 +7,9 @@ as remat's --bf16). Policies: no
 checkpointing, and torch.utils.checkpoint per block (use_reentrant=False) on every block (full)
 and on every second block (every_n_layers=2). Peak memory is torch.cuda.max_memory_allocated.
 With --remat FILE (bench-gpu --out FILE) it prints one table with both and the ratios against
-PyTorch at remat's precision.
+PyTorch at remat's precision; remat's error or skipped rows, and a missing or empty FILE, are
+reported and the PyTorch side is printed anyway. A PyTorch run that fails (out of memory, say)
+gives an error row.
 Without a CUDA device it prints [SKIP] and exits 0.
 """
 import argparse
@@ -86,6 +88,23 @@ def run(policy, every, batch, steps, dtype):
     return {"policy": policy, "dtype": dtype, "tokens_per_s": rate, "peak_bytes": peak}
 
 
+def load_remat(path):
+    """bench-gpu's rows by policy and its precision; ({}, "bf16") when there are none."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        print(f"remat: no results from {path} ({e})")
+        return {}, "bf16"
+    if data.get("skipped"):
+        print(f"remat: skipped ({data['skipped']})")
+    for r in data.get("rows", []):
+        if "error" in r or "skipped" in r:
+            print(f"remat {r['policy']}: {'error: ' + r['error'] if 'error' in r else 'skipped: ' + r['skipped']}")
+    rows = {r["policy"]: r for r in data.get("rows", []) if "tokens_per_s" in r}
+    return rows, data.get("precision", "bf16")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-size", type=int, default=8)
@@ -93,34 +112,36 @@ def main():
     ap.add_argument("--remat", help="bench-gpu --out FILE, to print side by side")
     ap.add_argument("--out", help="write the PyTorch rows as JSON here")
     args = ap.parse_args()
+    remat, precision = load_remat(args.remat) if args.remat else ({}, "bf16")
     if not torch.cuda.is_available():
         print("[SKIP] no CUDA device")
         return 0
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    rows = [run(p, e, args.batch_size, args.steps, d)
-            for d in ("fp32", "bf16") for p, e in (("none", 0), ("full", 1), ("every_n_layers=2", 2))]
+    rows = []
+    for d in ("fp32", "bf16"):
+        for p, e in (("none", 0), ("full", 1), ("every_n_layers=2", 2)):
+            try:
+                rows.append(run(p, e, args.batch_size, args.steps, d))
+            except Exception as ex:  # out of memory, say: the other runs still go
+                print(f"torch {d} {p}: error: {ex}".splitlines()[0], flush=True)
+                rows.append({"policy": p, "dtype": d, "error": str(ex)})
+                torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"batch_size": args.batch_size, "steps": args.steps, "torch": torch.__version__,
                        "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
     print(f"PyTorch {torch.__version__} on {torch.cuda.get_device_name()}, batch {args.batch_size} x {T} tokens, "
           f"{args.steps} timed steps")
-    remat, precision = {}, "bf16"
-    if args.remat:
-        with open(args.remat) as f:
-            data = json.load(f)
-        remat = {r["policy"]: r for r in data["rows"]}
-        precision = data.get("precision", "fp32")
-    same = {r["policy"]: r for r in rows if r["dtype"] == precision}
-    other = {r["policy"]: r for r in rows if r["dtype"] != precision}
+    same = {r["policy"]: r for r in rows if r["dtype"] == precision and "error" not in r}
+    other = {r["policy"]: r for r in rows if r["dtype"] != precision and "error" not in r}
     other_name = "fp32" if precision == "bf16" else "bf16"
     print(f"remat {precision} against PyTorch {precision} (PyTorch {other_name} for reference)")
     print(f"{'policy':<18} {'remat tok/s':>12} {'torch tok/s':>12} {'remat/torch':>12} {'torch ' + other_name:>11} "
           f"{'remat peak MiB':>15} {'torch peak MiB':>15} {'peak ratio':>11}")
     for policy in ("none", "full", "every_n_layers=2", "selective", "full+offload"):
         r, t, o = remat.get(policy), same.get(policy), other.get(policy)
-        cell = lambda v, fmt: format(v, fmt) if v is not None else "-"
+        cell = lambda v, fmt: format(v, fmt) if v is not None else "-".rjust(int(fmt.split(".")[0]))
         rr = r["tokens_per_s"] if r else None
         tr = t["tokens_per_s"] if t else None
         rp = r["measured_peak_bytes"] / 2**20 if r else None

@@ -128,7 +128,8 @@ public:
   }
 
   // Causal attention forward. CPU: a row per task, the head dot products vectorized. GPU: a
-  // thread block per (head, row); the row's scores and probabilities for that head sit in shared
+  // thread block per (row, head), rows on the grid's x axis (up to 2^31 - 1 blocks; y and z stop
+  // at 65,535), heads on y; the row's scores and probabilities for that head sit in shared
   // memory (T floats each), its threads run over key positions, then over the head's features.
   // `lse_computed`: the statistics are computed here (not read from a saved buffer).
   void attention(gen::Attention &a, bool lse_computed, int head_dim, int block_size) {
@@ -139,9 +140,10 @@ public:
         a.lse.compute_root().reorder(h, v.b).gpu_tile(v.b, bo, bi, 64, TailStrategy::GuardWithIf);
         for (Func f : {a.row_max, a.sum_exp, a.lse_dot}) f.compute_at(a.lse, h);
       }
-      a.out.compute_root().split(v.c, co, ci, head_dim).reorder(ci, co, v.b).gpu_blocks(co, v.b).gpu_threads(ci);
+      a.out.compute_root().split(v.c, co, ci, head_dim).reorder(ci, v.b, co).gpu_blocks(v.b, co).gpu_threads(ci);
       a.sum.compute_at(a.out, ci);  // a thread's own output element, in a register
-      for (Func f : {a.dot, a.kept}) positions_in_shared_memory(f, a.out, co, block_size);
+      // at the innermost block loop (the row): per (row, head)
+      for (Func f : {a.dot, a.kept}) positions_in_shared_memory(f, a.out, v.b, block_size);
       return;
     }
     if (lse_computed) {
@@ -172,17 +174,19 @@ public:
     dot(delta);
   }
   // The attention input gradient dqkv(c, b), consumed by `consumer` (the tensor's gradient).
-  // CPU: both score-gradient chains per row. GPU: a block per (head of q, k or v, row); the
-  // chains for that head live in shared memory with threads over positions.
+  // CPU: both score-gradient chains per row. GPU: a block per (row, head of q, k or v), rows on
+  // the grid's x axis, as in attention; the chains for that head live in shared memory with
+  // threads over positions.
   void attention_grad(Func consumer, gen::AttentionGrad g, int head_dim, int block_size) {
     if (gpu) {
       Var co("co"), ci("ci"), si("si");
-      consumer.compute_root().split(v.c, co, ci, head_dim).reorder(ci, co, v.b).gpu_blocks(co, v.b).gpu_threads(ci);
+      consumer.compute_root().split(v.c, co, ci, head_dim).reorder(ci, v.b, co).gpu_blocks(v.b, co).gpu_threads(ci);
+      // at the innermost block loop (the row): per (row, head)
       for (Func f : {g.dq, g.dk, g.dv}) {
-        f.compute_at(consumer, co).gpu_threads(v.c);
+        f.compute_at(consumer, v.b).gpu_threads(v.c);
         f.update().gpu_threads(v.c);
       }
-      for (Func f : {g.q.dscore, g.kv.dot, g.kv.kept, g.kv.dscore}) positions_in_shared_memory(f, consumer, co, block_size);
+      for (Func f : {g.q.dscore, g.kv.dot, g.kv.kept, g.kv.dscore}) positions_in_shared_memory(f, consumer, v.b, block_size);
       for (Func f : {g.q.dot, g.q.dprob_kept}) f.compute_at(g.q.dscore, si);
       g.kv.dprob_kept.compute_at(g.kv.dscore, si);
       return;

@@ -1,14 +1,29 @@
 #include "cuda_device.h"
 
+#include <dlfcn.h>
+
 #include <stdexcept>
 #include <string>
+
+namespace remat::cuda {
+
+void *dlopen_first(const std::vector<std::string> &candidates, const std::string &what, int flags) {
+  std::string tried;
+  for (const std::string &c : candidates) {
+    if (void *lib = dlopen(c.c_str(), flags)) return lib;
+    const char *why = dlerror();
+    tried += (tried.empty() ? "" : "; ") + c + " (" + (why ? why : "not loaded") + ")";
+  }
+  throw std::runtime_error("cannot load " + what + "; tried " + tried);
+}
+
+}  // namespace remat::cuda
 
 #ifdef REMAT_WITH_CUDA
 #include <HalideRuntimeCuda.h>
 #include <cublasLt.h>
 #include <cuda.h>
 #include <cuda_runtime_api.h>
-#include <dlfcn.h>
 
 #include <cstdint>
 #include <cstdlib>
@@ -74,10 +89,20 @@ DeviceInfo probe() {
   return info;
 }
 
+// At exit, before the CUDA runtime's own teardown (atexit handlers run in reverse order of
+// registration): Halide's CUDA state (its modules in the primary context) is released while the
+// context still exists.
+void release_halide() { halide_device_release(nullptr, halide_cuda_device_interface()); }
+
 void init() {
   if (state.ready) return;
+  // Halide's CUDA runtime finds the driver with dlsym(RTLD_DEFAULT) or dlopen("libcuda.so"), but
+  // containers often have only libcuda.so.1, which the static CUDA runtime opens privately: made
+  // global here, the driver's symbols are visible to Halide.
+  dlopen_first({"libcuda.so.1"}, "the CUDA driver for Halide's kernels", RTLD_NOW | RTLD_GLOBAL);
   check(cudaSetDevice(0), "cudaSetDevice");
   check(cudaFree(nullptr), "initializing the primary context");
+  std::atexit(release_halide);
   // The primary context, through the runtime's entry point to the driver (no link to libcuda).
   void *fn = nullptr;
   cudaDriverEntryPointQueryResult found{};
@@ -140,12 +165,10 @@ struct CublasLt {
     const std::string soname = "libcublasLt.so." + std::to_string(CUBLAS_VER_MAJOR);
     std::vector<std::string> candidates = {soname, "/usr/local/cuda/lib64/" + soname,
                                            "/usr/local/cuda/targets/x86_64-linux/lib/" + soname};
-    if (const char *path = std::getenv("REMAT_CUBLASLT")) candidates.insert(candidates.begin(), path);
-    void *lib = nullptr;
-    for (const std::string &c : candidates)
-      if ((lib = dlopen(c.c_str(), RTLD_NOW | RTLD_LOCAL))) break;
-    if (!lib)
-      throw std::runtime_error("cannot load " + soname + " (cuBLASLt): put it on LD_LIBRARY_PATH or name it in REMAT_CUBLASLT");
+    // an empty name would be dlopen("")'s main program, which has no cuBLASLt
+    if (const char *path = std::getenv("REMAT_CUBLASLT"); path && *path) candidates.insert(candidates.begin(), path);
+    void *lib = dlopen_first(candidates, soname + " (cuBLASLt; put it on LD_LIBRARY_PATH or name it in REMAT_CUBLASLT)",
+                             RTLD_NOW | RTLD_LOCAL);
 #define REMAT_LOAD(name)                                                               \
   name = reinterpret_cast<decltype(name)>(dlsym(lib, #name));                          \
   if (!name) throw std::runtime_error("cuBLASLt: " + soname + " has no " #name);
@@ -164,15 +187,7 @@ CublasLt &cublaslt() {
   return lt;
 }
 
-// The largest power of two (at most 256) that divides the address: what cuBLASLt may assume.
-int alignment(const void *p) {
-  const auto at = reinterpret_cast<std::uintptr_t>(p);
-  int a = 1;
-  while (a < 256 && at % (2 * a) == 0) a *= 2;
-  return a;
-}
-
-// A prepared GEMM: descriptors and the algorithm, made once per shape, kind and alignment.
+// A prepared GEMM: descriptors and the algorithm, made once per shape and kind.
 struct Prepared {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t x = nullptr, y = nullptr, d = nullptr;
@@ -190,7 +205,7 @@ Prepared prepare(const GemmCall &g) {
   const cublasOperation_t op_x = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_y = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   lt.check(lt.cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_x, sizeof op_x), "TRANSA");
   lt.check(lt.cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_y, sizeof op_y), "TRANSB");
-  if (g.bias) {  // the bias has the output's type; its pointer's alignment guides the algorithm
+  if (g.bias) {  // the bias has the output's type; its pointer is set again for each call
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
     lt.check(lt.cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue), "EPILOGUE");
     lt.check(lt.cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof g.bias), "BIAS_POINTER");
@@ -206,31 +221,33 @@ Prepared prepare(const GemmCall &g) {
   const std::size_t workspace = 0;
   lt.check(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof workspace),
            "MAX_WORKSPACE_BYTES");
-  // cuBLASLt's operand A is our b, its B our a (see above); C and D are out
-  const std::pair<cublasLtMatmulPreferenceAttributes_t, const void *> aligned[] = {
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, g.b}, {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, g.a},
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, g.out}, {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, g.out}};
-  for (auto [attribute, pointer] : aligned) {
-    const std::uint32_t bytes = std::uint32_t(alignment(pointer));
+  // The algorithm must not depend on where a plan put the operands (each policy lays the arena
+  // out differently, and another algorithm may give other bits): every operand is assumed to be
+  // exactly gemm_alignment-byte aligned, and no split-K reduction is allowed (one summation order).
+  const std::uint32_t bytes = gemm_alignment;
+  for (auto attribute : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
     lt.check(lt.cublasLtMatmulPreferenceSetAttribute(pref, attribute, &bytes, sizeof bytes), "MIN_ALIGNMENT");
-  }
+  const std::uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
+  lt.check(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction, sizeof reduction),
+           "REDUCTION_SCHEME_MASK");
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   lt.check(lt.cublasLtMatmulAlgoGetHeuristic(lt.handle, p.desc, p.x, p.y, p.d, p.d, pref, 1, &result, &found),
            "cublasLtMatmulAlgoGetHeuristic");
   lt.cublasLtMatmulPreferenceDestroy(pref);
-  if (found < 1) throw std::runtime_error("cuBLASLt has no algorithm for this GEMM without workspace");
+  if (found < 1) throw std::runtime_error("cuBLASLt: no algorithm without workspace and split-K");
   p.algo = result.algo;
   return p;
 }
 
 }  // namespace
 
-void gemm(const GemmCall &g) {
-  using Key = std::tuple<int, int, int, bool, bool, bool, bool, int, int, int, int>;
+void gemm(const GemmCall &g) try {
+  require_gemm_alignment(g);
+  using Key = std::tuple<int, int, int, bool, bool, bool, bool, bool>;
   static std::map<Key, Prepared> prepared;
-  const Key key{g.m, g.n, g.k, g.trans_a, g.trans_b, g.bf16_in, g.bf16_out, g.bias ? alignment(g.bias) : 0,
-                alignment(g.a), alignment(g.b), alignment(g.out)};
+  const Key key{g.m, g.n, g.k, g.trans_a, g.trans_b, g.bf16_in, g.bf16_out, g.bias != nullptr};
   auto it = prepared.find(key);
   if (it == prepared.end()) it = prepared.emplace(key, prepare(g)).first;
   Prepared &p = it->second;
@@ -241,6 +258,8 @@ void gemm(const GemmCall &g) {
   lt.check(lt.cublasLtMatmul(lt.handle, p.desc, &alpha, g.b, p.x, g.a, p.y, &beta, g.out, p.d, g.out, p.d, &p.algo,
                              nullptr, 0, state.compute),
            "cublasLtMatmul");
+} catch (const std::exception &e) {
+  throw std::runtime_error(std::string(e.what()) + " (" + describe(g) + ")");
 }
 
 }  // namespace remat::cuda

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <string>
+#include <vector>
 
 namespace remat::cuda {
 
@@ -22,8 +23,13 @@ struct DeviceInfo {
 };
 DeviceInfo probe();
 
-// Device 0 made current; streams created; Halide's hooks installed. Idempotent.
+// Device 0 made current; streams created; Halide's hooks installed; Halide's CUDA state released
+// at exit. Idempotent.
 void init();
+
+// dlopen of the first candidate that loads (flags as dlopen's); otherwise throws "cannot load
+// <what>", with each candidate and its dlerror().
+void *dlopen_first(const std::vector<std::string> &candidates, const std::string &what, int flags);
 
 void *device_malloc(std::size_t bytes);
 void device_free(void *p);

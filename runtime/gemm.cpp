@@ -10,6 +10,7 @@
 #include <HalideRuntime.h>
 #include <HalideRuntimeCuda.h>
 #include <HalideRuntimeOpenCL.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -17,6 +18,7 @@
 #include <cstring>
 #include <exception>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 extern "C" char remat_halide_error[1024];
@@ -25,6 +27,31 @@ extern "C" char remat_halide_error[1024];
 #pragma weak halide_opencl_device_interface
 
 namespace remat {
+
+std::string describe(const GemmCall &g) {
+  const char *in = g.bf16_in ? "bf16" : "fp32";
+  return fmt::format("m={} n={} k={}, a {} {} ld {}, b {} {} ld {}, out {} ld {}, epilogue {}, beta {}", g.m, g.n, g.k,
+                     in, g.trans_a ? "[k, m] (trans_a)" : "[m, k]", g.trans_a ? g.m : g.k,
+                     in, g.trans_b ? "[n, k] (trans_b)" : "[k, n]", g.trans_b ? g.k : g.n,
+                     g.bf16_out ? "bf16" : "fp32", g.n, g.bias ? "bias" : "none", g.accumulate ? 1 : 0);
+}
+
+std::size_t address_alignment(const void *p) {
+  const auto at = reinterpret_cast<std::uintptr_t>(p);
+  std::size_t a = 1;
+  while (a < 256 && at % (2 * a) == 0) a *= 2;
+  return a;
+}
+
+void require_gemm_alignment(const GemmCall &g) {
+  const std::pair<const char *, const void *> operands[] = {{"a", g.a}, {"b", g.b}, {"out", g.out}, {"bias", g.bias}};
+  for (auto [name, p] : operands)
+    if (p && address_alignment(p) < gemm_alignment)
+      throw std::runtime_error(fmt::format("GEMM operand {} at {} is only {}-byte aligned; cuBLASLt is asked for {}-byte "
+                                           "aligned operands (the planner aligns every arena tensor to 64 bytes)",
+                                           name, p, address_alignment(p), gemm_alignment));
+}
+
 namespace {
 
 float load(const void *p, std::size_t i, bool bf16) {

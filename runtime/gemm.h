@@ -3,6 +3,9 @@
 // the CUDA device (cuBLASLt, cuda_device.cpp) or in host memory (a plain loop).
 #pragma once
 
+#include <cstddef>
+#include <string>
+
 namespace remat {
 
 // out[m, n] = sum_k A(m, k) B(k, n) (+ bias[n]) (+ out[m, n] when accumulate), all row-major
@@ -15,5 +18,20 @@ struct GemmCall {
   int m = 0, n = 0, k = 0;
   bool trans_a = false, trans_b = false, bf16_in = false, bf16_out = false, accumulate = false;
 };
+
+// The call's shape, types, transposes, leading dimensions and epilogue, for error messages, e.g.
+// "m=4096 n=2304 k=768, a bf16 [m, k] ld 768, b bf16 [n, k] (trans_b) ld 768, out fp32 ld 2304,
+// epilogue bias, beta 0".
+std::string describe(const GemmCall &g);
+
+// cuBLASLt picks its algorithm from the alignment it may assume, so every GEMM assumes the same
+// one (operands of any plan's layout then get the same algorithm, hence the same bits) and
+// operands below it are refused. The planner puts every arena tensor on a 64-byte boundary.
+inline constexpr std::size_t gemm_alignment = 16;
+// The largest power of two (at most 256) that divides the address.
+std::size_t address_alignment(const void *p);
+// Throws, naming the operand and its alignment, unless a, b, out and bias (when present) are
+// gemm_alignment-byte aligned.
+void require_gemm_alignment(const GemmCall &g);
 
 }  // namespace remat

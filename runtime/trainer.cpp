@@ -414,8 +414,12 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
       ex.run(Executor::Phase::optimize);
       arena.synchronize();  // CUDA: the step's time includes its kernels
       const auto t1 = std::chrono::steady_clock::now();
-      // what the kernels wrote (guard included), what Halide allocated, any other heap allocation
-      if (first) measured_peak = arena.high_water() + halide_heap().peak + step_heap().bytes;
+      // What the kernels wrote (guard included) and what Halide allocated; on the CPU, where the
+      // arena is host memory, any other heap allocation of the step too. (On CUDA the first step
+      // also loads the kernels' modules and cuBLASLt, which allocate host memory: reported as
+      // step_heap_bytes, not device memory.)
+      if (first)
+        measured_peak = arena.high_water() + halide_heap().peak + (device == Device::cpu ? step_heap().bytes : 0);
       const double ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
       step_ms.push_back(ms);
       train_seconds += ms / 1000;

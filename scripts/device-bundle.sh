@@ -2,7 +2,8 @@
 # Gathers what scripts/device-check.sh needs on a GPU machine that has no package registry, from a
 # build made here (`make build`): the GPU test and benchmark binaries, train-gpt, and the shared
 # libraries they use that such a machine may lack (Boost.Test, fmt, zlib). Writes .device/ (git
-# ignores it; a few MiB), which travels with the working tree.
+# ignores it; a few MiB), which travels with the working tree. `bash scripts/device-check.sh
+# --dry-run` then runs every GPU check's plumbing against it here, without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${BUILD:-build}

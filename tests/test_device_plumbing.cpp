@@ -1,0 +1,77 @@
+// The CUDA device's plumbing that runs without a GPU: the GEMM description that cuBLASLt errors
+// carry, the operand alignment that every cuBLASLt GEMM is prepared for (and refuses below), the
+// library loader's error message, and init() (which fails cleanly where no GPU exists).
+#include <boost/test/unit_test.hpp>
+
+#include "cuda_device.h"
+
+#include <dlfcn.h>
+
+#include <stdexcept>
+#include <string>
+
+using namespace remat;
+
+namespace {
+
+std::string error_of(auto &&f) {
+  try {
+    f();
+  } catch (const std::exception &e) {
+    return e.what();
+  }
+  return {};
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(gemm_description_names_shape_types_transposes_leading_dimensions_and_epilogue) {
+  GemmCall g{.m = 4096, .n = 2304, .k = 768, .trans_b = true, .bf16_in = true};
+  BOOST_TEST(describe(g) == "m=4096 n=2304 k=768, a bf16 [m, k] ld 768, b bf16 [n, k] (trans_b) ld 768, out fp32 ld 2304, "
+                            "epilogue none, beta 0");
+  float bias = 0;
+  g = {.bias = &bias, .m = 8, .n = 3, .k = 5, .trans_a = true, .bf16_out = true, .accumulate = true};
+  BOOST_TEST(describe(g) == "m=8 n=3 k=5, a fp32 [k, m] (trans_a) ld 8, b fp32 [k, n] ld 3, out bf16 ld 3, "
+                            "epilogue bias, beta 1");
+}
+
+BOOST_AUTO_TEST_CASE(gemm_operands_below_16_byte_alignment_are_refused_by_name) {
+  alignas(256) static unsigned char memory[1024];
+  BOOST_TEST(address_alignment(memory) == 256u);
+  BOOST_TEST(address_alignment(memory + 64) == 64u);
+  BOOST_TEST(address_alignment(memory + 8) == 8u);
+  BOOST_TEST(address_alignment(memory + 3) == 1u);
+  GemmCall g{.a = memory, .b = memory + 16, .out = memory + 64, .m = 1, .n = 1, .k = 1};
+  BOOST_CHECK_NO_THROW(require_gemm_alignment(g));  // no bias: nothing to check there
+  g.bias = memory + 32;
+  BOOST_CHECK_NO_THROW(require_gemm_alignment(g));
+  g.b = memory + 8;
+  const std::string message = error_of([&] { require_gemm_alignment(g); });
+  BOOST_TEST_INFO(message);
+  BOOST_TEST(message.starts_with("GEMM operand b at 0x"));
+  BOOST_TEST(message.find("is only 8-byte aligned") != std::string::npos);
+  g.b = memory;
+  g.bias = memory + 36;
+  BOOST_TEST(error_of([&] { require_gemm_alignment(g); }).starts_with("GEMM operand bias at"));
+}
+
+BOOST_AUTO_TEST_CASE(a_library_that_does_not_load_is_reported_with_each_candidate_and_its_dlerror) {
+  const std::string message = error_of(
+      [] { cuda::dlopen_first({"/nonexistent/libremat-a.so", "libremat-b.so.1"}, "the test library", RTLD_NOW | RTLD_LOCAL); });
+  BOOST_TEST_INFO(message);
+  BOOST_TEST(message.starts_with("cannot load the test library; tried /nonexistent/libremat-a.so ("));
+  BOOST_TEST(message.find("; libremat-b.so.1 (") != std::string::npos);
+  BOOST_TEST(message.find("No such file or directory") != std::string::npos);
+  void *lib = cuda::dlopen_first({"/nonexistent/libremat-a.so", "libc.so.6"}, "libc", RTLD_NOW | RTLD_LOCAL);
+  BOOST_TEST(lib != nullptr);
+  dlclose(lib);
+}
+
+// With a usable GPU init() succeeds (the driver found for Halide too); without one it throws a
+// message (Halide's default error handler would abort instead).
+BOOST_AUTO_TEST_CASE(init_succeeds_with_a_usable_gpu_and_throws_without_one) {
+  const cuda::DeviceInfo info = cuda::probe();
+  const std::string message = error_of([] { cuda::init(); });
+  BOOST_TEST_MESSAGE("probe: " << (info.error.empty() ? info.name : info.error) << "; init: " << message);
+  BOOST_TEST(message.empty() == info.error.empty());
+}
