@@ -40,10 +40,14 @@ void reset_step_heap() {
 }
 
 namespace {
-// Counts heap allocations (every thread) while alive: the executor's kernels and transfers.
+// Counts heap allocations (every thread) while alive: a phase, less the checks' own bookkeeping.
 struct CountingHeap {
   CountingHeap() { remat_heap_counting = true; }
   ~CountingHeap() { remat_heap_counting = false; }
+};
+struct PausedCounting {
+  PausedCounting() { remat_heap_counting = false; }
+  ~PausedCounting() { remat_heap_counting = true; }
 };
 }  // namespace
 
@@ -248,11 +252,22 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
     : plan(plan), arena(arena), checks(checks_) {
   if (checks.free_memory && arena.device() == Device::cuda)
     throw std::runtime_error("the free-memory check reads the arena on the host: not on --device cuda");
+  // The plan must fit the arena: every root inside it, every view inside its root.
+  if (arena.size() < std::max(plan.peak_bytes, plan.eval_peak_bytes))
+    throw std::runtime_error(fmt::format("the plan needs an arena of {} bytes; this one has {}",
+                                         std::max(plan.peak_bytes, plan.eval_peak_bytes), arena.size()));
+  for (const Tensor &t : plan.tensors) {
+    const std::size_t room = t.view_of < 0 ? arena.size() : plan.tensors[t.view_of].bytes();
+    if (t.offset > room || t.bytes() > room - t.offset)
+      throw std::runtime_error(fmt::format("tensor {} ({} bytes at {}) does not fit in {} ({} bytes)", t.name.view(), t.bytes(),
+                                           t.offset, t.view_of < 0 ? "the arena" : plan.tensors[t.view_of].name.view(), room));
+  }
   auto bind = [&](const Step &st) {
     auto b = std::make_unique<Bound>();
     b->rng_block = st.rng_block;
     b->kernel = &find_kernel(kernels, kernel_name(model_name, st.stage, st.variant, plan.precision));
     const halide_filter_metadata_t *md = b->kernel->metadata();
+    std::vector<bool> bound(st.args.size());  // which plan arguments a kernel argument took
     b->buffers.resize(md->num_arguments);
     b->shapes.resize(md->num_arguments);
     b->argv.resize(md->num_arguments);
@@ -271,6 +286,7 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
       if (it == st.args.end())
         throw std::runtime_error(fmt::format("{}: the plan binds no tensor to argument {}",
                                              b->kernel->name, arg.name));
+      bound[it - st.args.begin()] = true;
       const bool written = arg.kind == halide_argument_kind_output_buffer;
       if (written != (it->access == Access::write))
         throw std::runtime_error(fmt::format("{}: the plan says argument {} is {}, the kernel {} it", b->kernel->name,
@@ -306,6 +322,13 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
       (arg.kind == halide_argument_kind_output_buffer ? b->outputs : b->inputs).push_back(a);
       b->argv[a] = &buf;
     }
+    // A tensor the plan says this step writes must be an output of the kernel (the planner's
+    // replay counts it as written). Reads may go unused: every backward is handed all of its
+    // block's parameters, and some kernels do not need them all (a bias, say).
+    for (std::size_t i = 0; i < st.args.size(); ++i)
+      if (!bound[i] && st.args[i].access == Access::write)
+        throw std::runtime_error(fmt::format("{}: the kernel has no output {} that the plan writes to {}", b->kernel->name,
+                                             st.args[i].name.view(), plan.tensors[st.args[i].tensor].name.view()));
     return b;
   };
   if (kernels.empty())
@@ -321,49 +344,96 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
 
 
 
+// With the free-memory check: the live root tensors right next to (just above or just below, in
+// the arena) a root the step writes, which the step does not write itself, copied before the
+// kernel: a kernel overrunning one of its outputs inside the arena lands in free memory (the
+// free-memory check sees it) or in one of these.
+struct Executor::Neighbours {
+  std::vector<int> tensors;
+  std::vector<std::byte> before;
+  void take(const Plan &plan, const Step &st, const std::vector<int> &live, const std::byte *arena) {
+    auto root = [&](int t) { return plan.tensors[t].view_of < 0 ? t : plan.tensors[t].view_of; };
+    auto written = [&](int t) {
+      return std::ranges::any_of(st.args, [&](const Arg &a) { return a.access == Access::write && root(a.tensor) == t; });
+    };
+    tensors.clear();
+    for (const Arg &a : st.args) {
+      if (a.access != Access::write) continue;
+      const Tensor &w = plan.tensors[root(a.tensor)];
+      int above = -1, below = -1;
+      for (int t : live) {
+        const Tensor &x = plan.tensors[t];
+        if (written(t)) continue;
+        if (x.offset >= w.offset + w.bytes() && (above < 0 || x.offset < plan.tensors[above].offset)) above = t;
+        if (x.offset + x.bytes() <= w.offset && (below < 0 || x.offset > plan.tensors[below].offset)) below = t;
+      }
+      for (int t : {above, below})
+        if (t >= 0 && std::ranges::find(tensors, t) == tensors.end()) tensors.push_back(t);
+    }
+    before.clear();
+    for (int t : tensors)
+      before.insert(before.end(), arena + plan.tensors[t].offset, arena + plan.tensors[t].offset + plan.tensors[t].bytes());
+  }
+  int changed(const Plan &plan, const std::byte *arena) const {  // the first that changed, or -1
+    std::size_t at = 0;
+    for (int t : tensors) {
+      const std::size_t n = plan.tensors[t].bytes();
+      if (std::memcmp(before.data() + at, arena + plan.tensors[t].offset, n) != 0) return t;
+      at += n;
+    }
+    return -1;
+  }
+};
+
 void Executor::run(Phase phase) {
   static const bool trace = std::getenv("REMAT_TRACE_HEAP") != nullptr;
   static const bool profile = std::getenv("REMAT_PROFILE") != nullptr;
+  static const bool check_env = std::getenv("REMAT_CHECK_ARENA") != nullptr;
   auto &calls = phase == Phase::train ? train_calls : phase == Phase::optimize ? optimize_calls : eval_calls;
   const std::vector<Step> &steps = phase == Phase::train ? plan.train : phase == Phase::optimize ? plan.optimize : plan.eval;
-  static const bool check_env = std::getenv("REMAT_CHECK_ARENA") != nullptr;
   if (checks.free_memory && !arena.canary_filled())
     throw std::runtime_error("the free-memory check needs an arena filled with the canary (Arena::fill_canary)");
   const bool check_free = (checks.free_memory || check_env) && arena.canary_filled() && arena.device() != Device::cuda;
   std::vector<int> live;  // with the free-memory check: the root tensors live at this step
+  Neighbours neighbours;
   if (check_free)
     for (int t = 0; t < int(plan.tensors.size()); ++t)
       if (plan.tensors[t].view_of < 0 && persistent(plan.tensors[t].role)) live.push_back(t);
+  CountingHeap counting;  // any heap allocation from here on, but for the checks' own
   for (std::size_t i = 0; i < calls.size(); ++i) {
     auto &b = calls[i];
     const Step &st = steps[i];
-    if (check_free) live.insert(live.end(), st.alloc.begin(), st.alloc.end());
     if (trace) std::fprintf(stderr, "kernel %s\n", b->kernel->name);
     const auto t0 = profile ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
-    int err = 0;
-    {
-      CountingHeap counting;
-      if (transfers && phase == Phase::train) transfers->before(st);
-      const bool host_driven = arena.device() == Device::opencl;
-      if (host_driven)  // the host copy is the truth: Halide copies it to the device
-        for (int a : b->inputs) b->buffers[a].flags |= halide_buffer_flag_host_dirty;
-      err = b->kernel->argv(b->argv.data());
-      if (host_driven)
-        for (int a : b->outputs) err = err ? err : halide_copy_to_host(nullptr, &b->buffers[a]);
-      if (err == 0 && transfers && phase == Phase::train) transfers->after(st);
+    if (transfers && phase == Phase::train) transfers->before(st);  // fetches write restored checkpoints
+    if (check_free) {
+      PausedCounting paused;
+      live.insert(live.end(), st.alloc.begin(), st.alloc.end());
+      neighbours.take(plan, st, live, arena.data());
     }
+    const bool host_driven = arena.device() == Device::opencl;
+    if (host_driven)  // the host copy is the truth: Halide copies it to the device
+      for (int a : b->inputs) b->buffers[a].flags |= halide_buffer_flag_host_dirty;
+    int err = b->kernel->argv(b->argv.data());
+    if (host_driven)
+      for (int a : b->outputs) err = err ? err : halide_copy_to_host(nullptr, &b->buffers[a]);
+    if (err == 0 && transfers && phase == Phase::train) transfers->after(st);
     if (err != 0) {
       const std::string message = remat_halide_error;
       remat_halide_error[0] = 0;
       throw std::runtime_error(fmt::format("kernel {} failed (Halide error {}): {}", b->kernel->name, err, message));
     }
-    check_after(*b, st, check_free ? &live : nullptr);
+    {
+      PausedCounting paused;
+      check_after(*b, st, check_free ? &live : nullptr, neighbours);
+    }
     if (profile) {
       b->seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       ++b->calls;
     }
   }
   if (arena.device() == Device::cuda && !calls.empty()) {  // one look at the guard per phase
+    PausedCounting paused;
     if (const long damage = arena.guard_damage(); damage >= 0)
       throw std::runtime_error(fmt::format("a kernel of this phase wrote past the end of the arena (byte {} beyond the "
                                            "plan's {} bytes); REMAT_CUDA_SYNC=1 names it", damage, arena.size()));
@@ -373,7 +443,7 @@ void Executor::run(Phase phase) {
 // After each kernel call: the guard (CPU and OpenCL: always; CUDA: with REMAT_CUDA_SYNC=1, which
 // first waits for the kernel so that an asynchronous fault is reported with its name), then the
 // free-memory check, and the memory of the tensors that die here is refilled with the canary.
-void Executor::check_after(const Bound &b, const Step &st, std::vector<int> *live_roots) {
+void Executor::check_after(const Bound &b, const Step &st, std::vector<int> *live_roots, const Neighbours &neighbours) {
   static const bool sync_each = std::getenv("REMAT_CUDA_SYNC") != nullptr;
   if (arena.device() == Device::cuda) {
     if (!sync_each) return;
@@ -387,6 +457,9 @@ void Executor::check_after(const Bound &b, const Step &st, std::vector<int> *liv
     throw std::runtime_error(fmt::format("kernel {} wrote past the end of the arena (byte {} beyond the plan's {} bytes)",
                                          b.kernel->name, damage, arena.size()));
   if (!live_roots) return;
+  if (const int t = neighbours.changed(plan, arena.data()); t >= 0)
+    throw std::runtime_error(fmt::format("kernel {} changed tensor {}, which it does not write (an overrun of a "
+                                         "neighbouring output?)", b.kernel->name, plan.tensors[t].name.view()));
   std::vector<int> &live = *live_roots;
   std::ranges::sort(live, {}, [&](int t) { return plan.tensors[t].offset; });
   std::size_t at = 0;

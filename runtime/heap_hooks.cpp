@@ -38,7 +38,8 @@ void *malloc(size_t bytes) {
   return __libc_malloc(bytes);
 }
 void *calloc(size_t n, size_t size) {
-  count(n * size);
+  size_t bytes;
+  count(__builtin_mul_overflow(n, size, &bytes) ? SIZE_MAX : bytes);
   return __libc_calloc(n, size);
 }
 void *realloc(void *p, size_t bytes) {
@@ -54,7 +55,7 @@ void *memalign(size_t alignment, size_t bytes) {
   return __libc_memalign(alignment, bytes);
 }
 int posix_memalign(void **out, size_t alignment, size_t bytes) {
-  if (alignment % sizeof(void *) != 0 || (alignment & (alignment - 1)) != 0) return EINVAL;
+  if (alignment == 0 || alignment % sizeof(void *) != 0 || (alignment & (alignment - 1)) != 0) return EINVAL;
   count(bytes);
   void *p = __libc_memalign(alignment, bytes);
   if (!p) return ENOMEM;

@@ -115,14 +115,18 @@ private:
   void fill_canary(std::size_t offset, std::size_t n);
 };
 
-// What the executor checks around every kernel call, besides the arena's guard (always checked
-// on the CPU; on CUDA after each phase, or after every kernel with REMAT_CUDA_SYNC=1, which also
-// synchronizes after every kernel so that an asynchronous fault names its kernel).
+// What the executor checks around every kernel call, besides the arena's guard (checked after
+// every kernel on the CPU; on CUDA after each phase, or after every kernel with REMAT_CUDA_SYNC=1,
+// which also synchronizes after every kernel so that an asynchronous fault names its kernel; on
+// OpenCL the host copies Halide brings back per buffer cannot show a device-side overrun).
 struct ExecutorChecks {
-  // Every byte outside the tensors live at that step still holds the canary (memory of freed
-  // tensors is refilled with it): a kernel writing outside its tensors is named. Host-visible
-  // arenas only (CPU, OpenCL); costs a scan of the arena per kernel (tests). Needs an arena
-  // filled with the canary. REMAT_CHECK_ARENA=1 turns it on for every such arena.
+  // After each kernel, every byte outside the tensors live at that step still holds the canary
+  // (memory of freed tensors is refilled with it), and the live tensors right next to each
+  // tensor the kernel writes, which it does not write, are unchanged: a kernel writing outside
+  // its own tensors is named. Host-visible arenas only (CPU; on OpenCL it sees the host copies,
+  // which Halide fills from the device per buffer, so a device-side overrun is not seen); costs a
+  // scan of the arena per kernel (tests). Needs an arena filled with the canary.
+  // REMAT_CHECK_ARENA=1 turns it on for every such arena.
   bool free_memory = false;
 };
 
@@ -157,7 +161,8 @@ private:
   std::pair<std::size_t, std::size_t> locate(std::string_view name, std::size_t elem_bytes = 0) const;
   struct Bound;
   struct Transfers;
-  void check_after(const Bound &b, const Step &step, std::vector<int> *live_roots);
+  struct Neighbours;
+  void check_after(const Bound &b, const Step &step, std::vector<int> *live_roots, const Neighbours &neighbours);
   const Plan &plan;
   Arena &arena;
   Checks checks;

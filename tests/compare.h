@@ -74,4 +74,18 @@ Comparison compare(const G &got, const R &ref, Tolerance tol) {
 
 inline bool show_errors() { return std::getenv("REMAT_SHOW_ERRORS") != nullptr; }
 
+// A baseline that bit-identity tests compare against must be a real result: all finite and not
+// all zero (two runs that both left NaN, or zeros, would compare equal).
+template <class T> bool finite_and_nonzero(std::span<const T> values) {
+  bool nonzero = false;
+  for (T v : values) {
+    if (!std::isfinite(double(v))) return false;
+    nonzero = nonzero || v != T(0);
+  }
+  return nonzero;
+}
+template <class V> bool finite_and_nonzero(const V &values) {
+  return finite_and_nonzero(std::span<const typename V::value_type>(values));
+}
+
 }  // namespace remat::testing

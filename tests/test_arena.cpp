@@ -21,76 +21,44 @@ import gpt;
 import gpt.kernels;
 
 #include "model_run.h"
+#include "planted_fault.h"
 
 using namespace remat;
 using remat::runtime::Arena;
 using remat::runtime::Executor;
 using remat::runtime::Kernel;
+using namespace remat::testing;
 
 namespace {
 
 constexpr int batch = 8;
 
-// ---- a test-only kernel: the real one, then a planted fault ----
-struct Planted {
-  int (*real)(void **) = nullptr;
-  int call = 0, on_call = 0;  // the fault is planted on that call of the kernel (0: the first)
-  int argument = -1;          // overrun: write 2 bytes past the end of this buffer argument
-  std::size_t allocate = 0;   // allocate (and free) this many bytes from the heap
-} planted;
+// Where 2 bytes written just past a tensor that a train step writes land: in the guard (the
+// tensor ends at the plan's peak), in free memory, or in a live tensor the step does not write.
+enum class Landing { guard, free_memory, neighbour };
 
-int faulty_kernel(void **args) {
-  const int err = planted.real(args);
-  if (planted.call++ != planted.on_call) return err;
-  if (planted.argument >= 0) {
-    auto *buf = static_cast<halide_buffer_t *>(args[planted.argument]);
-    std::memset(buf->host + buf->size_in_bytes(), 0, 2);
-  }
-  if (planted.allocate) {
-    void *volatile p = std::malloc(planted.allocate);
-    std::free(p);
-  }
-  return err;
-}
-
-// The kernel table with `name` replaced by the faulty kernel.
-std::vector<Kernel> with_fault(std::span<const Kernel> table, const std::string &name, Planted fault) {
-  std::vector<Kernel> out(table.begin(), table.end());
-  auto it = std::ranges::find_if(out, [&](const Kernel &k) { return name == k.name; });
-  BOOST_TEST_REQUIRE((it != out.end()), name);
-  fault.real = it->argv;
-  planted = fault;
-  it->argv = faulty_kernel;
-  return out;
-}
-
-// Position of the kernel argument the plan calls `arg`.
-int argument_index(const Kernel &k, std::string_view arg) {
-  const halide_filter_metadata_t *md = k.metadata();
-  for (int a = 0; a < md->num_arguments; ++a)
-    if (runtime::plan_argument_name(md->arguments[a].name) == arg) return a;
-  return -1;
-}
-
-// A step of `plan.train` that writes a tensor whose next two bytes no live tensor holds (so an
-// overrun of it lands in free memory), with the written argument; found by replaying the plan.
-struct Site { int step = -1; const Arg *arg = nullptr; };
-Site overrun_site(const Plan &plan) {
+// The first train step, and its written argument, whose overrun lands as asked (replaying the plan).
+struct Site { int step = -1; const Arg *arg = nullptr; std::string neighbour; };
+Site overrun_site(const Plan &plan, Landing landing) {
   std::vector<int> live;
   for (int t = 0; t < int(plan.tensors.size()); ++t)
     if (plan.tensors[t].view_of < 0 && persistent(plan.tensors[t].role)) live.push_back(t);
   for (int i = 0; i < int(plan.train.size()); ++i) {
     const Step &st = plan.train[i];
     live.insert(live.end(), st.alloc.begin(), st.alloc.end());
+    auto written = [&](int t) { return std::ranges::any_of(st.args, [&](const Arg &a) { return a.access == Access::write && a.tensor == t; }); };
     for (const Arg &a : st.args) {
       const Tensor &t = plan.tensors[a.tensor];
       if (a.access != Access::write || t.view_of >= 0) continue;
       const std::size_t end = t.offset + t.bytes();
-      const bool free_after = end + 2 <= plan.peak_bytes && std::ranges::none_of(live, [&](int o) {
+      const auto hit = std::ranges::find_if(live, [&](int o) {
         const Tensor &x = plan.tensors[o];
         return x.offset < end + 2 && end < x.offset + x.bytes();
       });
-      if (free_after) return {i, &a};
+      const bool lands = landing == Landing::guard         ? end == plan.peak_bytes
+                         : landing == Landing::free_memory ? end + 2 <= plan.peak_bytes && hit == live.end()
+                                                           : hit != live.end() && !written(*hit);
+      if (lands) return {i, &a, hit == live.end() ? "" : std::string(plan.tensors[*hit].name.view())};
     }
     for (int t : st.free) std::erase(live, t);
   }
@@ -107,65 +75,104 @@ int calls_before(const Plan &plan, int i, std::string_view model) {
 
 std::string what(const std::exception &e) { return e.what(); }
 
-}  // namespace
+struct Example {
+  const Model *model;
+  const char *name;
+  std::span<const Kernel> table;
+  int samples;
+};
+const Example examples[] = {{&mlp::model, "mlp", mlp_kernels::table, batch}, {&gpt::model, "gpt", gpt_kernels::table, 2}};
 
-// A corrupted plan: the loss kernel's row_loss moved to 8 bytes before the arena's end, so the
-// kernel writes past it, into the guard. The run stops there, naming the kernel.
-BOOST_AUTO_TEST_CASE(a_write_past_the_plan_is_caught_in_the_guard) {
-  Plan plan = make_plan(mlp::model, none, batch);
-  Tensor &row_loss = plan.tensors[plan.find("row_loss")];
-  BOOST_TEST_REQUIRE(row_loss.bytes() > 8u);
-  row_loss.offset = plan.peak_bytes - 8;
+// Runs the train phase of `plan` with a test-only kernel that writes 2 bytes past the argument of
+// `site`, and returns the error the executor raised ("" if none).
+std::string run_with_overrun(const Example &e, const Plan &plan, const Site &site, bool free_memory_check) {
+  const Step &st = plan.train[site.step];
+  const std::string kernel(kernel_name(e.name, st.stage, st.variant, plan.precision).view());
+  const Kernel &real = *std::ranges::find_if(e.table, [&](const Kernel &k) { return kernel == k.name; });
+  Planted fault;
+  fault.on_call = calls_before(plan, site.step, e.name);
+  fault.argument = argument_index(real, site.arg->name.view());
+  BOOST_TEST_REQUIRE(fault.argument >= 0, kernel << " has no argument " << site.arg->name.view());
+  const std::vector<Kernel> faulty = with_fault(e.table, kernel, fault);
   Arena arena(plan.peak_bytes);
   arena.fill_canary();
   runtime::Scalars scalars;
-  Executor ex(plan, "mlp", mlp_kernels::table, arena, scalars);
+  Executor ex(plan, e.name, faulty, arena, scalars, {.free_memory = free_memory_check});
   std::ranges::fill(ex.tensor<std::int32_t>("labels"), 0);
+  if (e.model->token_input()) std::ranges::fill(ex.tensor<std::int32_t>("inputs"), 0);
   try {
     ex.run(Executor::Phase::train);
-    BOOST_FAIL("the write past the arena went unnoticed");
-  } catch (const std::runtime_error &e) {
-    BOOST_TEST(what(e).find("kernel mlp_loss wrote past the end of the arena") != std::string::npos, what(e));
+  } catch (const std::runtime_error &err) {
+    return err.what();
   }
-  BOOST_TEST(arena.high_water() > arena.size());  // the measured peak shows the violation too
+  return "";
 }
 
-// A test-only kernel that writes 2 bytes past one of its outputs, where no live tensor is: the
-// guard cannot see it (it is inside the arena), the free-memory check names the kernel.
-BOOST_AUTO_TEST_CASE(a_write_outside_the_live_tensors_is_caught) {
-  for (auto [model, name, table, samples] : {std::tuple{&mlp::model, "mlp", std::span<const Kernel>(mlp_kernels::table), batch},
-                                             {&gpt::model, "gpt", std::span<const Kernel>(gpt_kernels::table), 2}}) {
-    const Plan plan = make_plan(*model, full, samples);
-    const Site site = overrun_site(plan);
-    BOOST_TEST_REQUIRE(site.step >= 0, name << ": no step writes a tensor with free memory after it");
-    const Step &st = plan.train[site.step];
-    const std::string kernel(kernel_name(name, st.stage, st.variant, plan.precision).view());
-    const Kernel &real = *std::ranges::find_if(table, [&](const Kernel &k) { return kernel == k.name; });
-    Planted fault;
-    fault.on_call = calls_before(plan, site.step, name);
-    fault.argument = argument_index(real, site.arg->name.view());
-    BOOST_TEST_REQUIRE(fault.argument >= 0, kernel << " has no argument " << site.arg->name.view());
-    const std::vector<Kernel> faulty = with_fault(table, kernel, fault);
-    for (bool checked : {false, true}) {
-      Arena arena(plan.peak_bytes);
-      arena.fill_canary();
-      runtime::Scalars scalars;
-      Executor ex(plan, name, faulty, arena, scalars, {.free_memory = checked});
-      std::ranges::fill(ex.tensor<std::int32_t>("labels"), 0);
-      if (model->token_input()) std::ranges::fill(ex.tensor<std::int32_t>("inputs"), 0);
-      planted.call = 0;
-      if (!checked) {  // without the check the fault goes unseen: the run completes
-        BOOST_CHECK_NO_THROW(ex.run(Executor::Phase::train));
-        continue;
-      }
-      try {
-        ex.run(Executor::Phase::train);
-        BOOST_FAIL(name << ": the write outside the live tensors went unnoticed");
-      } catch (const std::runtime_error &e) {
-        BOOST_TEST(what(e).find("kernel " + kernel + " wrote byte") != std::string::npos, what(e));
-        BOOST_TEST(what(e).find("which no live tensor holds") != std::string::npos, what(e));
+}  // namespace
+
+// A plan that does not fit its arena is refused before anything runs.
+BOOST_AUTO_TEST_CASE(a_plan_that_does_not_fit_is_refused) {
+  Plan plan = make_plan(mlp::model, none, batch);
+  plan.tensors[plan.find("row_loss")].offset = plan.peak_bytes - 8;  // ends past the arena
+  Arena arena(plan.peak_bytes);
+  runtime::Scalars scalars;
+  try {
+    Executor ex(plan, "mlp", mlp_kernels::table, arena, scalars);
+    BOOST_FAIL("a tensor past the arena was accepted");
+  } catch (const std::runtime_error &e) {
+    BOOST_TEST(what(e).find("tensor row_loss") != std::string::npos, what(e));
+  }
+  Arena small(plan.peak_bytes / 2);
+  BOOST_CHECK_THROW(Executor(make_plan(mlp::model, none, batch), "mlp", mlp_kernels::table, small, scalars), std::runtime_error);
+}
+
+// A test-only kernel writes 2 bytes past the tensor that ends at the plan's peak: into the guard.
+// The run stops after that kernel, naming it, with or without the free-memory check; the
+// measured peak (the high-water mark) shows the violation too.
+BOOST_AUTO_TEST_CASE(a_write_past_the_plan_is_caught_in_the_guard) {
+  for (const Example &e : examples)
+    for (Policy p : {none, full}) {
+      const Plan plan = make_plan(*e.model, p, e.samples);
+      const Site site = overrun_site(plan, Landing::guard);
+      BOOST_TEST_REQUIRE(site.step >= 0, e.name << ": no step writes the tensor at the peak");
+      const Step &st = plan.train[site.step];
+      const std::string kernel(kernel_name(e.name, st.stage, st.variant, plan.precision).view());
+      for (bool checked : {false, true}) {
+        const std::string error = run_with_overrun(e, plan, site, checked);
+        BOOST_TEST(error.find("kernel " + kernel + " wrote past the end of the arena") != std::string::npos,
+                   e.name << " " << policy_name(p).view() << ": " << error);
       }
     }
+}
+
+// Past a tensor into free memory inside the arena: the guard cannot see it (the run completes
+// without the check); the free-memory check names the kernel.
+BOOST_AUTO_TEST_CASE(a_write_outside_the_live_tensors_is_caught) {
+  for (const Example &e : examples) {
+    const Plan plan = make_plan(*e.model, full, e.samples);
+    const Site site = overrun_site(plan, Landing::free_memory);
+    BOOST_TEST_REQUIRE(site.step >= 0, e.name << ": no step writes a tensor with free memory after it");
+    const Step &st = plan.train[site.step];
+    const std::string kernel(kernel_name(e.name, st.stage, st.variant, plan.precision).view());
+    BOOST_TEST(run_with_overrun(e, plan, site, false) == "");
+    const std::string error = run_with_overrun(e, plan, site, true);
+    BOOST_TEST(error.find("kernel " + kernel + " wrote byte") != std::string::npos, error);
+    BOOST_TEST(error.find("which no live tensor holds") != std::string::npos, error);
+  }
+}
+
+// Past a tensor into the live tensor next to it, which the kernel does not write: the check names
+// the kernel and the tensor it changed.
+BOOST_AUTO_TEST_CASE(a_write_into_a_neighbouring_tensor_is_caught) {
+  for (const Example &e : examples) {
+    const Plan plan = make_plan(*e.model, none, e.samples);
+    const Site site = overrun_site(plan, Landing::neighbour);
+    BOOST_TEST_REQUIRE(site.step >= 0, e.name << ": no step writes a tensor followed by a live one");
+    const Step &st = plan.train[site.step];
+    const std::string kernel(kernel_name(e.name, st.stage, st.variant, plan.precision).view());
+    const std::string error = run_with_overrun(e, plan, site, true);
+    BOOST_TEST(error.find("kernel " + kernel + " changed tensor " + site.neighbour) != std::string::npos,
+               e.name << ": " << error);
   }
 }
 
@@ -180,8 +187,11 @@ BOOST_AUTO_TEST_CASE(real_kernels_write_only_their_tensors) {
         Executor checked(r->plan, r->model.token_input() ? "gpt" : "mlp",
                          r->model.token_input() ? std::span<const Kernel>(gpt_kernels::table) : std::span<const Kernel>(mlp_kernels::table),
                          r->arena, r->scalars, {.free_memory = true});
-        for (auto phase : {Executor::Phase::train, Executor::Phase::optimize, Executor::Phase::eval})
-          BOOST_CHECK_NO_THROW(checked.run(phase));
+        for (auto phase : {Executor::Phase::train, Executor::Phase::optimize, Executor::Phase::eval}) try {
+            checked.run(phase);
+          } catch (const std::exception &e) {
+            BOOST_ERROR(policy_name(p).view() << " " << precision_name(precision) << ": " << e.what());
+          }
         BOOST_TEST_CONTEXT(policy_name(p).view() << " " << precision_name(precision)) {
           BOOST_TEST(r->arena.high_water() == r->plan.peak_bytes);
         }
@@ -205,7 +215,7 @@ BOOST_AUTO_TEST_CASE(heap_allocations_during_steps_are_counted) {
   BOOST_TEST(runtime::step_heap().allocations >= 1u);
   BOOST_TEST(runtime::step_heap().bytes >= 1000u);
 
-  for (Policy p : {none, sqrt_n, with_offload(full)}) {
+  for (Policy p : {none, selective, sqrt_n, with_offload(full)}) {
     Run run(gpt::model, "gpt", gpt_kernels::table, p, 2, 0.1, true);
     runtime::reset_step_heap();
     runtime::reset_halide_heap_peak();

@@ -560,12 +560,7 @@ BOOST_AUTO_TEST_CASE(the_comparison_rejects_a_planted_nan_and_a_planted_sign_fli
 // ---- policies against each other ----
 // A bit-identity baseline must be a real gradient: two runs that both wrote NaN, or both left
 // the zeros, would compare equal too.
-void expect_real_gradient(const std::vector<float> &g) {
-  const bool finite = std::ranges::all_of(g, [](float x) { return std::isfinite(x); });
-  const bool nonzero = std::ranges::any_of(g, [](float x) { return x != 0; });
-  BOOST_TEST(finite);
-  BOOST_TEST(nonzero);
-}
+void expect_real_gradient(const std::vector<float> &g) { BOOST_TEST(testing::finite_and_nonzero(g)); }
 bool same_bits(const std::vector<float> &a, const std::vector<float> &b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }

@@ -98,6 +98,7 @@ BOOST_AUTO_TEST_CASE(policies_agree_and_peaks_are_exact) {
       BOOST_TEST(j.contains(key), key);
     BOOST_TEST(j["measured_peak_bytes"] == j["planned_peak_bytes"], policy);
     BOOST_TEST(j["halide_heap_peak_bytes"] == 0, policy);
+    BOOST_TEST(j["loss_first"].is_number(), policy);  // NaN would be null
     BOOST_TEST(j["step_heap_allocations"] == 0, policy);  // no heap allocation at all inside the steps
     BOOST_TEST(j["batch_size"] == 256);
   }
@@ -202,6 +203,8 @@ BOOST_AUTO_TEST_CASE(gpt_policies_agree_with_dropout) {
     runs[policy] = summary(r);
     BOOST_TEST(runs[policy]["measured_peak_bytes"] == runs[policy]["planned_peak_bytes"], policy);
     BOOST_TEST(runs[policy]["halide_heap_peak_bytes"] == 0, policy);
+    BOOST_TEST(runs[policy]["step_heap_allocations"] == 0, policy);
+    BOOST_TEST(runs[policy]["loss_first"].is_number(), policy);  // NaN would be null
     BOOST_TEST(runs[policy].contains("val_loss"));
     BOOST_TEST(runs[policy].contains("tokens_per_s"));
   }
@@ -225,6 +228,8 @@ BOOST_AUTO_TEST_CASE(bf16_runs_agree_across_policies) {
     BOOST_TEST(runs[policy]["precision"] == "bf16");
     BOOST_TEST(runs[policy]["measured_peak_bytes"] == runs[policy]["planned_peak_bytes"], policy);
     BOOST_TEST(runs[policy]["halide_heap_peak_bytes"] == 0, policy);
+    BOOST_TEST(runs[policy]["step_heap_allocations"] == 0, policy);
+    BOOST_TEST(runs[policy]["loss_first"].is_number(), policy);  // NaN would be null
     BOOST_TEST(runs[policy]["eval_loss"].is_number());
   }
   for (const auto &[policy, j] : runs)
