@@ -6,6 +6,7 @@
 // none and writes the rows as JSON for bench/torch_gpt2.py, which runs the same model in PyTorch
 // and prints both side by side. A policy that fails gives an error row (the others still run);
 // the JSON is always written, also without a GPU (then [SKIP], a "skipped" record and exit 0).
+// A measured peak other than the planned one is a failure too (an "error" in its row, exit 1).
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -19,6 +20,8 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 import remat;
 import remat.runtime;
@@ -46,11 +49,15 @@ nlohmann::json run_policy(Policy p, int batch, int steps, Precision precision, d
   Executor ex(plan, "gpt2s", gpt2s_kernels::cuda_table, arena, scalars);
   std::mt19937_64 rng(1);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
-  for (float &x : ex.tensor<float>("params")) x = 0.02f * u(rng);
-  for (auto root : {"adam_m", "adam_v"}) std::ranges::fill(ex.tensor<float>(root), 0.f);
+  // everything zero first (the alignment padding between parameters, and their gradients, stays
+  // 0, as the trainer's init_params leaves it), then each parameter's values
+  for (auto root : {"params", "grads", "adam_m", "adam_v"}) std::ranges::fill(ex.tensor<float>(root), 0.f);
+  for (const Tensor &t : plan.tensors)
+    if (t.role == Role::params && t.view_of >= 0 && t.name.view().find('.') != std::string_view::npos)
+      for (float &x : ex.tensor<float>(t.name.view())) x = 0.02f * u(rng);
   for (auto &t : ex.tensor<std::int32_t>("inputs")) t = int(rng() % gpt2s::vocab);
   for (auto &l : ex.tensor<std::int32_t>("labels")) l = int(rng() % gpt2s::vocab);
-  for (auto name : {"params", "adam_m", "adam_v", "inputs", "labels"}) ex.upload(name);
+  for (auto name : {"params", "grads", "adam_m", "adam_v", "inputs", "labels"}) ex.upload(name);
   scalars.grad_scale = 1.f / float(plan.rows);
   scalars.lr = 1e-4f;
   scalars.step = 1;
@@ -75,10 +82,14 @@ nlohmann::json run_policy(Policy p, int batch, int steps, Precision precision, d
              base_rate > 0 ? rate / base_rate : 0.0, plan.peak_bytes, measured,
              measured == plan.peak_bytes ? "yes" : "NO", plan.activation_bytes / 1048576.0,
              plan.offload_bytes, grad_digest);
-  return {{"policy", std::string(policy_name(p).view())}, {"tokens_per_s", rate},
-          {"planned_peak_bytes", plan.peak_bytes}, {"measured_peak_bytes", measured},
-          {"activation_bytes", plan.activation_bytes}, {"offload_bytes", plan.offload_bytes},
-          {"grad_digest", grad_digest}};
+  nlohmann::json row{{"policy", std::string(policy_name(p).view())}, {"tokens_per_s", rate},
+                     {"planned_peak_bytes", plan.peak_bytes}, {"measured_peak_bytes", measured},
+                     {"peak_equal", measured == plan.peak_bytes},
+                     {"activation_bytes", plan.activation_bytes}, {"offload_bytes", plan.offload_bytes},
+                     {"grad_digest", grad_digest}};
+  if (measured != plan.peak_bytes)  // a failure: the plan did not hold on the device
+    row["error"] = fmt::format("measured peak {} B != planned peak {} B", measured, plan.peak_bytes);
+  return row;
 }
 
 }  // namespace
@@ -126,7 +137,12 @@ int main(int argc, char **argv) {
   double base_rate = 0;
   for (Policy p : policies) {
     try {
-      record["rows"].push_back(run_policy(p, batch, steps, precision, base_rate));
+      nlohmann::json row = run_policy(p, batch, steps, precision, base_rate);
+      if (row.contains("error")) {  // it ran, but measured != planned peak
+        fmt::print("{:<18} error: {}\n", policy_name(p).view(), row["error"].get<std::string>());
+        status = 1;
+      }
+      record["rows"].push_back(std::move(row));
     } catch (const std::exception &e) {  // e.g. a failing kernel: the other policies still run
       fmt::print("{:<18} error: {}\n", policy_name(p).view(), e.what());
       record["rows"].push_back({{"policy", std::string(policy_name(p).view())}, {"error", e.what()}});

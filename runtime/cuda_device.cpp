@@ -91,8 +91,13 @@ DeviceInfo probe() {
 
 // At exit, before the CUDA runtime's own teardown (atexit handlers run in reverse order of
 // registration): Halide's CUDA state (its modules in the primary context) is released while the
-// context still exists.
-void release_halide() { halide_device_release(nullptr, halide_cuda_device_interface()); }
+// context still exists. Then the acquire hook has no context to give (it returns -1), so nothing
+// Halide does later (its own destructor) gets the stale one.
+void release_halide() {
+  if (!state.context) return;  // init() failed before the context was known: Halide never ran
+  halide_device_release(nullptr, halide_cuda_device_interface());
+  state.context = nullptr;
+}
 
 void init() {
   if (state.ready) return;
@@ -102,7 +107,9 @@ void init() {
   dlopen_first({"libcuda.so.1"}, "the CUDA driver for Halide's kernels", RTLD_NOW | RTLD_GLOBAL);
   check(cudaSetDevice(0), "cudaSetDevice");
   check(cudaFree(nullptr), "initializing the primary context");
-  std::atexit(release_halide);
+  // once, even when init() is tried again after a throw (after the CUDA runtime's own handler)
+  static bool release_registered = false;
+  if (!release_registered) release_registered = std::atexit(release_halide) == 0;
   // The primary context, through the runtime's entry point to the driver (no link to libcuda).
   void *fn = nullptr;
   cudaDriverEntryPointQueryResult found{};

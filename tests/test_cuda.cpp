@@ -11,12 +11,17 @@
 //    vector lanes; in bf16 that can move a value across a rounding boundary, 2^-8 relative, and
 //    the difference travels on);
 //  - every policy, offload included, gives the same gradients bit for bit on the device;
-//  - the measured peak of the device arena (canary scan) equals the plan; kernels allocate nothing.
+//  - the measured peak of the device arena (canary scan) equals the plan; kernels allocate nothing;
+//  - a test-only kernel writing past the plan on the device (into the arena's guard) is caught.
 #include <boost/test/unit_test.hpp>
+
+#include <HalideRuntime.h>
 
 #include "cuda_device.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -36,6 +41,7 @@ import gpt.kernels;
 
 #include "compare.h"
 #include "model_run.h"
+#include "planted_fault.h"
 
 using namespace remat;
 using remat::runtime::Device;
@@ -125,6 +131,9 @@ void expect_policies_identical(Device device, std::span<const runtime::Kernel> g
   Run base(gpt::model, "gpt", gpt_gpu, none, samples, 0.1, true, device, precision);
   base.ex.run(Executor::Phase::train);
   const auto expected = base.grads();
+  // two runs that both left NaN (the canary) or zeros would compare equal
+  BOOST_TEST_REQUIRE(testing::finite_and_nonzero(expected),
+                     precision_name(precision) << " gradients under none: not all finite, or all zero");
   for (Policy p : {selective, full, every_2, sqrt_n, with_offload(full), with_offload(every_2), with_offload(sqrt_n)}) {
     Run run(gpt::model, "gpt", gpt_gpu, p, samples, 0.1, true, device, precision);
     run.ex.run(Executor::Phase::train);
@@ -238,4 +247,65 @@ BOOST_AUTO_TEST_CASE(cuda_measured_peak_equals_the_plan, *boost::unit_test::labe
     BOOST_TEST(run.arena.high_water() == run.plan.peak_bytes, policy_name(p).view());
     BOOST_TEST(runtime::halide_heap().peak == 0u);
   }
+}
+
+namespace {
+
+// The train step, and its written argument, whose tensor ends exactly at the plan's peak: 2 bytes
+// written past it land in the arena's guard. Returns the step, or -1.
+int guard_site(const Plan &plan, const Arg *&arg) {
+  for (int i = 0; i < int(plan.train.size()); ++i)
+    for (const Arg &a : plan.train[i].args) {
+      const Tensor &t = plan.tensors[a.tensor];
+      const std::size_t begin = t.offset + (t.view_of >= 0 ? plan.tensors[t.view_of].offset : 0);
+      if (a.access == Access::write && begin + t.bytes() == plan.peak_bytes) {
+        arg = &a;
+        return i;
+      }
+    }
+  return -1;
+}
+
+// The planted overrun on the device: 2 zero bytes (not the canary) just past the buffer, queued
+// on the compute stream after the real kernel.
+void overrun_on_the_device(halide_buffer_t *buf) {
+  static const std::uint8_t zeros[2] = {};
+  cuda::copy_to_device(reinterpret_cast<void *>(buf->device + buf->size_in_bytes()), zeros, sizeof zeros,
+                       cuda::Stream::compute);
+}
+
+}  // namespace
+
+// A test-only kernel table: the GPT's CUDA kernel that writes the tensor ending at the plan's
+// peak runs, then writes 2 bytes past that tensor on the device, into the guard. The run stops
+// with the executor's error (after the phase; with REMAT_CUDA_SYNC=1 after that kernel, naming it).
+BOOST_AUTO_TEST_CASE(cuda_write_past_the_plan_is_caught, *boost::unit_test::label("gpu") * boost::unit_test::precondition(cuda_device)) {
+  const int samples = 2;
+  const Plan plan = make_plan(gpt::model, none, samples, Precision::fp32, runtime::gemms_of(Device::cuda));
+  const Arg *arg = nullptr;
+  const int step = guard_site(plan, arg);
+  BOOST_TEST_REQUIRE(step >= 0, "no train step writes a tensor that ends at the plan's peak");
+  const Step &st = plan.train[step];
+  const Name name = kernel_name("gpt", st.stage, st.variant, plan.precision);
+  const std::string kernel(name.view());
+  const auto real = std::ranges::find_if(gpt_kernels::cuda_table, [&](const runtime::Kernel &k) { return kernel == k.name; });
+  BOOST_TEST_REQUIRE((real != gpt_kernels::cuda_table.end()), "no CUDA kernel " << kernel);
+  testing::Planted fault;
+  for (int j = 0; j < step; ++j)  // the fault on this step's call of the kernel
+    fault.on_call += kernel_name("gpt", plan.train[j].stage, plan.train[j].variant, plan.precision) == name;
+  fault.argument = testing::argument_index(*real, arg->name.view());
+  BOOST_TEST_REQUIRE(fault.argument >= 0, kernel << " has no argument " << arg->name.view());
+  fault.overrun = overrun_on_the_device;
+  const std::vector<runtime::Kernel> faulty = testing::with_fault(gpt_kernels::cuda_table, kernel, fault);
+  Run run(gpt::model, "gpt", faulty, none, samples, 0.1, true, Device::cuda);
+  BOOST_TEST_REQUIRE(run.arena.size() == plan.peak_bytes, "the arena is not the train plan's size: the guard is elsewhere");
+  BOOST_TEST_MESSAGE("planted: 2 bytes past " << arg->name.view() << " of " << kernel << " (train step " << step << ")");
+  try {
+    run.ex.run(Executor::Phase::train);
+    BOOST_FAIL("the write past the plan on the device went unnoticed");
+  } catch (const std::runtime_error &e) {
+    const std::string what = e.what();
+    BOOST_TEST(what.find("wrote past the end of the arena") != std::string::npos, what);
+  }
+  BOOST_TEST(testing::planted.call > fault.on_call, "the faulty kernel's call was not reached");
 }
