@@ -344,44 +344,48 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
 
 
 
-// With the free-memory check: the live root tensors right next to (just above or just below, in
-// the arena) a root the step writes, which the step does not write itself, copied before the
-// kernel: a kernel overrunning one of its outputs inside the arena lands in free memory (the
-// free-memory check sees it) or in one of these.
-struct Executor::Neighbours {
-  std::vector<int> tensors;
+// With the free-memory check: every byte of the live tensors that the step does not write (whole
+// tensors, and the parts of a flat buffer outside the views it writes), copied before the kernel
+// and compared after it, so that a kernel writing into a tensor it was not given is named.
+struct Executor::Untouched {
+  struct Region { std::size_t offset, bytes; int tensor; };
+  std::vector<Region> regions;
   std::vector<std::byte> before;
   void take(const Plan &plan, const Step &st, const std::vector<int> &live, const std::byte *arena) {
-    auto root = [&](int t) { return plan.tensors[t].view_of < 0 ? t : plan.tensors[t].view_of; };
-    auto written = [&](int t) {
-      return std::ranges::any_of(st.args, [&](const Arg &a) { return a.access == Access::write && root(a.tensor) == t; });
-    };
-    tensors.clear();
-    for (const Arg &a : st.args) {
-      if (a.access != Access::write) continue;
-      const Tensor &w = plan.tensors[root(a.tensor)];
-      int above = -1, below = -1;
-      for (int t : live) {
-        const Tensor &x = plan.tensors[t];
-        if (written(t)) continue;
-        if (x.offset >= w.offset + w.bytes() && (above < 0 || x.offset < plan.tensors[above].offset)) above = t;
-        if (x.offset + x.bytes() <= w.offset && (below < 0 || x.offset > plan.tensors[below].offset)) below = t;
+    std::vector<std::pair<std::size_t, std::size_t>> written;  // [begin, end) in the arena, merged
+    for (const Arg &a : st.args)
+      if (a.access == Access::write) {
+        const Tensor &t = plan.tensors[a.tensor];
+        const std::size_t begin = t.offset + (t.view_of >= 0 ? plan.tensors[t.view_of].offset : 0);
+        written.push_back({begin, begin + t.bytes()});
       }
-      for (int t : {above, below})
-        if (t >= 0 && std::ranges::find(tensors, t) == tensors.end()) tensors.push_back(t);
+    std::ranges::sort(written);
+    regions.clear();
+    for (int t : live) {
+      std::size_t at = plan.tensors[t].offset;
+      const std::size_t end = at + plan.tensors[t].bytes();
+      for (auto [w0, w1] : written) {
+        if (w1 <= at || w0 >= end) continue;
+        if (w0 > at) regions.push_back({at, w0 - at, t});
+        at = std::max(at, w1);
+      }
+      if (at < end) regions.push_back({at, end - at, t});
     }
     before.clear();
-    for (int t : tensors)
-      before.insert(before.end(), arena + plan.tensors[t].offset, arena + plan.tensors[t].offset + plan.tensors[t].bytes());
+    for (const Region &r : regions) before.insert(before.end(), arena + r.offset, arena + r.offset + r.bytes);
   }
-  int changed(const Plan &plan, const std::byte *arena) const {  // the first that changed, or -1
+  // The first changed byte and the tensor holding it, or {-1, -1}.
+  std::pair<long, int> changed(const std::byte *arena) const {
     std::size_t at = 0;
-    for (int t : tensors) {
-      const std::size_t n = plan.tensors[t].bytes();
-      if (std::memcmp(before.data() + at, arena + plan.tensors[t].offset, n) != 0) return t;
-      at += n;
+    for (const Region &r : regions) {
+      if (std::memcmp(before.data() + at, arena + r.offset, r.bytes) != 0) {
+        std::size_t i = 0;
+        while (before[at + i] == arena[r.offset + i]) ++i;
+        return {long(r.offset + i), r.tensor};
+      }
+      at += r.bytes;
     }
-    return -1;
+    return {-1, -1};
   }
 };
 
@@ -395,7 +399,7 @@ void Executor::run(Phase phase) {
     throw std::runtime_error("the free-memory check needs an arena filled with the canary (Arena::fill_canary)");
   const bool check_free = (checks.free_memory || check_env) && arena.canary_filled() && arena.device() != Device::cuda;
   std::vector<int> live;  // with the free-memory check: the root tensors live at this step
-  Neighbours neighbours;
+  Untouched untouched;
   if (check_free)
     for (int t = 0; t < int(plan.tensors.size()); ++t)
       if (plan.tensors[t].view_of < 0 && persistent(plan.tensors[t].role)) live.push_back(t);
@@ -409,7 +413,7 @@ void Executor::run(Phase phase) {
     if (check_free) {
       PausedCounting paused;
       live.insert(live.end(), st.alloc.begin(), st.alloc.end());
-      neighbours.take(plan, st, live, arena.data());
+      untouched.take(plan, st, live, arena.data());
     }
     const bool host_driven = arena.device() == Device::opencl;
     if (host_driven)  // the host copy is the truth: Halide copies it to the device
@@ -425,7 +429,7 @@ void Executor::run(Phase phase) {
     }
     {
       PausedCounting paused;
-      check_after(*b, st, check_free ? &live : nullptr, neighbours);
+      check_after(*b, st, check_free ? &live : nullptr, untouched);
     }
     if (profile) {
       b->seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -443,7 +447,7 @@ void Executor::run(Phase phase) {
 // After each kernel call: the guard (CPU and OpenCL: always; CUDA: with REMAT_CUDA_SYNC=1, which
 // first waits for the kernel so that an asynchronous fault is reported with its name), then the
 // free-memory check, and the memory of the tensors that die here is refilled with the canary.
-void Executor::check_after(const Bound &b, const Step &st, std::vector<int> *live_roots, const Neighbours &neighbours) {
+void Executor::check_after(const Bound &b, const Step &st, std::vector<int> *live_roots, const Untouched &untouched) {
   static const bool sync_each = std::getenv("REMAT_CUDA_SYNC") != nullptr;
   if (arena.device() == Device::cuda) {
     if (!sync_each) return;
@@ -457,9 +461,9 @@ void Executor::check_after(const Bound &b, const Step &st, std::vector<int> *liv
     throw std::runtime_error(fmt::format("kernel {} wrote past the end of the arena (byte {} beyond the plan's {} bytes)",
                                          b.kernel->name, damage, arena.size()));
   if (!live_roots) return;
-  if (const int t = neighbours.changed(plan, arena.data()); t >= 0)
-    throw std::runtime_error(fmt::format("kernel {} changed tensor {}, which it does not write (an overrun of a "
-                                         "neighbouring output?)", b.kernel->name, plan.tensors[t].name.view()));
+  if (const auto [byte, t] = untouched.changed(arena.data()); byte >= 0)
+    throw std::runtime_error(fmt::format("kernel {} changed tensor {} (arena byte {}), which it does not write",
+                                         b.kernel->name, plan.tensors[t].name.view(), byte));
   std::vector<int> &live = *live_roots;
   std::ranges::sort(live, {}, [&](int t) { return plan.tensors[t].offset; });
   std::size_t at = 0;

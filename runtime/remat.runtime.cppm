@@ -121,11 +121,11 @@ private:
 // OpenCL the host copies Halide brings back per buffer cannot show a device-side overrun).
 struct ExecutorChecks {
   // After each kernel, every byte outside the tensors live at that step still holds the canary
-  // (memory of freed tensors is refilled with it), and the live tensors right next to each
-  // tensor the kernel writes, which it does not write, are unchanged: a kernel writing outside
-  // its own tensors is named. Host-visible arenas only (CPU; on OpenCL it sees the host copies,
+  // (memory of freed tensors is refilled with it), and every byte of the live tensors that the
+  // kernel does not write (parts of a flat buffer outside its written views included) is
+  // unchanged: a kernel writing outside its own outputs is named. Host-visible arenas only (CPU; on OpenCL it sees the host copies,
   // which Halide fills from the device per buffer, so a device-side overrun is not seen); costs a
-  // scan of the arena per kernel (tests). Needs an arena filled with the canary.
+  // copy and a scan of the arena per kernel (tests). Needs an arena filled with the canary.
   // REMAT_CHECK_ARENA=1 turns it on for every such arena.
   bool free_memory = false;
 };
@@ -161,8 +161,8 @@ private:
   std::pair<std::size_t, std::size_t> locate(std::string_view name, std::size_t elem_bytes = 0) const;
   struct Bound;
   struct Transfers;
-  struct Neighbours;
-  void check_after(const Bound &b, const Step &step, std::vector<int> *live_roots, const Neighbours &neighbours);
+  struct Untouched;
+  void check_after(const Bound &b, const Step &step, std::vector<int> *live_roots, const Untouched &untouched);
   const Plan &plan;
   Arena &arena;
   Checks checks;

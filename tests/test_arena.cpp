@@ -34,8 +34,9 @@ namespace {
 constexpr int batch = 8;
 
 // Where 2 bytes written just past a tensor that a train step writes land: in the guard (the
-// tensor ends at the plan's peak), in free memory, or in a live tensor the step does not write.
-enum class Landing { guard, free_memory, neighbour };
+// tensor ends at the plan's peak), in free memory, in a live tensor the step does not write, or
+// (past a gradient view) in the flat gradient buffer where the step writes nothing.
+enum class Landing { guard, free_memory, neighbour, other_gradient };
 
 // The first train step, and its written argument, whose overrun lands as asked (replaying the plan).
 struct Site { int step = -1; const Arg *arg = nullptr; std::string neighbour; };
@@ -47,9 +48,19 @@ Site overrun_site(const Plan &plan, Landing landing) {
     const Step &st = plan.train[i];
     live.insert(live.end(), st.alloc.begin(), st.alloc.end());
     auto written = [&](int t) { return std::ranges::any_of(st.args, [&](const Arg &a) { return a.access == Access::write && a.tensor == t; }); };
+    auto absolute = [&](const Tensor &t) { return t.offset + (t.view_of >= 0 ? plan.tensors[t.view_of].offset : 0); };
     for (const Arg &a : st.args) {
       const Tensor &t = plan.tensors[a.tensor];
-      if (a.access != Access::write || t.view_of >= 0) continue;
+      if (landing == Landing::other_gradient && a.access == Access::write && t.role == Role::grads && t.view_of >= 0) {
+        const std::size_t end = absolute(t) + t.bytes();
+        const bool unwritten = std::ranges::none_of(st.args, [&](const Arg &o) {
+          const Tensor &x = plan.tensors[o.tensor];
+          return o.access == Access::write && absolute(x) < end + 2 && end < absolute(x) + x.bytes();
+        });
+        const Tensor &root = plan.tensors[t.view_of];
+        if (unwritten && end + 2 <= root.offset + root.bytes()) return {i, &a, std::string(root.name.view())};
+      }
+      if (a.access != Access::write || t.view_of >= 0 || landing == Landing::other_gradient) continue;
       const std::size_t end = t.offset + t.bytes();
       const auto hit = std::ranges::find_if(live, [&](int o) {
         const Tensor &x = plan.tensors[o];
@@ -171,13 +182,27 @@ BOOST_AUTO_TEST_CASE(a_write_into_a_neighbouring_tensor_is_caught) {
     const Step &st = plan.train[site.step];
     const std::string kernel(kernel_name(e.name, st.stage, st.variant, plan.precision).view());
     const std::string error = run_with_overrun(e, plan, site, true);
-    BOOST_TEST(error.find("kernel " + kernel + " changed tensor " + site.neighbour) != std::string::npos,
+    BOOST_TEST(error.find("kernel " + kernel + " changed tensor " + site.neighbour + " ") != std::string::npos,
                e.name << ": " << error);
   }
 }
 
 // The real kernels pass the free-memory check under every policy, offload and bf16 included:
 // no kernel writes outside the tensors the plan gives it.
+// Past a gradient view into the flat gradient buffer, where this step writes nothing (another
+// block's gradients, or padding): the check names the kernel and the buffer.
+BOOST_AUTO_TEST_CASE(a_write_into_another_gradient_is_caught) {
+  for (const Example &e : examples) {
+    const Plan plan = make_plan(*e.model, full, e.samples);
+    const Site site = overrun_site(plan, Landing::other_gradient);
+    BOOST_TEST_REQUIRE(site.step >= 0, e.name << ": no step writes a gradient view followed by one it does not write");
+    const Step &st = plan.train[site.step];
+    const std::string kernel(kernel_name(e.name, st.stage, st.variant, plan.precision).view());
+    const std::string error = run_with_overrun(e, plan, site, true);
+    BOOST_TEST(error.find("kernel " + kernel + " changed tensor grads ") != std::string::npos, e.name << ": " << error);
+  }
+}
+
 BOOST_AUTO_TEST_CASE(real_kernels_write_only_their_tensors) {
   for (Precision precision : {Precision::fp32, Precision::bf16})
     for (Policy p : {none, selective, full, Policy{Policy::Kind::every_n_layers, 2}, sqrt_n, with_offload(sqrt_n)}) {
