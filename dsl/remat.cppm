@@ -780,6 +780,11 @@ struct Plan {
       if (tensors[i].name == name) return i;
     return -1;
   }
+  // Where tensor t starts in the arena (a view: its root's offset plus its own).
+  constexpr std::size_t arena_offset(int t) const {
+    const Tensor &x = tensors[t];
+    return x.offset + (x.view_of >= 0 ? tensors[x.view_of].offset : 0);
+  }
 };
 
 namespace detail {

@@ -296,8 +296,7 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
         throw std::runtime_error(fmt::format("{}: argument {} has {} dimensions of {}-byte elements, tensor {} {} of {}",
                                              b->kernel->name, arg.name, arg.dimensions, arg.type.bytes(),
                                              t.name.view(), t.dims, t.elem_bytes));
-      std::size_t offset = t.offset;
-      if (t.view_of >= 0) offset += plan.tensors[t.view_of].offset;
+      const std::size_t offset = plan.arena_offset(it->tensor);
       halide_buffer_t &buf = b->buffers[a];
       buf = {};
       buf.type = arg.type;
@@ -355,9 +354,8 @@ struct Executor::Untouched {
     std::vector<std::pair<std::size_t, std::size_t>> written;  // [begin, end) in the arena, merged
     for (const Arg &a : st.args)
       if (a.access == Access::write) {
-        const Tensor &t = plan.tensors[a.tensor];
-        const std::size_t begin = t.offset + (t.view_of >= 0 ? plan.tensors[t.view_of].offset : 0);
-        written.push_back({begin, begin + t.bytes()});
+        const std::size_t begin = plan.arena_offset(a.tensor);
+        written.push_back({begin, begin + plan.tensors[a.tensor].bytes()});
       }
     std::ranges::sort(written);
     regions.clear();
@@ -444,9 +442,9 @@ void Executor::run(Phase phase) {
   }
 }
 
-// After each kernel call: the guard (CPU and OpenCL: always; CUDA: with REMAT_CUDA_SYNC=1, which
-// first waits for the kernel so that an asynchronous fault is reported with its name), then the
-// free-memory check, and the memory of the tensors that die here is refilled with the canary.
+// After each kernel call: the guard (host-visible arenas: always; CUDA: with REMAT_CUDA_SYNC=1,
+// which first waits for the kernel so that an asynchronous fault is reported with its name), then
+// the free-memory check, and the memory of the tensors that die here is refilled with the canary.
 void Executor::check_after(const Bound &b, const Step &st, std::vector<int> *live_roots, const Untouched &untouched) {
   static const bool sync_each = std::getenv("REMAT_CUDA_SYNC") != nullptr;
   if (arena.device() == Device::cuda) {
@@ -499,17 +497,18 @@ Executor::~Executor() {
     if (t.second) std::fprintf(stderr, "profile %-32s %8.3f s %6ld calls\n", name.c_str(), t.first, t.second);
 }
 
-const Tensor &Executor::find(std::string_view name) const {
+int Executor::find(std::string_view name) const {
   const int i = plan.find(name);
   if (i < 0) throw std::runtime_error(fmt::format("the plan has no tensor {}", name));
-  return plan.tensors[i];
+  return i;
 }
 
 std::pair<std::size_t, std::size_t> Executor::locate(std::string_view name, std::size_t elem_bytes) const {
-  const Tensor &t = find(name);
+  const int i = find(name);
+  const Tensor &t = plan.tensors[i];
   if (elem_bytes && std::size_t(t.elem_bytes) != elem_bytes)
     throw std::runtime_error(fmt::format("tensor {} has {}-byte elements, not {}", name, t.elem_bytes, elem_bytes));
-  return {t.offset + (t.view_of >= 0 ? plan.tensors[t.view_of].offset : 0), t.bytes()};
+  return {plan.arena_offset(i), t.bytes()};
 }
 
 std::vector<float> Executor::values(std::string_view name) const {
@@ -545,7 +544,7 @@ void Executor::set_values(std::string_view name, std::span<const float> from) {
   }
 }
 
-std::size_t Executor::element_size(std::string_view name) const { return std::size_t(find(name).elem_bytes); }
+std::size_t Executor::element_size(std::string_view name) const { return std::size_t(plan.tensors[find(name)].elem_bytes); }
 
 void Executor::upload(std::string_view name) {
   auto [offset, bytes] = locate(name);

@@ -156,7 +156,7 @@ public:
   void download(std::string_view name);
 
 private:
-  const Tensor &find(std::string_view name) const;  // throws for a name the plan lacks
+  int find(std::string_view name) const;  // the tensor's index; throws for a name the plan lacks
   // arena offset and bytes; elem_bytes (when not 0) must be the tensor's element size
   std::pair<std::size_t, std::size_t> locate(std::string_view name, std::size_t elem_bytes = 0) const;
   struct Bound;

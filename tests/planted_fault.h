@@ -66,4 +66,72 @@ inline int argument_index(const remat::runtime::Kernel &k, std::string_view arg)
   return -1;
 }
 
+// Where 2 bytes written just past a tensor that a train step writes land: in the guard (the
+// tensor ends at the plan's peak), in free memory, in a live tensor the step does not write, or
+// (past a gradient view) in the flat gradient buffer where the step writes nothing.
+enum class Landing { guard, free_memory, neighbour, other_gradient };
+
+// The first train step, and its written argument, whose overrun lands as asked (replaying the plan).
+struct Site {
+  int step = -1;
+  const Arg *arg = nullptr;  // into the plan's steps
+  std::string kernel;        // the kernel that step calls
+  int call = 0;              // which of that kernel's calls in the train phase it is (0: the first)
+  std::string neighbour;     // what the overrun lands in, if a tensor
+};
+inline Site overrun_site(const Plan &plan, Landing landing, std::string_view model) {
+  auto kernel = [&](int i) { return kernel_name(model, plan.train[i].stage, plan.train[i].variant, plan.precision); };
+  auto site = [&](int i, const Arg &a, std::string_view neighbour) {
+    int call = 0;
+    for (int j = 0; j < i; ++j) call += kernel(j) == kernel(i);
+    return Site{i, &a, std::string(kernel(i).view()), call, std::string(neighbour)};
+  };
+  std::vector<int> live;
+  for (int t = 0; t < int(plan.tensors.size()); ++t)
+    if (plan.tensors[t].view_of < 0 && persistent(plan.tensors[t].role)) live.push_back(t);
+  for (int i = 0; i < int(plan.train.size()); ++i) {
+    const Step &st = plan.train[i];
+    live.insert(live.end(), st.alloc.begin(), st.alloc.end());
+    auto written = [&](int t) { return std::ranges::any_of(st.args, [&](const Arg &a) { return a.access == Access::write && a.tensor == t; }); };
+    for (const Arg &a : st.args) {
+      const Tensor &t = plan.tensors[a.tensor];
+      if (landing == Landing::other_gradient && a.access == Access::write && t.role == Role::grads && t.view_of >= 0) {
+        const std::size_t end = plan.arena_offset(a.tensor) + t.bytes();
+        const bool unwritten = std::ranges::none_of(st.args, [&](const Arg &o) {
+          const Tensor &x = plan.tensors[o.tensor];
+          return o.access == Access::write && plan.arena_offset(o.tensor) < end + 2 && end < plan.arena_offset(o.tensor) + x.bytes();
+        });
+        const Tensor &root = plan.tensors[t.view_of];
+        if (unwritten && end + 2 <= root.offset + root.bytes()) return site(i, a, root.name.view());
+      }
+      if (a.access != Access::write || t.view_of >= 0 || landing == Landing::other_gradient) continue;
+      const std::size_t end = t.offset + t.bytes();
+      const auto hit = std::ranges::find_if(live, [&](int o) {
+        const Tensor &x = plan.tensors[o];
+        return x.offset < end + 2 && end < x.offset + x.bytes();
+      });
+      const bool lands = landing == Landing::guard         ? end == plan.peak_bytes
+                         : landing == Landing::free_memory ? end + 2 <= plan.peak_bytes && hit == live.end()
+                                                           : hit != live.end() && !written(*hit);
+      if (lands) return site(i, a, hit == live.end() ? "" : plan.tensors[*hit].name.view());
+    }
+    for (int t : st.free) std::erase(live, t);
+  }
+  return {};
+}
+
+// The kernel table with the kernel of `site` planting 2 bytes past its argument, on that step's
+// call (`overrun` writes them where the buffer is not in host memory).
+inline std::vector<runtime::Kernel> with_overrun(std::span<const runtime::Kernel> table, const Site &site,
+                                                 void (*overrun)(halide_buffer_t *) = nullptr) {
+  const auto real = std::ranges::find_if(table, [&](const runtime::Kernel &k) { return site.kernel == k.name; });
+  BOOST_TEST_REQUIRE((real != table.end()), "no kernel " << site.kernel);
+  Planted fault;
+  fault.on_call = site.call;
+  fault.argument = argument_index(*real, site.arg->name.view());
+  BOOST_TEST_REQUIRE(fault.argument >= 0, site.kernel << " has no argument " << site.arg->name.view());
+  fault.overrun = overrun;
+  return with_fault(table, site.kernel, fault);
+}
+
 }  // namespace remat::testing

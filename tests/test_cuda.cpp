@@ -251,21 +251,6 @@ BOOST_AUTO_TEST_CASE(cuda_measured_peak_equals_the_plan, *boost::unit_test::labe
 
 namespace {
 
-// The train step, and its written argument, whose tensor ends exactly at the plan's peak: 2 bytes
-// written past it land in the arena's guard. Returns the step, or -1.
-int guard_site(const Plan &plan, const Arg *&arg) {
-  for (int i = 0; i < int(plan.train.size()); ++i)
-    for (const Arg &a : plan.train[i].args) {
-      const Tensor &t = plan.tensors[a.tensor];
-      const std::size_t begin = t.offset + (t.view_of >= 0 ? plan.tensors[t.view_of].offset : 0);
-      if (a.access == Access::write && begin + t.bytes() == plan.peak_bytes) {
-        arg = &a;
-        return i;
-      }
-    }
-  return -1;
-}
-
 // The planted overrun on the device: 2 zero bytes (not the canary) just past the buffer, queued
 // on the compute stream after the real kernel.
 void overrun_on_the_device(halide_buffer_t *buf) {
@@ -282,24 +267,12 @@ void overrun_on_the_device(halide_buffer_t *buf) {
 BOOST_AUTO_TEST_CASE(cuda_write_past_the_plan_is_caught, *boost::unit_test::label("gpu") * boost::unit_test::precondition(cuda_device)) {
   const int samples = 2;
   const Plan plan = make_plan(gpt::model, none, samples, Precision::fp32, runtime::gemms_of(Device::cuda));
-  const Arg *arg = nullptr;
-  const int step = guard_site(plan, arg);
-  BOOST_TEST_REQUIRE(step >= 0, "no train step writes a tensor that ends at the plan's peak");
-  const Step &st = plan.train[step];
-  const Name name = kernel_name("gpt", st.stage, st.variant, plan.precision);
-  const std::string kernel(name.view());
-  const auto real = std::ranges::find_if(gpt_kernels::cuda_table, [&](const runtime::Kernel &k) { return kernel == k.name; });
-  BOOST_TEST_REQUIRE((real != gpt_kernels::cuda_table.end()), "no CUDA kernel " << kernel);
-  testing::Planted fault;
-  for (int j = 0; j < step; ++j)  // the fault on this step's call of the kernel
-    fault.on_call += kernel_name("gpt", plan.train[j].stage, plan.train[j].variant, plan.precision) == name;
-  fault.argument = testing::argument_index(*real, arg->name.view());
-  BOOST_TEST_REQUIRE(fault.argument >= 0, kernel << " has no argument " << arg->name.view());
-  fault.overrun = overrun_on_the_device;
-  const std::vector<runtime::Kernel> faulty = testing::with_fault(gpt_kernels::cuda_table, kernel, fault);
+  const testing::Site site = testing::overrun_site(plan, testing::Landing::guard, "gpt");
+  BOOST_TEST_REQUIRE(site.step >= 0, "no train step writes a tensor that ends at the plan's peak");
+  const std::vector<runtime::Kernel> faulty = testing::with_overrun(gpt_kernels::cuda_table, site, overrun_on_the_device);
   Run run(gpt::model, "gpt", faulty, none, samples, 0.1, true, Device::cuda);
   BOOST_TEST_REQUIRE(run.arena.size() == plan.peak_bytes, "the arena is not the train plan's size: the guard is elsewhere");
-  BOOST_TEST_MESSAGE("planted: 2 bytes past " << arg->name.view() << " of " << kernel << " (train step " << step << ")");
+  BOOST_TEST_MESSAGE("planted: 2 bytes past " << site.arg->name.view() << " of " << site.kernel << " (train step " << site.step << ")");
   try {
     run.ex.run(Executor::Phase::train);
     BOOST_FAIL("the write past the plan on the device went unnoticed");
@@ -307,5 +280,5 @@ BOOST_AUTO_TEST_CASE(cuda_write_past_the_plan_is_caught, *boost::unit_test::labe
     const std::string what = e.what();
     BOOST_TEST(what.find("wrote past the end of the arena") != std::string::npos, what);
   }
-  BOOST_TEST(testing::planted.call > fault.on_call, "the faulty kernel's call was not reached");
+  BOOST_TEST(testing::planted.call > site.call, "the faulty kernel's call was not reached");
 }

@@ -1,0 +1,20 @@
+// A model unlike the examples, for the guarantees (planned == measured peak, no heap allocation
+// in a step, bit-identical gradients under every policy): widths that are no multiple of the
+// vector width (12, 36, 20), 3 heads of 4, a repeat stage right after the embedding and a second
+// one after a loose LayerNorm (two stacks; segments stay inside each), ReLU, a block that ends in
+// dropout without a LayerNorm first, a head of 13 classes.
+export module unusual;
+import remat;
+
+export namespace unusual {
+inline constexpr int vocab = 13, block_size = 6, width = 12, heads = 3, hidden = 20;
+
+inline constexpr remat::Model model = remat::checked<remat::make_model(
+    remat::tokens(vocab, block_size), remat::embedding(vocab, width),
+    remat::repeat(3, remat::residual(remat::layer_norm(), remat::linear(width, 3 * width),
+                                     remat::causal_self_attention(heads), remat::linear(width, width))),
+    remat::layer_norm(),
+    remat::repeat(4, remat::residual(remat::linear(width, hidden), remat::relu(), remat::linear(hidden, width),
+                                     remat::dropout())),
+    remat::linear(width, vocab), remat::softmax_cross_entropy(vocab))>();
+}  // namespace unusual
