@@ -3,9 +3,9 @@ SHELL := /bin/bash
 VENV  := .venv
 BUILD := build
 DEBS  := clang-19 clang-tools-19 ninja-build libboost-test-dev librange-v3-dev libcli11-dev \
-         nlohmann-json3-dev libfmt-dev zlib1g-dev libopenblas-dev dataset-fashion-mnist fortunes python3-venv python3-dev \
+         nlohmann-json3-dev libfmt-dev zlib1g-dev dataset-fashion-mnist fortunes python3-venv python3-dev \
          pocl-opencl-icd ocl-icd-libopencl1
-PY_PKGS := halide==21.0.0 cmake>=3.28
+PY_PKGS := halide==21.0.0 cmake>=3.28 mkl-static==2026.2.0 mkl-include==2026.2.0
 TRAIN_ARGS ?=
 
 .PHONY: all deps build train train-gpt train-mlp test bench device-bundle clean
@@ -25,10 +25,11 @@ deps:
 	fi
 	@$(MAKE) --no-print-directory $(VENV)/.installed
 
-# Project-local Python environment with Halide 21 (libHalide, headers, CMake package) and CMake.
+# Project-local Python environment with Halide 21 (libHalide, headers, CMake package), CMake and
+# MKL (static libraries and headers: the CPU GEMMs).
 $(VENV)/.installed: Makefile
 	/usr/bin/python3 -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check '$(word 1,$(PY_PKGS))' '$(word 2,$(PY_PKGS))'
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check $(foreach p,$(PY_PKGS),'$(p)')
 	touch $@
 
 $(BUILD)/build.ninja: CMakeLists.txt | deps

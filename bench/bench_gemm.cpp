@@ -1,25 +1,38 @@
-// The CPU GEMM schedule of the generated kernels (generators/schedules.h, JIT-compiled for the
-// same pinned target) against OpenBLAS's sgemm, at the shapes the example models run, in one
-// run: the figure that decides whether the Halide GEMM stays (see the design notes).
+// remat's CPU GEMM (runtime/gemm.cpp: MKL per output tile on Halide's thread pool, what the fp32
+// kernels call) at every GEMM shape the example models run, forward and backward, and the Halide
+// schedule it replaced (generators/schedules.h, JIT-compiled for the pinned target) at the
+// forward shapes. `--json` prints the rows as JSON for bench/gemm.py, which puts torch.matmul
+// beside them.
 #include <Halide.h>
-#include <cblas.h>
+#include <HalideRuntime.h>
 #include <fmt/format.h>
+#include <gemm.h>
 #include <layers.h>
+#include <nlohmann/json.hpp>
 #include <schedules.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <vector>
 
 namespace {
 
 struct Shape {
-  const char *where;
-  int rows, inner, cols;  // out[rows, cols] = a[rows, inner] * w[inner, cols]
+  std::string where;
+  int m, n, k;  // out[m, n] = op(a) op(b), over k
+  bool trans_a, trans_b;
 };
+
+// Each linear (rows, in -> out) runs three GEMMs: y = x w, dx = dy w^T and dW = x^T dy.
+void add_linear(std::vector<Shape> &to, const std::string &where, int rows, int in, int out) {
+  to.push_back({where + " forward", rows, out, in, false, false});
+  to.push_back({where + " dx", rows, in, out, false, true});
+  to.push_back({where + " dW", in, out, rows, true, false});
+}
 
 template <class F> double median_ms(F run, int reps) {
   std::vector<double> ms;
@@ -36,60 +49,80 @@ template <class F> double median_ms(F run, int reps) {
 }  // namespace
 
 int main(int argc, char **argv) {
-  const int reps = argc > 1 ? std::atoi(argv[1]) : 20;
-  if (reps < 1) {
-    std::fprintf(stderr, "usage: bench-gemm [REPETITIONS >= 1]\n");
-    return 2;
+  int reps = 20;
+  bool json = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--json")) json = true;
+    else if ((reps = std::atoi(argv[i])) < 1) {
+      std::fprintf(stderr, "usage: bench-gemm [REPETITIONS >= 1] [--json]\n");
+      return 2;
+    }
   }
+  halide_do_par_for(nullptr, [](void *, int, std::uint8_t *) { return 0; }, 0, 256, nullptr);
+  remat::gemm_warm_up();
+  std::vector<Shape> shapes;
+  for (auto [name, in, out] : {std::tuple{"MLP stem", 784, 256}, {"MLP fc1", 256, 512}, {"MLP fc2", 512, 256},
+                               {"MLP head", 256, 10}})
+    add_linear(shapes, name, 256, in, out);
+  for (auto [name, in, out] : {std::tuple{"GPT qkv", 128, 384}, {"GPT attn proj", 128, 128}, {"GPT fc", 128, 512},
+                               {"GPT fc proj", 512, 128}, {"GPT head", 128, 128}})
+    add_linear(shapes, name, 2048, in, out);
+
   const Halide::Target target(REMAT_CPU_TARGET);
-  const std::vector<Shape> shapes = {
-      {"MLP stem", 256, 784, 256},      {"MLP block fc1", 256, 256, 512}, {"MLP block fc2", 256, 512, 256},
-      {"GPT q/k/v", 2048, 128, 384},    {"GPT MLP fc", 2048, 128, 512},   {"GPT MLP proj", 2048, 512, 128},
-  };
-  fmt::print("sgemm out[rows, cols] = a[rows, inner] w[inner, cols]; median of {} runs; Halide target {}; {} OpenBLAS threads\n",
-             reps, REMAT_CPU_TARGET, openblas_get_num_threads());
-  const Halide::Target host = Halide::get_host_target();
-  fmt::print("(halide-host: the same schedule for this machine's own features, {})\n", host.to_string());
-  fmt::print("{:<15} {:>6} {:>6} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11} {:>13} {:>13}\n", "shape", "rows", "inner",
-             "cols", "halide ms", "host ms", "blas ms", "halide GF/s", "blas GF/s", "halide/blas", "host/blas");
+  if (!json)
+    fmt::print("out[m, n] = op(a) op(b) over k, fp32, median of {} runs, {} threads; Halide schedule (pinned {}) at "
+               "forward shapes\n{:<20} {:>5} {:>5} {:>5} {:>9} {:>9} {:>11} {:>11}\n",
+               reps, remat::gemm_thread_count(), REMAT_CPU_TARGET, "shape", "m", "n", "k", "remat ms", "halide ms",
+               "remat GF/s", "halide GF/s");
+  nlohmann::json rows = nlohmann::json::array();
   std::mt19937 rng(1);
   std::uniform_real_distribution<float> u(-1, 1);
   for (const Shape &s : shapes) {
-    Halide::Buffer<float> a(s.inner, s.rows), w(s.cols, s.inner), out(s.cols, s.rows);
+    // a[m, k] (or [k, m]), b[k, n] (or [n, k]), 64-byte aligned as arena tensors are
+    Halide::Buffer<float> a(s.trans_a ? s.m : s.k, s.trans_a ? s.k : s.m), b(s.trans_b ? s.k : s.n, s.trans_b ? s.n : s.k),
+        out(s.n, s.m), check(s.n, s.m);
     a.for_each_value([&](float &x) { x = u(rng); });
-    w.for_each_value([&](float &x) { x = u(rng); });
-    auto halide_ms = [&](const Halide::Target &t) {
-      remat::gen::Vars v;
-      remat::gen::Layers L(Halide::Float(32), v);
-      remat::gen::Scheduler sched(t, v);
-      Halide::Func fa(a), fw(w);
-      remat::gen::MatMul m = L.matmul("out", fa, fw, s.inner);
-      sched.matmul(m, -1, s.cols);
-      Halide::Pipeline p(m.out);
-      p.compile_jit(t);
-      return median_ms([&] { p.realize(out); }, reps);
-    };
-    const double halide_host = halide_ms(host);
-    const double halide = halide_ms(target);  // leaves `out` from the pinned target for the check
-    std::vector<float> c(std::size_t(s.rows) * s.cols);
-    const double blas = median_ms(
-        [&] {
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, s.rows, s.cols, s.inner, 1.f, a.data(), s.inner,
-                      w.data(), s.cols, 0.f, c.data(), s.cols);
-        },
-        reps);
-    // the two must agree before their speeds mean anything
+    b.for_each_value([&](float &x) { x = u(rng); });
+    remat::GemmCall g;
+    g.a = a.data(), g.b = b.data(), g.out = out.data(), g.m = s.m, g.n = s.n, g.k = s.k;
+    g.trans_a = s.trans_a, g.trans_b = s.trans_b;
+    const double remat_ms = median_ms([&] { remat::host_gemm(g); }, reps);
+    // the product must be right before its speed means anything
     double worst = 0;
-    for (int r = 0; r < s.rows; ++r)
-      for (int j = 0; j < s.cols; ++j) worst = std::max(worst, double(std::abs(out(j, r) - c[std::size_t(r) * s.cols + j])));
-    if (worst > 1e-3) {
-      std::fprintf(stderr, "bench-gemm: %s: results differ by %g\n", s.where, worst);
+    for (int i = 0; i < s.m; i += 7)
+      for (int j = 0; j < s.n; j += 5) {
+        double sum = 0;
+        for (int p = 0; p < s.k; ++p) sum += double(s.trans_a ? a(i, p) : a(p, i)) * double(s.trans_b ? b(p, j) : b(j, p));
+        worst = std::max(worst, std::abs(sum - out(j, i)));
+      }
+    if (worst > 1e-3 * s.k) {
+      std::fprintf(stderr, "bench-gemm: %s: the product is off by %g\n", s.where.c_str(), worst);
       return 1;
     }
-    const double gflop = 2.0 * s.rows * s.inner * s.cols / 1e9;
-    fmt::print("{:<15} {:>6} {:>6} {:>6} {:>11.3f} {:>11.3f} {:>11.3f} {:>11.1f} {:>11.1f} {:>13.2f} {:>13.2f}\n",
-               s.where, s.rows, s.inner, s.cols, halide, halide_host, blas, gflop / (halide / 1e3),
-               gflop / (blas / 1e3), halide / blas, halide_host / blas);
+    double halide_ms = 0;
+    if (!s.trans_a && !s.trans_b) {
+      remat::gen::Vars v;
+      remat::gen::Layers L(Halide::Float(32), v);
+      remat::gen::Scheduler sched(target, v);
+      Halide::Func fa(a), fb(b);
+      remat::gen::MatMul mm = L.matmul("out", fa, fb, s.k);
+      sched.matmul(mm, -1, s.n);
+      Halide::Pipeline p(mm.out);
+      p.compile_jit(target);
+      halide_ms = median_ms([&] { p.realize(check); }, reps);
+    }
+    const double gflop = 2.0 * s.m * s.n * s.k / 1e9;
+    rows.push_back({{"shape", s.where}, {"m", s.m}, {"n", s.n}, {"k", s.k}, {"trans_a", s.trans_a}, {"trans_b", s.trans_b},
+                    {"remat_ms", remat_ms}, {"remat_gflops", gflop / (remat_ms / 1e3)},
+                    {"halide_ms", halide_ms ? nlohmann::json(halide_ms) : nlohmann::json()}});
+    if (!json)
+      fmt::print("{:<20} {:>5} {:>5} {:>5} {:>9.3f} {:>9} {:>11.1f} {:>11}\n", s.where, s.m, s.n, s.k, remat_ms,
+                 halide_ms ? fmt::format("{:.3f}", halide_ms) : "-", gflop / (remat_ms / 1e3),
+                 halide_ms ? fmt::format("{:.1f}", gflop / (halide_ms / 1e3)) : "-");
   }
+  if (json)
+    fmt::print("{}\n", nlohmann::json{{"threads", remat::gemm_thread_count()}, {"halide_target", REMAT_CPU_TARGET},
+                                      {"shapes", rows}}
+                           .dump());
   return 0;
 }

@@ -29,9 +29,9 @@ int main(int argc, char **argv) { return remat::modelc::main(argc, argv, ${name}
   set(dir ${CMAKE_CURRENT_BINARY_DIR}/kernels)
   add_custom_command(
     OUTPUT ${dir}/lib${name}_kernels.a ${dir}/${name}.kernels.cppm
-    COMMAND ${name}-modelc --out ${dir} --cpu-target ${REMAT_CPU_TARGET} --cuda-capability ${REMAT_CUDA_CAPABILITY} ${opencl_flag}
+    COMMAND ${name}-modelc --out ${dir} --cpu-targets ${REMAT_CPU_TARGETS} --cuda-capability ${REMAT_CUDA_CAPABILITY} ${opencl_flag}
     DEPENDS ${name}-modelc
-    COMMENT "Generating Halide kernels for model ${name} (${REMAT_CPU_TARGET}; CUDA sm_${REMAT_CUDA_CAPABILITY} ${opencl_flag})")
+    COMMENT "Generating Halide kernels for model ${name} (${REMAT_CPU_TARGETS}; CUDA sm_${REMAT_CUDA_CAPABILITY} ${opencl_flag})")
   add_custom_target(${name}_kernels_generated DEPENDS ${dir}/lib${name}_kernels.a ${dir}/${name}.kernels.cppm)
 
   add_library(${name}_kernels STATIC)

@@ -484,10 +484,10 @@ constexpr bool read_by_backward(const Block &b, int j) {
 }
 
 // Where the GEMMs of linear layers run. halide: Halide GEMMs inside the kernels, with fused
-// epilogues and operands computed per tile (the CPU). library: extern stages calling a GEMM
-// library (cuBLASLt on CUDA; a host loop for the OpenCL test build), whose operands and results
-// are buffers and whose only epilogue is the bias. The plans differ: a library plan buffers
-// every linear input and output.
+// epilogues and operands computed per tile (the CPU's bf16 kernels). library: extern stages
+// calling a GEMM library (MKL on the CPU in fp32, cuBLASLt on CUDA, a host GEMM for the OpenCL
+// test build), whose operands and results are buffers and whose only epilogue is the bias. The
+// plans differ: a library plan buffers every linear input and output.
 enum class Gemms : std::uint8_t { halide, library };
 
 // A GEMM epilogue chain: linear -> dropout / residual sum -> ..., computed in the GEMM's
@@ -657,6 +657,31 @@ enum class Variant : std::uint8_t {
   adamw,               // optimizer update over a flat range of parameters
 };
 
+// The arithmetic of one call of a block's kernel over `rows` rows, multiply-adds counted as two: the
+// GEMMs and the attention products (what REMAT_PROFILE divides by time; elementwise work is left
+// out). Causal attention forward: q k^T and p v over (T + 1) / 2 keys on average; its backward
+// rebuilds p and forms dp, dv, dq and dk (5 products). A linear's backward is two GEMMs (dx, dW).
+constexpr double kernel_flops(const Block &b, Variant v, long long rows) {
+  double gemm = 0, attention = 0;
+  for (int j = 0; j < b.n_layers; ++j) {
+    const Layer &l = b.layers[j];
+    if (l.op == Op::linear) gemm += 2.0 * double(rows) * l.in * l.out;
+    if (l.op == Op::attention) attention += 2.0 * double(rows) * (l.block_size + 1) * l.out;
+  }
+  const double backward = 2 * gemm + 2.5 * attention;
+  switch (v) {
+  case Variant::forward_save:
+  case Variant::forward_selective:
+  case Variant::forward_discard: return gemm + attention;
+  case Variant::backward_saved: return backward;
+  case Variant::backward_selective: return backward + attention;
+  case Variant::backward_recompute: return backward + gemm + attention;
+  case Variant::loss:
+  case Variant::adamw: return 0;
+  }
+  return 0;
+}
+
 constexpr std::string_view variant_name(Variant v) {
   switch (v) {
   case Variant::forward_save: return "forward_save";
@@ -743,6 +768,7 @@ struct Step {
   int rng_block = 0;       // dropout counter key of this block (unique per block of the model)
   bool recompute = false;  // runs forward work a second time
   bool weight_decay = true;  // adamw: whether this range of parameters is decayed
+  double flops = 0;          // kernel_flops of this call
   std::vector<Arg> args;
   std::vector<int> alloc;  // tensors that become live before the kernel runs
   std::vector<int> free;   // tensors that die after it
@@ -904,6 +930,7 @@ struct Builder {
     st.variant = v;
     st.block = block;
     st.rng_block = rng_block;
+    if (stage >= 0) st.flops = kernel_flops(m.stages[stage], v, n_rows);
     return st;
   }
   constexpr void bind_params(Step &st, bool grads) const {
@@ -1200,7 +1227,7 @@ struct Builder {
 
 // The plan for one micro-batch of `batch` samples under `policy`. Runs at compile time for a
 // policy fixed in the model module and at run time for one chosen by a flag.
-// The GEMM choice must be the kernels' (CPU kernels: halide; CUDA and OpenCL kernels: library).
+// The GEMM choice must be the kernels' (runtime::gemms_of: library, but halide for CPU bf16).
 constexpr Plan make_plan(const Model &m, Policy policy, int batch, Precision precision = Precision::fp32,
                          Gemms gemms = Gemms::halide) {
   detail::Builder builder{m, policy, batch, precision, gemms};

@@ -120,8 +120,11 @@ public:
   StageKernels(const Model &model, int stage, const Target &target, Precision precision)
       : blk(model.stages[stage]), stage(stage), needs_dx(needs_input_grad(model, stage)),
         token_input(model.token_input()), precision(precision),
-        gemms(target.has_gpu_feature() ? Gemms::library : Gemms::halide),
-        extern_device(target.has_feature(Target::CUDA) ? DeviceAPI::CUDA : DeviceAPI::OpenCL), args(precision),
+        gemms(target.has_gpu_feature() || precision == Precision::fp32 ? Gemms::library : Gemms::halide),  // runtime::gemms_of
+        extern_device(target.has_feature(Target::CUDA)     ? DeviceAPI::CUDA
+                      : target.has_feature(Target::OpenCL) ? DeviceAPI::OpenCL
+                                                           : DeviceAPI::Host),
+        args(precision),
         L(Float(32), v, precision == Precision::bf16), tr(L, model.rows_per_sample()),
         sched(target, v) {
     for (int k = 0; k < blk.n_layers; ++k)
@@ -181,13 +184,24 @@ private:
 
   // ---- library GEMMs: extern stages (runtime/gemm.cpp) ----
   // out = op(a) op(b) [+ bias] [+ out when accumulate], over `inner` products; a and b are
-  // buffers (kernel inputs, or Funcs that are kernel outputs), op transposes when asked.
-  Func library_gemm(const std::string &name, Func a, bool trans_a, Func b, bool trans_b, std::optional<Func> bias,
-                    Expr inner, Expr accumulate, Type type) {
+  // buffers (kernel inputs, or Funcs that are kernel outputs) a_cols and b_cols wide (as stored),
+  // op transposes when asked. The library asks for whole operands at run time (a bounds query),
+  // which Halide cannot see when it sizes the buffers of the stages producing them: their widths
+  // are bounded here, so those stages keep constant-size scratch (on the stack, not the heap).
+  Func library_gemm(const std::string &name, Func a, int a_cols, bool trans_a, Func b, int b_cols, bool trans_b,
+                    std::optional<Func> bias, Expr inner, Expr accumulate, Type type) {
+    auto bound_width = [this](Func f, int width) {  // a computed Func (a kernel input's wrapper has its own vars)
+      for (const Var &x : f.args())
+        if (x.same_as(v.c)) f.bound(v.c, 0, width);
+    };
+    bound_width(a, a_cols);
+    bound_width(b, b_cols);
+    if (bias) bound_width(*bias, b_cols);  // the output's width: b is never transposed with a bias
     std::vector<ExternFuncArgument> in = {a, b};
     if (bias) in.push_back(*bias);
     in.push_back(cast(Int(32), inner));
-    in.push_back(Expr(int32_t((trans_a ? 1 : 0) | (trans_b ? 2 : 0))));
+    // flags: 1 transposes a, 2 transposes b, 4 says the kernel runs on OpenCL (the product goes back there)
+    in.push_back(Expr(int32_t((trans_a ? 1 : 0) | (trans_b ? 2 : 0) | (extern_device == DeviceAPI::OpenCL ? 4 : 0))));
     in.push_back(cast(Int(32), accumulate));
     Func out(name);
     out.define_extern(bias ? "remat_gemm_bias" : "remat_gemm", in, type, {v.c, v.b}, NameMangling::C, extern_device);
@@ -289,7 +303,7 @@ private:
       case Op::linear: {
         if (gemms == Gemms::library) {
           if (!buffered(src)) throw std::runtime_error("library GEMM: the input of linear " + std::to_string(j) + " is not a buffer");
-          out = library_gemm(name, stored(src), false, gemm_weight(j, outputs), false, library_bias(j, outputs), l.in,
+          out = library_gemm(name, stored(src), l.in, false, gemm_weight(j, outputs), l.out, false, library_bias(j, outputs), l.in,
                              Expr(0), stored_type());
           gemm_or_reduction = true;
           break;
@@ -403,7 +417,7 @@ private:
         throw std::runtime_error("library GEMM: the plan's product buffer for linear " + std::to_string(product->layer) +
                                  " does not match the gradient of " + name);
       const std::string gemm_name = alone ? name : str(product_of(blk, product->layer).name);
-      Func p = library_gemm(gemm_name, product->product->first, false, product->product->second, true, std::nullopt,
+      Func p = library_gemm(gemm_name, product->product->first, inner, false, product->product->second, inner, true, std::nullopt,
                             inner, Expr(0), alone ? stored_type() : Float(32));  // dp<k>: fp32
       if (alone) {
         out = p;
@@ -454,7 +468,7 @@ private:
         // dW = x^T dy (+ dW when accumulating), db a column sum, and the input gradient dy w^T
         auto [gw_name, gw_spec] = grad_of(k, "w");
         if (gemms == Gemms::library) {
-          Func gw = library_gemm(gw_name, stored(src), true, d_stored, false, std::nullopt, batch, args.flag("accumulate"),
+          Func gw = library_gemm(gw_name, stored(src), l.in, true, d_stored, l.out, false, std::nullopt, batch, args.flag("accumulate"),
                                  Float(32));
           output(outputs, gw, gw_spec);
         } else {
@@ -548,7 +562,7 @@ private:
   bool needs_dx, token_input;
   Precision precision;
   Gemms gemms;
-  DeviceAPI extern_device;     // the device of a library GEMM's buffers (CUDA, or OpenCL for the tests)
+  DeviceAPI extern_device;     // the device of a library GEMM's buffers (host, CUDA, or OpenCL for the tests)
   std::map<std::string, Func> copies;  // bf16 parameter copies, by name
   gen::Vars v;
   Arguments args;
@@ -625,20 +639,40 @@ struct Emitter {
   std::vector<std::string> objects;
   std::vector<Emitted> kernels;
 
-  void emit(const std::string &name, const Target &target, Pipeline p, const std::vector<Argument> &args) {
-    const std::string api = target.has_feature(Target::CUDA) ? "cuda" : target.has_feature(Target::OpenCL) ? "opencl" : "";
+  // One kernel for `targets` (best first): with more than one, an object per target and a
+  // wrapper that picks the first one the running CPU can use (halide_can_use_target_features;
+  // runtime/executor.cpp can force the last). `build` makes the pipeline for a target, scheduled
+  // for its vector width.
+  using Build = std::function<std::pair<Pipeline, std::vector<Argument>>(const Target &)>;
+  void emit(const std::string &name, const std::vector<Target> &targets, const Build &build) {
+    const Target &base = targets.back();
+    const std::string api = base.has_feature(Target::CUDA) ? "cuda" : base.has_feature(Target::OpenCL) ? "opencl" : "";
     const std::string symbol = api.empty() ? name : name + "_" + api;
-    const auto base = (staging / symbol).string();
-    std::map<OutputFileType, std::string> files = {{OutputFileType::object, base + ".o"},
-                                                   {OutputFileType::c_header, base + ".h"}};
-    if (std::getenv("REMAT_STMT")) files[OutputFileType::stmt] = base + ".stmt";  // for reading schedules
-    p.compile_to(files, args, symbol, target.with_feature(Target::NoRuntime));
-    objects.push_back(base + ".o");
+    const auto prefix = (staging / symbol).string();
+    std::map<OutputFileType, std::string> files = {{OutputFileType::object, prefix + ".o"},
+                                                   {OutputFileType::c_header, prefix + ".h"}};
+    if (std::getenv("REMAT_STMT")) files[OutputFileType::stmt] = prefix + ".stmt";  // for reading schedules
+    std::vector<Target> no_runtime;
+    std::vector<std::string> suffixes;
+    for (const Target &t : targets) {
+      no_runtime.push_back(t.with_feature(Target::NoRuntime));
+      suffixes.push_back(t.has_feature(Target::AVX512) ? "avx512" : "avx2");
+    }
+    compile_multitarget(symbol, files, no_runtime, suffixes, [&](const std::string &fn, const Target &t) {
+      auto [pipeline, args] = build(t);
+      return pipeline.compile_to_module(args, fn, t);
+    });
+    if (targets.size() == 1) {
+      objects.push_back(prefix + ".o");
+    } else {
+      for (const std::string &suffix : suffixes) objects.push_back(prefix + "-" + suffix + ".o");
+      objects.push_back(prefix + "_wrapper.o");
+    }
     kernels.push_back({name, symbol, api});
   }
 
-  // Every kernel of the model for one target, in both precisions (AdamW is fp32 only).
-  void emit_model(const Model &model, const std::string &name, const Target &target) {
+  // Every kernel of the model for `targets`, in both precisions (AdamW is fp32 only).
+  void emit_model(const Model &model, const std::string &name, const std::vector<Target> &targets) {
     for (Precision precision : {Precision::fp32, Precision::bf16}) {
       for (int s = 0; s < model.n_stages; ++s) {
         // Plain stages keep everything (and evaluation runs forward_discard); blocks of a repeat
@@ -647,20 +681,26 @@ struct Emitter {
         for (Keep keep : {Keep::all, Keep::nothing, Keep::selective}) {
           for (bool backward : {false, true}) {
             if (!checkpointable && (keep == Keep::selective || (backward && keep == Keep::nothing))) continue;
-            StageKernels k(model, s, target, precision);
-            Pipeline p = backward ? k.backward(keep) : k.forward(keep);
             const Variant variant = backward ? backward_variant(keep) : forward_variant(keep);
-            emit(str(kernel_name(name, s, variant, precision)), target, p, k.arguments());
+            emit(str(kernel_name(name, s, variant, precision)), targets, [&](const Target &t) {
+              StageKernels k(model, s, t, precision);
+              Pipeline p = backward ? k.backward(keep) : k.forward(keep);
+              return std::pair{p, k.arguments()};
+            });
           }
         }
       }
-      Arguments args(precision);
-      Pipeline p = loss_kernel(model.classes(), args, target);
-      emit(str(kernel_name(name, 0, Variant::loss, precision)), target, p, args.order);
+      emit(str(kernel_name(name, 0, Variant::loss, precision)), targets, [&](const Target &t) {
+        Arguments args(precision);
+        Pipeline p = loss_kernel(model.classes(), args, t);
+        return std::pair{p, args.order};
+      });
     }
-    Arguments args(Precision::fp32);
-    Pipeline p = adamw_kernel(args, target);
-    emit(str(kernel_name(name, 0, Variant::adamw)), target, p, args.order);
+    emit(str(kernel_name(name, 0, Variant::adamw)), targets, [&](const Target &t) {
+      Arguments args(Precision::fp32);
+      Pipeline p = adamw_kernel(args, t);
+      return std::pair{p, args.order};
+    });
   }
 };
 
@@ -676,19 +716,19 @@ Target cuda_target(const std::string &cpu_target, int capability) {
 }
 
 int main(int argc, char **argv, const Model &model, std::string_view model_name) {
-  std::string out_dir, cpu_target = "host";
+  std::string out_dir, cpu_targets = "host";
   int capability = 0;  // 0: no CUDA kernels
   bool opencl = false;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--opencl") opencl = true;
     else if (flag == "--out" && i + 1 < argc) out_dir = argv[++i];
-    else if (flag == "--cpu-target" && i + 1 < argc) cpu_target = argv[++i];
+    else if (flag == "--cpu-targets" && i + 1 < argc) cpu_targets = argv[++i];
     else if (flag == "--cuda-capability" && i + 1 < argc) capability = std::atoi(argv[++i]);
     else out_dir.clear(), i = argc;  // unknown: print the usage
   }
   if (out_dir.empty()) {
-    std::fprintf(stderr, "usage: %s --out DIR [--cpu-target TARGET] [--cuda-capability NN] [--opencl]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s --out DIR [--cpu-targets BEST,...,BASELINE] [--cuda-capability NN] [--opencl]\n", argv[0]);
     return 2;
   }
   try {
@@ -699,17 +739,26 @@ int main(int argc, char **argv, const Model &model, std::string_view model_name)
       throw std::runtime_error("model name '" + name + "' is too long for kernel names");
     Emitter e{std::filesystem::path(out_dir) / "staging"};
     std::filesystem::create_directories(e.staging);
-    const Target cpu(cpu_target);
+    // CPU kernels: one variant per target, the running CPU picks; the last (the baseline) is
+    // also the host code of the GPU kernels and the runtime's target.
+    std::vector<Target> cpu;
+    for (std::string_view rest = cpu_targets; !rest.empty();) {
+      const std::size_t comma = rest.find(',');
+      cpu.emplace_back(std::string(rest.substr(0, comma)));
+      rest = comma == rest.npos ? std::string_view{} : rest.substr(comma + 1);
+    }
+    if (cpu.empty()) throw std::runtime_error("--cpu-targets names no target");
+    const std::string cpu_target = cpu.back().to_string();
     e.emit_model(model, name, cpu);
     // One Halide runtime for all: a GPU target's runtime includes the CPU one.
-    Target runtime_target = capability ? cuda_target(cpu_target, capability) : cpu;
-    if (capability) e.emit_model(model, name, runtime_target);
+    Target runtime_target = capability ? cuda_target(cpu_target, capability) : cpu.back();
+    if (capability) e.emit_model(model, name, {runtime_target});
     if (opencl) {
-      e.emit_model(model, name, cpu.with_feature(Target::OpenCL));
+      e.emit_model(model, name, {cpu.back().with_feature(Target::OpenCL)});
       runtime_target = runtime_target.with_feature(Target::OpenCL);
     }
     const auto runtime = (e.staging / "halide_runtime.o").string();
-    compile_standalone_runtime(runtime, runtime_target);
+    compile_standalone_runtime(runtime, runtime_target.without_feature(Target::StrictFloat));  // Halide's own code is not strict
     std::vector<std::string> all = e.objects;
     all.push_back(runtime);
     const auto lib = (e.staging / ("lib" + name + "_kernels.a")).string();

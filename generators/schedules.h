@@ -99,11 +99,19 @@ public:
     if (f.has_update_definition()) f.update().parallel(v.b, 16, TailStrategy::GuardWithIf);
     for (Func &p : partial) p.compute_at(f, v.b);
   }
-  // A dot product over a head's features: the reduction itself is vectorized (vector partial
-  // sums, then a horizontal add).
-  // On a GPU the product stays a loop within its thread.
-  void dot(Func f) {
-    if (!gpu) f.update().atomic().vectorize(f.rvars(0)[0], vec);
+  // A dot product f(s, h, b) over a head's `width` features. CPU: the products accumulate
+  // lane-wise, one vector per (position, head) (an rfactor over vector lanes, computed per head),
+  // and the lanes are then added in order. The kernels are strict_float (CMakeLists.txt), so that
+  // order is the same wherever the Func is compiled. A width that is no multiple of the vector
+  // width (or none given) stays a plain loop. On a GPU the product stays a loop within its thread.
+  void dot(Func f, int width = 0) {
+    if (gpu || width == 0 || width % vec != 0) return;
+    RVar rdo("rdo"), rdi("rdi");
+    const Var u("u"), s("s"), h("h");
+    Func lanes = f.update().split(f.rvars(0)[0], rdo, rdi, vec).rfactor(rdi, u);
+    f.update().reorder(rdi, s, h).unroll(rdi);
+    lanes.compute_at(f, h).reorder_storage(u, s, h, v.b).vectorize(u);
+    lanes.update().reorder(u, rdo, s).vectorize(u);
   }
   // out(c, b) = sum over positions of weights(., c / D, b) * rows(c): vectors along c.
   void weighted_sum(Func f) {
@@ -151,14 +159,14 @@ public:
       a.lse_dot.compute_at(a.lse, v.b);
       a.row_max.compute_at(a.lse, v.b);
       a.sum_exp.compute_at(a.lse, v.b);
-      dot(a.lse_dot);
+      dot(a.lse_dot, head_dim);
     }
     a.out.compute_root().parallel(v.b).vectorize(v.c, vec, TailStrategy::GuardWithIf);
     a.sum.compute_at(a.out, v.b).vectorize(v.c, vec, TailStrategy::GuardWithIf);
     weighted_sum(a.sum);
     a.dot.compute_at(a.out, v.b);
     a.kept.compute_at(a.out, v.b);
-    dot(a.dot);
+    dot(a.dot, head_dim);
   }
   // delta(h, b) = dout . out over each head: a row per task (CPU) or thread (GPU).
   void attention_delta(Func delta) {
@@ -195,7 +203,7 @@ public:
     for (Func fn : {g.dq, g.dk, g.dv, g.q.dot, g.q.dprob_kept, g.q.dscore, g.kv.dot, g.kv.dprob_kept,
                     g.kv.dscore, g.kv.kept})
       fn.compute_at(consumer, v.b);
-    for (Func fn : {g.q.dot, g.q.dprob_kept, g.kv.dot, g.kv.dprob_kept}) dot(fn);
+    for (Func fn : {g.q.dot, g.q.dprob_kept, g.kv.dot, g.kv.dprob_kept}) dot(fn, head_dim);
     for (Func fn : {g.dq, g.dk, g.dv}) {
       fn.vectorize(v.c, vec, TailStrategy::GuardWithIf);
       weighted_sum(fn);

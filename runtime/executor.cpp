@@ -3,6 +3,7 @@ module;
 #include <HalideRuntimeCuda.h>
 
 #include "cuda_device.h"
+#include "gemm.h"
 
 #include <fmt/format.h>
 
@@ -50,6 +51,39 @@ struct PausedCounting {
   ~PausedCounting() { remat_heap_counting = true; }
 };
 }  // namespace
+
+// ---- CPU kernel variants ---------------------------------------------------------------------
+// The CPU kernels come in an AVX-512 and an AVX2 variant (generators/modelc.cpp); Halide's
+// wrapper asks halide_can_use_target_features, once per kernel, which one the CPU can run. This
+// answer refuses AVX-512 when REMAT_CPU_VARIANT=avx2 (installed before any kernel runs).
+namespace {
+bool has_feature(const std::uint64_t *features, int f) { return (features[f >> 6] >> (f & 63)) & 1; }
+
+bool avx2_forced() {
+  static const bool forced = [] {
+    const char *v = std::getenv("REMAT_CPU_VARIANT");
+    if (!v || !*v || std::string_view(v) == "auto") return false;
+    if (std::string_view(v) == "avx2") return true;
+    std::fprintf(stderr, "REMAT_CPU_VARIANT=%s: expected avx2 or auto\n", v);
+    std::exit(2);
+  }();
+  return forced;
+}
+
+int can_use_target_features(int count, const std::uint64_t *features) {
+  if (avx2_forced() && has_feature(features, halide_target_feature_avx512)) return 0;
+  return halide_default_can_use_target_features(count, features);
+}
+
+[[maybe_unused]] const auto previous_can_use = halide_set_custom_can_use_target_features(can_use_target_features);
+}  // namespace
+
+std::string_view cpu_kernel_variant() {
+  constexpr int words = (halide_target_feature_end + 63) / 64;
+  std::uint64_t avx512[words] = {};
+  for (int f : {halide_target_feature_avx512, halide_target_feature_avx512_skylake}) avx512[f >> 6] |= std::uint64_t(1) << (f & 63);
+  return can_use_target_features(words, avx512) ? "avx512" : "avx2";
+}
 
 // ---- Arena -------------------------------------------------------------------------------------
 namespace {
@@ -146,6 +180,8 @@ struct Executor::Bound {
   float no_weight_decay = 0;  // AdamW over parameters that are not decayed
   double seconds = 0;  // with REMAT_PROFILE set: time spent in this call
   long calls = 0;
+  double flops = 0;         // the step's kernel_flops, per call
+  std::size_t bytes = 0;    // bytes of the tensors it reads and writes, per call
   std::int32_t rng_block = 0;
   std::vector<halide_buffer_t> buffers;
   std::vector<int> inputs, outputs;  // buffer arguments by kind (Device::opencl moves them)
@@ -265,6 +301,7 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
   auto bind = [&](const Step &st) {
     auto b = std::make_unique<Bound>();
     b->rng_block = st.rng_block;
+    b->flops = st.flops;
     b->kernel = &find_kernel(kernels, kernel_name(model_name, st.stage, st.variant, plan.precision));
     const halide_filter_metadata_t *md = b->kernel->metadata();
     std::vector<bool> bound(st.args.size());  // which plan arguments a kernel argument took
@@ -292,6 +329,7 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
         throw std::runtime_error(fmt::format("{}: the plan says argument {} is {}, the kernel {} it", b->kernel->name,
                                              arg.name, written ? "read" : "written", written ? "writes" : "reads"));
       const Tensor &t = plan.tensors[it->tensor];
+      b->bytes += t.bytes();
       if (t.dims != arg.dimensions || t.elem_bytes != arg.type.bytes())
         throw std::runtime_error(fmt::format("{}: argument {} has {} dimensions of {}-byte elements, tensor {} {} of {}",
                                              b->kernel->name, arg.name, arg.dimensions, arg.type.bytes(),
@@ -335,6 +373,7 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
   // Halide starts its worker threads on the first parallel loop (allocating their stacks and
   // thread state): start them here, so that no training step allocates.
   halide_do_par_for(nullptr, [](void *, int, std::uint8_t *) { return 0; }, 0, 256, nullptr);
+  gemm_warm_up();  // and MKL its per-thread buffers
   for (const Step &st : plan.train) train_calls.push_back(bind(st));
   for (const Step &st : plan.optimize) optimize_calls.push_back(bind(st));
   for (const Step &st : plan.eval) eval_calls.push_back(bind(st));
@@ -484,17 +523,74 @@ void Executor::check_after(const Bound &b, const Step &st, std::vector<int> *liv
   }
 }
 
-// With REMAT_PROFILE set, the time per kernel, summed over its calls, on stderr.
+namespace {
+// The roofs REMAT_PROFILE compares kernels with, measured here and now on all of Halide's threads:
+// the host GEMM's rate at a large square fp32 shape, and copy bandwidth over 256 MiB (bytes read
+// plus bytes written).
+struct Roofs {
+  double gemm_gflops = 0, memory_gbps = 0;
+};
+Roofs measure_roofs() {
+  auto best_seconds = [](auto &&run) {
+    double best = 1e30;
+    for (int r = 0; r < 5; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      run();
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return best;
+  };
+  Roofs roofs;
+  const int n = 1024;
+  std::vector<float> a(std::size_t(n) * n, 1.f), b(a), c(a);
+  GemmCall g;
+  g.a = a.data(), g.b = b.data(), g.out = c.data(), g.m = g.n = g.k = n;
+  roofs.gemm_gflops = 2.0 * n * n * n / best_seconds([&] { host_gemm(g); }) / 1e9;
+  struct Copy {
+    std::vector<std::byte> from, to;
+    std::size_t chunk;
+  } copy{std::vector<std::byte>(std::size_t(256) << 20, std::byte{1}), std::vector<std::byte>(std::size_t(256) << 20), 1 << 20};
+  auto task = [](void *, int i, std::uint8_t *closure) {
+    Copy &c = *reinterpret_cast<Copy *>(closure);
+    std::memcpy(c.to.data() + i * c.chunk, c.from.data() + i * c.chunk, c.chunk);
+    return 0;
+  };
+  const int chunks = int(copy.from.size() / copy.chunk);
+  roofs.memory_gbps = 2.0 * double(copy.from.size()) /
+                      best_seconds([&] { halide_do_par_for(nullptr, task, 0, chunks, reinterpret_cast<std::uint8_t *>(&copy)); }) / 1e9;
+  return roofs;
+}
+}  // namespace
+
+// With REMAT_PROFILE set, per kernel on stderr: the time summed over its calls, and the rates it
+// reached (GEMM and attention arithmetic per second, tensor bytes read and written per second)
+// against this machine's GEMM rate and copy bandwidth.
 Executor::~Executor() {
   if (!std::getenv("REMAT_PROFILE")) return;
-  std::map<std::string, std::pair<double, long>> by_kernel;
+  struct Totals {
+    double seconds = 0, flops = 0, bytes = 0;
+    long calls = 0;
+  };
+  std::map<std::string, Totals> by_kernel;
   for (auto *list : {&train_calls, &optimize_calls, &eval_calls})
     for (auto &b : *list) {
-      by_kernel[b->kernel->name].first += b->seconds;
-      by_kernel[b->kernel->name].second += b->calls;
+      Totals &t = by_kernel[b->kernel->name];
+      t.seconds += b->seconds;
+      t.calls += b->calls;
+      t.flops += b->flops * double(b->calls);
+      t.bytes += double(b->bytes) * double(b->calls);
     }
-  for (const auto &[name, t] : by_kernel)
-    if (t.second) std::fprintf(stderr, "profile %-32s %8.3f s %6ld calls\n", name.c_str(), t.first, t.second);
+  const Roofs roofs = measure_roofs();
+  std::fprintf(stderr, "profile: roofs on %d threads: GEMM %.1f GFLOP/s (fp32 %d^3), copy %.1f GB/s\n",
+               gemm_thread_count(), roofs.gemm_gflops, 1024, roofs.memory_gbps);
+  std::fprintf(stderr, "profile %-32s %9s %6s %9s %6s %8s %6s\n", "kernel", "seconds", "calls", "GFLOP/s", "%GEMM", "GB/s",
+               "%copy");
+  for (const auto &[name, t] : by_kernel) {
+    if (!t.calls) continue;
+    const double gflops = t.flops / t.seconds / 1e9, gbps = t.bytes / t.seconds / 1e9;
+    std::fprintf(stderr, "profile %-32s %9.3f %6ld %9.1f %5.0f%% %8.1f %5.0f%%\n", name.c_str(), t.seconds, t.calls, gflops,
+                 100 * gflops / roofs.gemm_gflops, gbps, 100 * gbps / roofs.memory_gbps);
+  }
 }
 
 int Executor::find(std::string_view name) const {

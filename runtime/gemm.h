@@ -1,6 +1,6 @@
-// The GEMM of library-GEMM kernels (CUDA, and the OpenCL test build): the extern stages that the
-// model compiler emits call remat_gemm / remat_gemm_bias (gemm.cpp), which run one GemmCall on
-// the CUDA device (cuBLASLt, cuda_device.cpp) or in host memory (a plain loop).
+// The GEMM of library-GEMM kernels (fp32 CPU kernels, CUDA, and the OpenCL test build): the extern
+// stages that the model compiler emits call remat_gemm / remat_gemm_bias (gemm.cpp), which run one
+// GemmCall on the CUDA device (cuBLASLt, cuda_device.cpp) or in host memory (MKL).
 #pragma once
 
 #include <cstddef>
@@ -33,5 +33,16 @@ std::size_t address_alignment(const void *p);
 // Throws, naming the operand and its alignment, unless a, b, out and bias (when present) are
 // gemm_alignment-byte aligned.
 void require_gemm_alignment(const GemmCall &g);
+
+// One GEMM in host memory: fp32 on MKL, its output tiles spread over Halide's thread pool (bf16
+// operands, only in the OpenCL test build: a plain loop).
+void host_gemm(const GemmCall &g);
+// The threads host_gemm spreads its tiles over (Halide's; set by gemm_warm_up).
+int gemm_thread_count();
+// Runs MKL once on every thread of Halide's pool (once per process; the executor calls it), so
+// that the buffers MKL keeps per thread exist before any training step.
+void gemm_warm_up();
+// What MKL holds in those buffers (reported by the trainer; outside the plan, like thread stacks).
+std::size_t gemm_library_bytes();
 
 }  // namespace remat

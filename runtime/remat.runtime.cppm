@@ -62,6 +62,10 @@ struct StepHeap {
 StepHeap step_heap();
 void reset_step_heap();
 
+// The variant of the CPU kernels this CPU runs: "avx512" where it has AVX-512 (the Skylake-server
+// set), "avx2" otherwise or when REMAT_CPU_VARIANT=avx2 forces the baseline.
+std::string_view cpu_kernel_variant();
+
 // bfloat16 <-> float (round to nearest even, as the kernels round; runtime/bf16.h).
 using remat::bf16_to_float;
 using remat::float_to_bf16;
@@ -69,8 +73,12 @@ using remat::float_to_bf16;
 // opencl: the GPU schedules run through OpenCL from host memory (Halide copies each input to the
 // device and the executor copies each output back), so tests check them on PoCL without a GPU.
 enum class Device { cpu, cuda, opencl };
-// The CPU kernels keep Halide GEMMs; the GPU ones call a GEMM library (plans must agree).
-constexpr Gemms gemms_of(Device d) { return d == Device::cpu ? Gemms::halide : Gemms::library; }
+// Which GEMMs a device's kernels run (plans must agree with the model compiler, generators/modelc.cpp):
+// a library everywhere (MKL on the CPU, cuBLASLt on CUDA), but Halide's on the CPU in bf16, where
+// MKL's bf16 GEMM on CPUs without native bf16 converts whole operands in buffers of their size.
+constexpr Gemms gemms_of(Device d, Precision p) {
+  return d == Device::cpu && p == Precision::bf16 ? Gemms::halide : Gemms::library;
+}
 
 // The arena: one allocation of the plan's size, in host memory (CPU) or device memory (CUDA,
 // one cudaMalloc; a host mirror of the same size holds what the trainer reads and writes, moved

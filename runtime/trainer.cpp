@@ -148,7 +148,7 @@ std::string generate(const ModelInfo &info, Device device, Precision precision, 
   const Model &model = info.model;
   const int T = model.input.block_size, V = model.classes();
   const int samples = (min_batch_rows + T - 1) / T;  // the sequence is sample 0; the rest pad the batch
-  const Plan plan = make_plan(model, none, samples, precision, gemms_of(device));
+  const Plan plan = make_plan(model, none, samples, precision, gemms_of(device, precision));
   Arena arena(std::max(plan.peak_bytes, plan.eval_peak_bytes), device);
   Scalars scalars;
   Executor ex(plan, info.name, device == Device::cuda ? info.cuda_kernels : info.kernels, arena, scalars);
@@ -312,7 +312,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     if (o.dropout > 0 && !has_dropout(model))
       throw InputError(fmt::format("--dropout {}: model {} has no dropout layers", o.dropout, info.name));
     const Precision precision = o.bf16 ? Precision::bf16 : Precision::fp32;
-    const Plan plan = make_plan(model, policy, batch, precision, gemms_of(device));
+    const Plan plan = make_plan(model, policy, batch, precision, gemms_of(device, precision));
     for (const Tensor &t : plan.tensors)
       if (t.bytes() > std::size_t(INT32_MAX))
         throw InputError(fmt::format("--batch-size {}: tensor {} would hold {} bytes; kernels take at most 2 GiB per tensor",
@@ -326,7 +326,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     }
     const std::size_t arena_bytes = std::max(plan.peak_bytes, plan.eval_peak_bytes);
     if (device == Device::cuda) check_cuda(info, arena_bytes);
-    const Plan baseline = make_plan(model, none, batch, precision, gemms_of(device));
+    const Plan baseline = make_plan(model, none, batch, precision, gemms_of(device, precision));
     std::FILE *progress = o.json ? stderr : stdout;
     std::unique_ptr<DataSource> data = info.data(model, {o.data_dir, batch, o.seed});
     if (long(batch) * micro > data->train_samples())

@@ -24,7 +24,7 @@ struct Run {
       int samples, double dropout = 0, bool canary = false,
       remat::runtime::Device device = remat::runtime::Device::cpu,
       remat::Precision precision = remat::Precision::fp32)
-      : model(m), plan(remat::make_plan(m, p, samples, precision, remat::runtime::gemms_of(device))), arena(std::max(plan.peak_bytes, plan.eval_peak_bytes), device),
+      : model(m), plan(remat::make_plan(m, p, samples, precision, remat::runtime::gemms_of(device, precision))), arena(std::max(plan.peak_bytes, plan.eval_peak_bytes), device),
         ex(plan, name, kernels, arena, scalars) {
     using namespace remat;
     if (canary) arena.fill_canary();

@@ -33,6 +33,13 @@ using remat::runtime::Kernel;
 using namespace remat::testing;
 
 namespace {
+// A CPU plan in fp32: the GEMMs the CPU kernels run (runtime::gemms_of).
+Plan cpu_plan(const Model &m, Policy p, int batch) {
+  return make_plan(m, p, batch, Precision::fp32, runtime::gemms_of(runtime::Device::cpu, Precision::fp32));
+}
+}  // namespace
+
+namespace {
 
 constexpr int batch = 8;
 
@@ -71,7 +78,7 @@ std::string run_with_overrun(const Example &e, const Plan &plan, const Site &sit
 
 // A plan that does not fit its arena is refused before anything runs.
 BOOST_AUTO_TEST_CASE(a_plan_that_does_not_fit_is_refused) {
-  Plan plan = make_plan(mlp::model, none, batch);
+  Plan plan = cpu_plan(mlp::model, none, batch);
   plan.tensors[plan.find("row_loss")].offset = plan.peak_bytes - 8;  // ends past the arena
   Arena arena(plan.peak_bytes);
   runtime::Scalars scalars;
@@ -82,7 +89,7 @@ BOOST_AUTO_TEST_CASE(a_plan_that_does_not_fit_is_refused) {
     BOOST_TEST(what(e).find("tensor row_loss") != std::string::npos, what(e));
   }
   Arena small(plan.peak_bytes / 2);
-  BOOST_CHECK_THROW(Executor(make_plan(mlp::model, none, batch), "mlp", mlp_kernels::table, small, scalars), std::runtime_error);
+  BOOST_CHECK_THROW(Executor(cpu_plan(mlp::model, none, batch), "mlp", mlp_kernels::table, small, scalars), std::runtime_error);
 }
 
 // A test-only kernel writes 2 bytes past the tensor that ends at the plan's peak: into the guard.
@@ -93,7 +100,7 @@ BOOST_AUTO_TEST_CASE(a_write_past_the_plan_is_caught_in_the_guard) {
   BOOST_TEST(overrun_site(make_plan(gpt::model, none, 2, Precision::fp32, Gemms::library), Landing::guard, "gpt").step >= 0);
   for (const Example &e : examples)
     for (Policy p : {none, full}) {
-      const Plan plan = make_plan(*e.model, p, e.samples);
+      const Plan plan = cpu_plan(*e.model, p, e.samples);
       const Site site = overrun_site(plan, Landing::guard, e.name);
       BOOST_TEST_REQUIRE(site.step >= 0, e.name << ": no step writes the tensor at the peak");
       for (bool checked : {false, true}) {
@@ -108,7 +115,7 @@ BOOST_AUTO_TEST_CASE(a_write_past_the_plan_is_caught_in_the_guard) {
 // without the check); the free-memory check names the kernel.
 BOOST_AUTO_TEST_CASE(a_write_outside_the_live_tensors_is_caught) {
   for (const Example &e : examples) {
-    const Plan plan = make_plan(*e.model, full, e.samples);
+    const Plan plan = cpu_plan(*e.model, full, e.samples);
     const Site site = overrun_site(plan, Landing::free_memory, e.name);
     BOOST_TEST_REQUIRE(site.step >= 0, e.name << ": no step writes a tensor with free memory after it");
     BOOST_TEST(run_with_overrun(e, plan, site, false) == "");
@@ -122,7 +129,7 @@ BOOST_AUTO_TEST_CASE(a_write_outside_the_live_tensors_is_caught) {
 // the kernel and the tensor it changed.
 BOOST_AUTO_TEST_CASE(a_write_into_a_neighbouring_tensor_is_caught) {
   for (const Example &e : examples) {
-    const Plan plan = make_plan(*e.model, none, e.samples);
+    const Plan plan = cpu_plan(*e.model, none, e.samples);
     const Site site = overrun_site(plan, Landing::neighbour, e.name);
     BOOST_TEST_REQUIRE(site.step >= 0, e.name << ": no step writes a tensor followed by a live one");
     const std::string error = run_with_overrun(e, plan, site, true);
@@ -135,7 +142,7 @@ BOOST_AUTO_TEST_CASE(a_write_into_a_neighbouring_tensor_is_caught) {
 // block's gradients, or padding): the check names the kernel and the buffer.
 BOOST_AUTO_TEST_CASE(a_write_into_another_gradient_is_caught) {
   for (const Example &e : examples) {
-    const Plan plan = make_plan(*e.model, full, e.samples);
+    const Plan plan = cpu_plan(*e.model, full, e.samples);
     const Site site = overrun_site(plan, Landing::other_gradient, e.name);
     BOOST_TEST_REQUIRE(site.step >= 0, e.name << ": no step writes a gradient view followed by one it does not write");
     const std::string error = run_with_overrun(e, plan, site, true);
@@ -180,7 +187,7 @@ BOOST_AUTO_TEST_CASE(real_kernels_keep_the_guarantees) {
 // Heap allocations during a phase are counted, whoever makes them (here a planted malloc inside
 // a kernel call; that the real kernels make none is in real_kernels_keep_the_guarantees).
 BOOST_AUTO_TEST_CASE(heap_allocations_during_steps_are_counted) {
-  const Plan plan = make_plan(mlp::model, full, batch);
+  const Plan plan = cpu_plan(mlp::model, full, batch);
   Planted fault;
   fault.allocate = 1000;
   const std::vector<Kernel> faulty = with_fault(mlp_kernels::table, "mlp_loss", fault);

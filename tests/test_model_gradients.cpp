@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <memory>
@@ -872,4 +873,25 @@ BOOST_AUTO_TEST_CASE(kernels_allocate_nothing_of_their_own) {
   run.ex.run(Executor::Phase::optimize);
   run.ex.run(Executor::Phase::eval);
   BOOST_TEST(runtime::halide_heap().peak == 0u);
+}
+
+// The CPU kernels exist as an AVX-512 and an AVX2 variant; the running CPU picks, unless
+// REMAT_CPU_VARIANT=avx2 forces the baseline (ctest runs this file both ways: test_model_gradients
+// and test_model_gradients_avx2, so every gradient test above passes on each variant the CPU has).
+BOOST_AUTO_TEST_CASE(cpu_kernel_variant_follows_the_cpu_and_the_override) {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line, flags;
+  while (std::getline(cpuinfo, line))
+    if (line.starts_with("flags")) {
+      flags = line + " ";
+      break;
+    }
+  BOOST_REQUIRE_MESSAGE(!flags.empty(), "no flags line in /proc/cpuinfo");
+  bool avx512 = true;  // the Skylake-server set the AVX-512 variant is built for
+  for (const char *f : {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
+    avx512 = avx512 && flags.find(std::string(" ") + f + " ") != std::string::npos;
+  const char *forced = std::getenv("REMAT_CPU_VARIANT");
+  const bool avx2_forced = forced && std::string_view(forced) == "avx2";
+  BOOST_TEST_MESSAGE("CPU has AVX-512: " << avx512 << ", REMAT_CPU_VARIANT=" << (forced ? forced : "(unset)"));
+  BOOST_TEST(runtime::cpu_kernel_variant() == (avx512 && !avx2_forced ? "avx512" : "avx2"));
 }
