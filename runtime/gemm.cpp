@@ -1,7 +1,7 @@
 // Extern stages of library-GEMM kernels (generators/modelc.cpp, library_gemm): Halide calls them
 // with the kernel's buffers, on the kernel's device, and leaves device transitions of the inputs
 // to them. CUDA buffers go to cuBLASLt on the runtime's compute stream. Host buffers go to MKL's
-// sequential sgemm, one call per output tile, the tiles spread over Halide's thread pool. The
+// sgemm, on MKL's own threads (as many as Halide's). The
 // OpenCL test build's GEMMs run on the host too: inputs are brought to host memory, the product
 // computed there (bf16 operands by a plain loop) and sent back to the device, where the kernel's
 // next stages read it.
@@ -16,8 +16,6 @@
 #include <mkl.h>
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -84,72 +82,29 @@ void plain_gemm(const GemmCall &g) {
   }
 }
 
-// ---- host GEMMs: MKL (sequential) per output tile, the tiles on Halide's thread pool ----
-// A tile is at most tile_cols wide: MKL's per-thread packing buffer grows with a call's width up
-// to its own blocking, so calls no wider than the warm-up's (gemm_warm_up) never allocate. Tile
-// edges are multiples of 32 elements, so every tile's operands keep the 64-byte alignment of the
-// arena's tensors, and MKL (whose results may depend on alignment) gives the same bits whatever
-// the plan's layout: the tiling depends on the shape and the thread count only.
-constexpr int tile_cols = 1024, tile_granule = 32;
-int gemm_threads = 1;  // set by gemm_warm_up: Halide's thread count
-
-struct Tiling {
-  int rows, cols, row_tiles, col_tiles;  // tile size and count in each direction
-};
-
-Tiling tiling(int m, int n) {
-  auto round_up = [](int x) { return (x + tile_granule - 1) / tile_granule * tile_granule; };
-  Tiling t;
-  t.col_tiles = (n + tile_cols - 1) / tile_cols;
-  t.cols = std::min(round_up((n + t.col_tiles - 1) / t.col_tiles), tile_cols);
-  t.col_tiles = (n + t.cols - 1) / t.cols;
-  t.row_tiles = std::max(1, std::min(gemm_threads, m / tile_granule));
-  t.rows = round_up((m + t.row_tiles - 1) / t.row_tiles);
-  t.row_tiles = (m + t.rows - 1) / t.rows;
-  return t;
-}
-
-struct TiledGemm {
-  const GemmCall *g;
-  Tiling t;
-};
-
-// One output tile: out[r0.., c0..] = op(a)[r0.., :] op(b)[:, c0..] (+ bias) (+ out).
-void fp32_tile(const GemmCall &g, int r0, int rows, int c0, int cols) {
-  const float *a = static_cast<const float *>(g.a), *b = static_cast<const float *>(g.b);
-  const float *bias = static_cast<const float *>(g.bias);
-  float *out = static_cast<float *>(g.out) + std::size_t(r0) * g.n + c0;
-  const int lda = g.trans_a ? g.m : g.k, ldb = g.trans_b ? g.k : g.n;
-  a += g.trans_a ? std::size_t(r0) : std::size_t(r0) * lda;
-  b += g.trans_b ? std::size_t(c0) * ldb : std::size_t(c0);
-  if (bias)  // out starts as the bias (or out + bias), and MKL adds the product to it
-    for (int i = 0; i < rows; ++i)
-      for (int j = 0; j < cols; ++j) out[std::size_t(i) * g.n + j] = (g.accumulate ? out[std::size_t(i) * g.n + j] : 0.f) + bias[c0 + j];
-  cblas_sgemm(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans, g.trans_b ? CblasTrans : CblasNoTrans, rows, cols, g.k,
-              1.f, a, lda, b, ldb, bias || g.accumulate ? 1.f : 0.f, out, g.n);
-}
-
-int gemm_task(void *, int tile, std::uint8_t *closure) {
-  const TiledGemm &tg = *reinterpret_cast<const TiledGemm *>(closure);
-  const int r = tile / tg.t.col_tiles, c = tile % tg.t.col_tiles;
-  const int r0 = r * tg.t.rows, c0 = c * tg.t.cols;
-  fp32_tile(*tg.g, r0, std::min(tg.t.rows, tg.g->m - r0), c0, std::min(tg.t.cols, tg.g->n - c0));
-  return 0;
-}
+// ---- host GEMMs: MKL, on its own (OpenMP) threads ----
+int gemm_threads = 1;  // set by gemm_warm_up: Halide's thread count, which MKL is given too
 
 }  // namespace
 
+// out = op(a) op(b) (+ bias) (+ out): out starts as the bias (or out + bias) and MKL adds the
+// product to it. MKL's result depends on the thread count and the operands' alignment only
+// (arena tensors are 64-byte aligned), so a recomputed product has the bits of the first one.
 void host_gemm(const GemmCall &g) {
   if (g.bf16_in || g.bf16_out) return plain_gemm(g);  // only the OpenCL test build: CPU bf16 kernels keep Halide GEMMs
-  TiledGemm tg{&g, tiling(g.m, g.n)};
-  if (halide_do_par_for(nullptr, gemm_task, 0, tg.t.row_tiles * tg.t.col_tiles, reinterpret_cast<std::uint8_t *>(&tg)) != 0)
-    throw std::runtime_error("the thread pool failed");
+  const float *a = static_cast<const float *>(g.a), *b = static_cast<const float *>(g.b);
+  const float *bias = static_cast<const float *>(g.bias);
+  float *out = static_cast<float *>(g.out);
+  if (bias)
+    for (int i = 0; i < g.m; ++i)
+      for (int j = 0; j < g.n; ++j) out[std::size_t(i) * g.n + j] = (g.accumulate ? out[std::size_t(i) * g.n + j] : 0.f) + bias[j];
+  cblas_sgemm(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans, g.trans_b ? CblasTrans : CblasNoTrans, g.m, g.n, g.k, 1.f,
+              a, g.trans_a ? g.m : g.k, b, g.trans_b ? g.k : g.n, bias || g.accumulate ? 1.f : 0.f, out, g.n);
 }
 
 int gemm_thread_count() { return gemm_threads; }
 
 namespace {
-
 bool on_cuda(const halide_buffer_t *b) {
   return b->device && &halide_cuda_device_interface && b->device_interface == halide_cuda_device_interface();
 }
@@ -240,40 +195,26 @@ int run(halide_buffer_t *a, halide_buffer_t *b, halide_buffer_t *bias, int k, in
 
 }  // namespace
 
-// Every thread of Halide's pool runs MKL once at the largest tile width, so that MKL's per-thread
-// buffers exist before the first step (they are then reused: a step allocates nothing). The tasks
-// wait for each other (for at most a second) so that each lands on its own thread.
+// MKL runs once per transpose case at a shape wider than its blocking, so that the buffers it
+// keeps per thread exist before the first step (they are then reused: a step allocates nothing).
 void gemm_warm_up() {
-  static const std::size_t bytes = [] {
+  static const bool done = [] {
     const int threads = halide_set_num_threads(0);  // 0: Halide's default; the old value comes back
     halide_set_num_threads(threads);
     gemm_threads = std::max(1, threads);
-    constexpr int m = 512, k = 1024, n = tile_cols;
-    std::vector<float> a(std::size_t(m) * k, 1.f), b(std::size_t(k) * n, 1.f), out(std::size_t(gemm_threads) * m * n);
-    struct WarmUp {
-      float *a, *b, *out;
-      std::atomic<int> arrived{0};
-      int threads;
-    } w{a.data(), b.data(), out.data(), {}, gemm_threads};
-    auto task = [](void *, int i, std::uint8_t *closure) {
-      WarmUp &w = *reinterpret_cast<WarmUp *>(closure);
-      w.arrived.fetch_add(1);
-      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-      while (w.arrived.load() < w.threads && std::chrono::steady_clock::now() < until) {
-      }
-      for (int t = 0; t < 4; ++t) {
-        GemmCall g;
-        g.a = w.a, g.b = w.b, g.out = w.out + std::size_t(i) * m * n, g.m = m, g.n = n, g.k = k;
-        g.trans_a = t & 1, g.trans_b = t & 2;
-        fp32_tile(g, 0, m, 0, n);
-      }
-      return 0;
-    };
-    halide_do_par_for(nullptr, task, 0, gemm_threads, reinterpret_cast<std::uint8_t *>(&w));
-    int buffers = 0;
-    return std::size_t(std::max<MKL_INT64>(0, mkl_mem_stat(&buffers)));
+    mkl_set_num_threads(gemm_threads);
+    mkl_set_dynamic(0);  // always that many threads: the same partition of every product, hence the same bits
+    constexpr int n = 2048;
+    std::vector<float> a(std::size_t(n) * n, 1.f), b(a), out(a);
+    for (int t = 0; t < 4; ++t) {
+      GemmCall g;
+      g.a = a.data(), g.b = b.data(), g.out = out.data(), g.m = g.n = n, g.k = 512;
+      g.trans_a = t & 1, g.trans_b = t & 2;
+      host_gemm(g);
+    }
+    return true;
   }();
-  (void)bytes;
+  (void)done;
 }
 
 std::size_t gemm_library_bytes() {

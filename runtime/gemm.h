@@ -34,13 +34,13 @@ std::size_t address_alignment(const void *p);
 // gemm_alignment-byte aligned.
 void require_gemm_alignment(const GemmCall &g);
 
-// One GEMM in host memory: fp32 on MKL, its output tiles spread over Halide's thread pool (bf16
-// operands, only in the OpenCL test build: a plain loop).
+// One GEMM in host memory: fp32 on MKL's threads (bf16 operands, only in the OpenCL test build:
+// a plain loop).
 void host_gemm(const GemmCall &g);
-// The threads host_gemm spreads its tiles over (Halide's; set by gemm_warm_up).
+// The threads MKL runs on (Halide's count; set by gemm_warm_up).
 int gemm_thread_count();
-// Runs MKL once on every thread of Halide's pool (once per process; the executor calls it), so
-// that the buffers MKL keeps per thread exist before any training step.
+// Runs MKL once per transpose case (once per process; the executor calls it), so that the
+// buffers MKL keeps per thread exist before any training step.
 void gemm_warm_up();
 // What MKL holds in those buffers (reported by the trainer; outside the plan, like thread stacks).
 std::size_t gemm_library_bytes();
