@@ -7,8 +7,11 @@ DEBS  := clang-19 clang-tools-19 ninja-build libboost-test-dev librange-v3-dev l
          pocl-opencl-icd ocl-icd-libopencl1
 PY_PKGS := halide==21.0.0 cmake>=3.28 mkl-static==2026.2.0 mkl-include==2026.2.0
 TRAIN_ARGS ?=
+# make bench-cpu only: PyTorch and what bench/cpu.py needs, and flags for it (BENCH_ARGS="--steps 8")
+BENCH_PY_PKGS := torch==2.15.0 safetensors==0.8.0 matplotlib==3.11.2
+BENCH_ARGS ?=
 
-.PHONY: all deps build train train-gpt train-mlp test bench device-bundle clean
+.PHONY: all deps build train train-gpt train-mlp test bench bench-cpu device-bundle clean
 
 all: build
 
@@ -57,6 +60,13 @@ bench: build
 	$(BUILD)/bin/bench-policies 6
 	$(BUILD)/bin/bench-gemm 30
 	$(BUILD)/bin/bench-gpu
+
+# remat against PyTorch eager and torch.compile on this CPU, side by side (bench/cpu.py; writes
+# bench/results/cpu.json and cpu.png). PyTorch is installed into $(VENV) only for this target.
+bench-cpu: build
+	@$(VENV)/bin/python -c 'import torch, safetensors, matplotlib' 2>/dev/null || \
+	  $(VENV)/bin/pip install --quiet --disable-pip-version-check $(foreach p,$(BENCH_PY_PKGS),'$(p)')
+	$(VENV)/bin/python bench/cpu.py $(BENCH_ARGS)
 
 # What scripts/device-check.sh needs on a GPU machine without registries, in .device/.
 device-bundle: build

@@ -9,6 +9,7 @@ module;
 #include <cstdint>
 #include <cstdio>
 #include <iosfwd>
+#include <map>
 #include <memory>
 #include <span>
 #include <stdexcept>
@@ -250,6 +251,15 @@ struct SnapshotState {
 void save_snapshot(const std::string &path, std::string_view model_name, const Plan &plan, Executor &ex,
                    const SnapshotState &state);
 SnapshotState load_snapshot(const std::string &path, std::string_view model_name, const Plan &plan, Executor &ex);
+
+// --save-initial: a safetensors file with every parameter under its plan name
+// (s<stage>.b<block>.p<layer>_w / _b; shapes [rows, contiguous]: a linear weight is [in, out]
+// with y = x w + b, an embedding's _w is the token table [V, C] and its _b the position table
+// [T, C], a LayerNorm's _w / _b are gamma / beta), the current batch as "inputs" (token ids
+// int32 [B, T], or pixels fp32 [B, W]) and "labels" (int32 [B, T] or [B]), and `metadata` as the
+// header's __metadata__. Written to <path>.tmp and renamed.
+void save_initial(const std::string &path, const Model &model, const Plan &plan, Executor &ex,
+                  const std::map<std::string, std::string> &metadata);
 
 // The trainer shared by every example: flags, data, training, evaluation, JSON summary.
 int train_main(int argc, char **argv, const ModelInfo &info);

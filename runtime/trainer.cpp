@@ -14,6 +14,7 @@ module;
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <optional>
 #include <random>
@@ -45,7 +46,7 @@ struct Options {
   int logging_steps = 50;
   bool json = false;
   bool plan_report = false;
-  std::string save_snapshot, resume_from_snapshot;
+  std::string save_snapshot, resume_from_snapshot, save_initial;
   long save_steps = 0;
   std::string device = "cpu";
   bool offload = false;
@@ -284,6 +285,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
   app.add_option("--save-snapshot", o.save_snapshot, "write a snapshot (weights, optimizer, step, data state) here at the end");
   app.add_option("--save-steps", o.save_steps, "also write a snapshot every N steps, to FILE.step<N>")->check(positive);
   app.add_option("--resume-from-snapshot", o.resume_from_snapshot, "continue a run from its snapshot (same flags)");
+  app.add_option("--save-initial", o.save_initial, "write the parameters and the first (micro-)batch, before the first step, as safetensors");
   app.add_option("--device", o.device, "where kernels run: cpu, or cuda (device 0)")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   app.add_flag("--bf16", o.bf16, "bf16 activations and GEMM operands (fp32 accumulation), fp32 master weights and AdamW");
   app.add_flag("--offload", o.offload, "keep checkpoints in pinned host memory between forward and backward (--device cuda)");
@@ -382,6 +384,15 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
                plan.param_count, mib(plan.peak_bytes), mib(plan.activation_bytes), mib(baseline.activation_bytes));
     std::fflush(progress);
 
+    // --save-initial: what another implementation needs to repeat the run's first steps
+    const std::map<std::string, std::string> initial_metadata = {
+        {"model", std::string(info.name)}, {"policy", std::string(policy_name(policy).view())},
+        {"precision", std::string(precision_name(precision))}, {"step", std::to_string(first_step)},
+        {"seed", std::to_string(o.seed)}, {"run", run_flags}, {"max_steps", std::to_string(max_steps)},
+        {"learning_rate", fmt::format("{}", o.learning_rate)}, {"lr_scheduler_type", o.lr_scheduler_type},
+        {"warmup_steps", std::to_string(o.warmup_steps)}, {"weight_decay", fmt::format("{}", o.weight_decay)},
+        {"dropout", fmt::format("{}", o.dropout)}, {"beta1", fmt::format("{}", scalars.beta1)},
+        {"beta2", fmt::format("{}", scalars.beta2)}, {"eps", fmt::format("{}", scalars.eps)}};
     std::vector<double> step_ms;
     double loss_first = 0, loss_last = 0, window_loss = 0;
     long window_correct = 0, window_rows = 0, window_steps = 0;
@@ -390,11 +401,15 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     double train_seconds = 0;
     for (long step = first_step; step <= max_steps; ++step) {
       const bool first = step == first_step;  // measurements are taken on this run's first step
-      const auto t0 = std::chrono::steady_clock::now();
+      auto t0 = std::chrono::steady_clock::now();
       double loss_sum = 0;
       scalars.step = std::int32_t(step);
       for (int m = 0; m < micro; ++m) {
         data->next_train_batch(ex);
+        if (first && m == 0 && !o.save_initial.empty()) {  // not timed
+          save_initial(o.save_initial, model, plan, ex, initial_metadata);
+          t0 = std::chrono::steady_clock::now();
+        }
         scalars.accumulate = m > 0;
         ex.run(Executor::Phase::train);
         ex.download("row_loss");
@@ -492,6 +507,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
           {"samples_per_s", samples_per_s},
           {"tokens_per_s", samples_per_s * model.rows_per_sample()},
           {"step_ms_median", median},
+          {"step_ms", step_ms},
           {"planned_peak_bytes", plan.peak_bytes},
           {"measured_peak_bytes", measured_peak},
           {"halide_heap_peak_bytes", halide_heap().peak},

@@ -1,0 +1,293 @@
+#!/usr/bin/env python3
+"""make bench-cpu: remat against PyTorch eager (and torch.compile) on this CPU, side by side.
+
+Per model, one remat run writes the initial weights and first batch (--save-initial, dropout 0)
+and gives the reference first-step loss. Then, per policy, the systems run alternately, each in
+its own process with the same steps: remat (build/bin/train-<model> --json), PyTorch eager and
+torch.compile (bench/torch_cpu.py, which checks its first-step loss against remat's before
+timing). Reported: median step time after the warm-up steps, tokens/s (gpt) or samples/s (mlp),
+peak RSS of each process (os.wait4's ru_maxrss), the ratios against remat and against the same
+system's `none`. Writes bench/results/cpu.json and bench/results/cpu.png.
+A failing run is a failed row with its reason; the exit code is 1 if a remat or eager run failed.
+"""
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROG = "bench/cpu.py"
+MODELS = {  # the examples' shapes (examples/*/*.cppm); the MLP at batch 256
+    "gpt": dict(batch=32, rows_per_sample=64, unit="tokens/s",
+                policies=["none", "full", "selective", "every_n_layers=2", "sqrt_n"]),
+    "mlp": dict(batch=256, rows_per_sample=1, unit="samples/s", policies=["none", "full", "selective"]),
+}
+SYSTEMS = ["remat", "pytorch", "torch.compile"]
+POLICY = re.compile(r"none|full|selective|sqrt_n|every_n_layers=[1-9]\d*")
+
+
+def fail(message):
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def cpu_info():
+    model, flags = platform.processor() or "unknown", set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    shown = sorted(f for f in flags if f in ("avx2", "fma", "avx512f", "avx512_bf16") or f.startswith("amx"))
+    return {"model": model, "flags": shown, "cores": len(os.sched_getaffinity(0)),
+            "bf16": "avx512_bf16" in flags or "amx_bf16" in flags}
+
+
+def busy_cpu_seconds():  # CPU time of every process on the machine so far (/proc/stat: all but idle, iowait)
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def run(cmd):
+    """Runs cmd; returns (exit code, stdout, stderr, peak RSS in bytes of that process, cores that other
+    processes kept busy meanwhile)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t0, busy0 = time.time(), busy_cpu_seconds()
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT)
+        _, status, usage = os.wait4(p.pid, 0)
+        elsewhere = (busy_cpu_seconds() - busy0 - usage.ru_utime - usage.ru_stime) / max(time.time() - t0, 1e-3)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return (p.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"),
+                usage.ru_maxrss * 1024, max(0.0, elsewhere))
+
+
+def last_line(text):
+    lines = [l for l in text.strip().splitlines() if l.strip()]
+    return lines[-1] if lines else ""
+
+
+def measure(system, model, policy, precision, cmd, args):
+    rc, out, err, rss, elsewhere = run(cmd)
+    row = {"system": system, "model": model, "policy": policy, "precision": precision, "command": " ".join(cmd),
+           "peak_rss_bytes": rss, "other_busy_cores": elsewhere}
+    try:
+        summary = json.loads(last_line(out)) if rc == 0 else None
+    except json.JSONDecodeError:
+        summary = None
+    if summary is None or len(summary.get("step_ms", [])) != args.steps:
+        reason = last_line(err) or f"exit code {rc}, no JSON summary"
+        return {**row, "status": "failed", "error": reason}
+    timed = summary["step_ms"][args.warmup:]
+    median = statistics.median(timed)
+    samples_per_s = MODELS[model]["batch"] * 1000 / median
+    row.update(status="ok", step_ms=summary["step_ms"], step_ms_median=median, step_ms_min=min(timed),
+               samples_per_s=samples_per_s,
+               tokens_per_s=samples_per_s * MODELS[model]["rows_per_sample"] if model == "gpt" else None,
+               loss_first=summary["loss_first"], loss_last=summary["loss_last"])
+    for key in ("planned_peak_bytes", "measured_peak_bytes", "activation_bytes", "rss_after_import_bytes", "threads"):
+        if key in summary:
+            row[key] = summary[key]
+    if "measured_peak_bytes" in summary:  # remat: the arena, measured
+        row["train_bytes"] = summary["measured_peak_bytes"]
+    elif "rss_after_import_bytes" in summary:  # PyTorch: what training added to the process
+        row["train_bytes"] = rss - summary["rss_after_import_bytes"]
+    return row
+
+
+def bench_model(model, policies, precisions, args, workdir):
+    m = MODELS[model]
+    binary = os.path.join(args.build, "bin", f"train-{model}")
+    if not os.access(binary, os.X_OK):
+        fail(f"{binary} not found (run make build)")
+    common = ["--json", "--eval-samples", "0", "--batch-size", str(m["batch"])]
+    init = os.path.join(workdir, f"{model}.safetensors")
+    rc, out, err, _, _ = run([binary, *common, "--max-steps", "1", "--checkpoint-policy", "none", "--dropout", "0",
+                           "--save-initial", init])
+    if rc != 0:
+        fail(f"the reference run of train-{model} failed: {last_line(err)}")
+    reference = json.loads(last_line(out))["loss_first"]
+    print(f"{model}: remat's first-step loss {reference:.7f} (dropout 0); initial weights and batch in {init}",
+          file=sys.stderr)
+    dropout = ["--dropout", str(args.dropout)] if model == "gpt" else []
+    rows = []
+    for precision in precisions:
+        bf16 = ["--bf16"] if precision == "bf16" else []
+        for policy in policies:
+            torch_cmd = [sys.executable, os.path.join(ROOT, "bench", "torch_cpu.py"), "--init", init,
+                         "--policy", policy, "--steps", str(args.steps), "--expect-loss", repr(reference),
+                         *dropout, *bf16]
+            cmds = {"remat": [binary, *common, "--max-steps", str(args.steps), "--checkpoint-policy", policy,
+                              *dropout, *bf16],
+                    "pytorch": torch_cmd, "torch.compile": [*torch_cmd, "--compile"]}
+            for system in SYSTEMS:
+                if system == "torch.compile" and args.no_compile:
+                    continue
+                t0 = time.time()
+                row = measure(system, model, policy, precision, cmds[system], args)
+                if (system == "remat" and row["status"] == "ok" and precision == "fp32" and args.dropout == 0
+                        and abs(row["loss_first"] - reference) > 1e-4):  # the same first step as the reference
+                    row.update(status="failed", error=f"first-step loss {row['loss_first']:.7f}, "
+                                                      f"the reference run's {reference:.7f}")
+                note = (f"{row['step_ms_median']:.1f} ms/step, first loss {row['loss_first']:.7f}"
+                        if row["status"] == "ok" else f"FAILED: {row['error']}")
+                print(f"  {model} {precision} {policy:<16} {system:<13} {note} ({time.time() - t0:.0f} s)",
+                      file=sys.stderr)
+                rows.append(row)
+    return reference, rows
+
+
+def add_ratios(rows):
+    ok = {(r["model"], r["precision"], r["policy"], r["system"]): r for r in rows if r["status"] == "ok"}
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        remat = ok.get((r["model"], r["precision"], r["policy"], "remat"))
+        none = ok.get((r["model"], r["precision"], "none", r["system"]))
+        r["vs_remat"] = r["step_ms_median"] / remat["step_ms_median"] if remat else None
+        r["vs_none"] = r["step_ms_median"] / none["step_ms_median"] if none else None
+
+
+def print_table(rows, cpu, references, args):
+    def num(r, key, fmt, scale=1):
+        return "-" if r.get(key) is None else fmt.format(r[key] / scale)
+
+    print(f"CPU: {cpu['model']}, {cpu['cores']} cores, flags: {' '.join(cpu['flags']) or 'none of interest'}; "
+          f"torch {torch_version()}; load average before {args.load_before:.2f}, now {os.getloadavg()[0]:.2f}")
+    print(f"{args.steps} steps per run, median of the last {args.steps - args.warmup} (after {args.warmup} warm-up); "
+          "x remat: step / remat's step; x none: step / the same system's none;\n"
+          "train MiB: remat's measured arena peak, PyTorch's peak RSS minus its RSS after import torch; "
+          "others: cores other processes kept busy during the run")
+    print(f"{'model':<5} {'prec':<4} {'policy':<16} {'system':<13} {'step ms':>9} {'min ms':>8} {'tokens/s':>9} "
+          f"{'samples/s':>9} {'x remat':>7} {'x none':>7} {'peak RSS MiB':>12} {'train MiB':>9} {'others':>6}")
+    last = None
+    for r in rows:
+        group = (r["model"], r["precision"], r["policy"])
+        line = f"{r['model']:<5} {r['precision']:<4} {r['policy']:<16}" if group != last else " " * 27
+        last = group
+        line += f" {r['system']:<13}"
+        if r["status"] == "ok":
+            line += (f" {r['step_ms_median']:>9.1f} {r['step_ms_min']:>8.1f} {num(r, 'tokens_per_s', '{:.0f}'):>9}"
+                     f" {r['samples_per_s']:>9.1f}"
+                     f" {num(r, 'vs_remat', '{:.2f}'):>7} {num(r, 'vs_none', '{:.2f}'):>7}")
+        else:
+            line += f" {'failed':>9} {'-':>8} {'-':>9} {'-':>9} {'-':>7} {'-':>7}"
+        line += (f" {r['peak_rss_bytes'] / 1048576:>12.0f} {num(r, 'train_bytes', '{:.0f}', 1048576):>9}"
+                 f" {r['other_busy_cores']:>6.2f}")
+        print(line)
+    for model, loss in references.items():
+        eager = [r["loss_first"] for r in rows if r["model"] == model and r["system"] == "pytorch"
+                 and r["precision"] == "fp32" and r["status"] == "ok"]
+        if eager:
+            print(f"first-step loss, {model}: remat {loss:.7f}, PyTorch {eager[0]:.7f} "
+                  f"(|diff| {abs(loss - eager[0]):.1e}, limit 1e-4)")
+    for r in rows:
+        if r["status"] != "ok":
+            print(f"failed: {r['system']} {r['model']} {r['precision']} {r['policy']}: {r['error']}")
+    shared = [r["other_busy_cores"] for r in rows if r["other_busy_cores"] > 0.2]
+    if shared:
+        print(f"warning: {len(shared)} of {len(rows)} runs shared the CPU with other processes (up to "
+              f"{max(shared):.2f} cores busy elsewhere): their times are not this machine's; rerun it idle")
+
+
+def torch_version():
+    import torch
+    return torch.__version__
+
+
+def plot(rows, cpu, path):  # step time against peak RSS, one point per system and policy
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5.5), squeeze=False)
+    colors = {"remat": "tab:blue", "pytorch": "tab:orange", "torch.compile": "tab:green"}
+    for ax, model in zip(axes[0], models):
+        for system in SYSTEMS:
+            pts = [r for r in rows if r["model"] == model and r["system"] == system and r["status"] == "ok"]
+            if not pts:
+                continue
+            xs, ys = [r["peak_rss_bytes"] / 1048576 for r in pts], [r["step_ms_median"] for r in pts]
+            shared = [r["other_busy_cores"] > 0.2 for r in pts]  # hollow: the CPU was shared
+            ax.scatter(xs, ys, edgecolors=colors[system], marker="o", s=40,
+                       facecolors=["none" if sh else colors[system] for sh in shared])
+            for i, (r, x, y) in enumerate(sorted(zip(pts, xs, ys), key=lambda p: p[2])):
+                label = r["policy"] + (" bf16" if r["precision"] == "bf16" else "")
+                ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, 3 if i % 2 else -9), fontsize=8)
+        ax.set_title(f"{model} (batch {MODELS[model]['batch']})")
+        ax.set_xlabel("peak RSS of the process (MiB); hollow: other processes used the CPU during the run")
+        ax.set_ylabel("median step time (ms)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(handles=[Line2D([], [], marker="o", linestyle="", color=c, label=s) for s, c in colors.items()])
+    fig.suptitle(f"remat vs PyTorch on the CPU ({cpu['model']}, {cpu['cores']} cores): one point per system and policy",
+                 fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=16, help="optimizer steps per run")
+    ap.add_argument("--warmup", type=int, default=4, help="first steps left out of the median")
+    ap.add_argument("--models", default="gpt,mlp", help="comma-separated: gpt, mlp")
+    ap.add_argument("--policies", help="comma-separated (default: gpt none,full,selective,every_n_layers=2,"
+                                       "sqrt_n; mlp none,full,selective)")
+    ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows")
+    ap.add_argument("--dropout", type=float, default=0.0, help="gpt dropout while timing, both systems")
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"), help="the build folder (bin/train-*)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="where cpu.json and cpu.png go")
+    args = ap.parse_args()
+    models = args.models.split(",")
+    if any(m not in MODELS for m in models):
+        fail(f"--models {args.models}: choose from {', '.join(MODELS)}")
+    policies = args.policies.split(",") if args.policies else None
+    if policies and not all(POLICY.fullmatch(p) for p in policies):
+        fail(f"--policies {args.policies}: each one of none, full, selective, every_n_layers=N, sqrt_n")
+    if args.warmup < 0 or args.steps <= args.warmup:
+        fail(f"--steps {args.steps} --warmup {args.warmup}: need steps > warmup >= 0")
+    if not 0 <= args.dropout < 1:
+        fail(f"--dropout {args.dropout}: not in [0, 1)")
+    cpu = cpu_info()
+    precisions = ["fp32", "bf16"] if cpu["bf16"] else ["fp32"]
+    if not cpu["bf16"]:
+        print("bf16 rows skipped: the CPU has neither avx512_bf16 nor amx_bf16", file=sys.stderr)
+    os.makedirs(args.out, exist_ok=True)
+    load = args.load_before = os.getloadavg()[0]
+    if load > cpu["cores"] / 2:
+        print(f"warning: load average {load:.2f} on {cpu['cores']} cores before the bench: timings will be noisy",
+              file=sys.stderr)
+    rows, references = [], {}
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="remat-bench-cpu-") as workdir:
+        for model in models:
+            references[model], r = bench_model(model, policies or MODELS[model]["policies"], precisions, args, workdir)
+            rows += r
+    add_ratios(rows)
+    print_table(rows, cpu, references, args)
+    result = {"cpu": cpu, "torch": torch_version(), "steps": args.steps, "warmup": args.warmup,
+              "dropout": args.dropout, "seconds": time.time() - started,
+              "load_average_before": args.load_before, "load_average_after": os.getloadavg()[0],
+              "first_step_loss_remat": references, "rows": rows}
+    with open(os.path.join(args.out, "cpu.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    plot(rows, cpu, os.path.join(args.out, "cpu.png"))
+    print(f"wrote {os.path.relpath(os.path.join(args.out, 'cpu.json'))} and "
+          f"{os.path.relpath(os.path.join(args.out, 'cpu.png'))} ({time.time() - started:.0f} s)")
+    essential_failed = any(r["status"] != "ok" and r["system"] != "torch.compile" for r in rows)
+    sys.exit(1 if essential_failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+#!/usr/bin/env python3
+"""The GPT and MLP examples in PyTorch with remat's math, trained on the CPU from remat's weights.
+
+Loads the parameters and the first batch that `train-gpt/train-mlp --save-initial FILE` wrote
+(the trainer's hyper-parameters come from the file's metadata), checks that the first step's loss
+equals remat's (--expect-loss, from a dropout-0 remat run) before anything else counts, then
+trains --steps steps on that batch and prints one JSON line: per-step times, first and last loss.
+
+The math is remat's (generators/layers.h, attention.h): LayerNorm eps 1e-5, tanh GELU, causal
+attention scaled by 1/sqrt(D) (F.scaled_dot_product_attention), token + position embedding,
+dropout after the embedding, on the attention probabilities and at the end of both residual
+branches (GPT), loss = mean cross-entropy over all rows, AdamW (decoupled weight decay on linear
+weights only) with remat's warm-up + cosine learning-rate schedule. Policies as PyTorch users
+write them: none; full = torch.utils.checkpoint per block; every_n_layers=N = blocks 0, N, 2N...
+(as HF Transformers); sqrt_n = checkpoint_sequential with ceil(sqrt(L)) segments; selective =
+selective activation checkpointing saving matmul outputs and recomputing the rest.
+Errors (mismatching loss, bad input, a failing torch.compile) end with one line on stderr and a
+non-zero exit: 1 for a loss mismatch, 2 for bad input, 3 when torch.compile fails.
+"""
+import argparse
+import functools
+import json
+import math
+import os
+import re
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_sequential,
+                                    create_selective_checkpoint_contexts)
+
+PROG = "torch_cpu.py"
+GPT = dict(V=128, T=64, L=6, H=4, C=128)             # examples/gpt/gpt.cppm
+MLP = dict(W=28 * 28, C=256, Hd=512, L=16, K=10)     # examples/mlp/mlp.cppm
+
+
+def fail(message, code=2):
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, C, H, p):
+        super().__init__()
+        self.H, self.p = H, p
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(C, eps=1e-5), nn.Linear(C, 3 * C), nn.Linear(C, C)
+        self.ln2, self.fc, self.fc2 = nn.LayerNorm(C, eps=1e-5), nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+
+    def layers(self):  # in remat's layer order
+        return [self.ln1, self.qkv, self.proj, self.ln2, self.fc, self.fc2]
+
+    def forward(self, x):
+        B, T, C = x.shape
+        p = self.p if self.training else 0.0
+        q, k, v = (t.view(B, T, self.H, C // self.H).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(C, dim=2))
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        x = x + F.dropout(self.proj(a.transpose(1, 2).reshape(B, T, C)), p, self.training)
+        return x + F.dropout(self.fc2(F.gelu(self.fc(self.ln2(x)), approximate="tanh")), p, self.training)
+
+
+class GPTModel(nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        V, T, L, H, C = (GPT[k] for k in "VTLHC")
+        self.p = p
+        self.wte, self.wpe = nn.Embedding(V, C), nn.Embedding(T, C)
+        self.blocks = nn.ModuleList(GPTBlock(C, H, p) for _ in range(L))
+        self.ln_f, self.head = nn.LayerNorm(C, eps=1e-5), nn.Linear(C, V)
+
+    def stem(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        return F.dropout(x, self.p if self.training else 0.0, self.training)
+
+    def head_loss(self, x, labels):
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1).long())
+
+    def load(self, f):
+        copy_params(f, 0, 0, [(self.wte, self.wpe)])
+        for i, blk in enumerate(self.blocks):
+            copy_params(f, 1, i, blk.layers())
+        copy_params(f, 2, 0, [self.ln_f, self.head])
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, C, Hd):
+        super().__init__()
+        self.ln, self.fc, self.fc2 = nn.LayerNorm(C, eps=1e-5), nn.Linear(C, Hd), nn.Linear(Hd, C)
+
+    def layers(self):
+        return [self.ln, self.fc, self.fc2]
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc(self.ln(x)), approximate="tanh"))
+
+
+class MLPModel(nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        W, C, Hd, L, K = (MLP[k] for k in ("W", "C", "Hd", "L", "K"))
+        self.stem_fc = nn.Linear(W, C)
+        self.blocks = nn.ModuleList(MLPBlock(C, Hd) for _ in range(L))
+        self.ln_f, self.head = nn.LayerNorm(C, eps=1e-5), nn.Linear(C, K)
+
+    def stem(self, x):
+        return self.stem_fc(x)
+
+    def head_loss(self, x, labels):
+        return F.cross_entropy(self.head(self.ln_f(x)).float(), labels.long())
+
+    def load(self, f):
+        copy_params(f, 0, 0, [self.stem_fc])
+        for i, blk in enumerate(self.blocks):
+            copy_params(f, 1, i, blk.layers())
+        copy_params(f, 2, 0, [self.ln_f, self.head])
+
+
+def copy_params(f, stage, block, modules):
+    """remat's s<stage>.b<block>.p<layer>_w/_b, in layer order, into the modules (remat's linear
+    weight is [in, out]: y = x w + b; nn.Linear's is [out, in]; an embedding pair is (wte, wpe))."""
+    prefix = f"s{stage}.b{block}."
+    layers = sorted({int(m.group(1)) for k in f.keys() if (m := re.fullmatch(re.escape(prefix) + r"p(\d+)_[wb]", k))})
+    if len(layers) != len(modules):
+        fail(f"{prefix}*: the file has {len(layers)} parameterized layers, this model {len(modules)}")
+    for k, mod in zip(layers, modules):
+        w, b = f.get_tensor(f"{prefix}p{k}_w"), f.get_tensor(f"{prefix}p{k}_b")
+        pairs = ([(mod[0].weight, w), (mod[1].weight, b)] if isinstance(mod, tuple) else
+                 [(mod.weight, w.t() if isinstance(mod, nn.Linear) else w), (mod.bias, b)])
+        for dst, src in pairs:
+            if tuple(dst.shape) != tuple(src.shape):
+                fail(f"{prefix}p{k}: shape {tuple(src.shape)} in the file, {tuple(dst.shape)} here")
+            with torch.no_grad():
+                dst.copy_(src)
+
+
+def selective_policy(ctx, op, *args, **kwargs):  # save GEMM outputs, recompute everything else
+    saved = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten.linear.default}
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def run_blocks(blocks, x, policy):
+    if policy == "sqrt_n":
+        return checkpoint_sequential(blocks, math.ceil(math.sqrt(len(blocks))), x, use_reentrant=False)
+    every = 1 if policy == "full" else int(policy.split("=")[1]) if policy.startswith("every_n_layers=") else 0
+    for i, blk in enumerate(blocks):
+        if policy == "selective":
+            x = checkpoint(blk, x, use_reentrant=False,
+                           context_fn=functools.partial(create_selective_checkpoint_contexts, selective_policy))
+        elif every and i % every == 0:
+            x = checkpoint(blk, x, use_reentrant=False)
+        else:
+            x = blk(x)
+    return x
+
+
+def learning_rate(meta, step, max_steps):  # runtime/trainer.cpp; step counts from 1
+    lr, warmup = float(meta["learning_rate"]), int(meta["warmup_steps"])
+    if step <= warmup:
+        return lr * step / max(1, warmup)
+    if meta["lr_scheduler_type"] == "constant":
+        return lr
+    progress = (step - warmup - 1) / max(1, max_steps - warmup)
+    return lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def status_bytes(field):  # VmRSS, VmHWM
+    with open("/proc/self/status") as s:
+        return next(int(l.split()[1]) * 1024 for l in s if l.startswith(field + ":"))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--init", required=True, help="the safetensors file of train-gpt/train-mlp --save-initial")
+    ap.add_argument("--policy", default="none", help="none | full | selective | every_n_layers=N | sqrt_n")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--dropout", type=float, default=0.0, help="dropout while timing (the loss check uses 0)")
+    ap.add_argument("--expect-loss", type=float, required=True, help="remat's first-step loss at dropout 0")
+    ap.add_argument("--bf16", action="store_true", help="torch.autocast('cpu', dtype=torch.bfloat16)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the step (forward, backward, AdamW)")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    a = ap.parse_args()
+    if a.steps < 1 or a.threads < 1 or not 0 <= a.dropout < 1:
+        fail("--steps and --threads must be >= 1 and --dropout in [0, 1)")
+    if not re.fullmatch(r"none|full|selective|sqrt_n|every_n_layers=[1-9]\d*", a.policy):
+        fail(f"--policy {a.policy}: not one of none, full, selective, every_n_layers=N (N >= 1), sqrt_n")
+    torch.set_num_threads(a.threads)
+    rss_after_import = status_bytes("VmRSS")
+    try:
+        f = safe_open(a.init, "pt")
+        meta = f.metadata() or {}
+        kind = meta["model"]
+    except Exception as e:  # a missing, truncated or foreign file
+        fail(f"--init {a.init}: not a remat --save-initial file ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+    if kind not in ("gpt", "mlp"):
+        fail(f"--init {a.init}: model {kind}; this script knows gpt and mlp")
+    if a.dropout > 0 and kind == "mlp":
+        fail("--dropout: the mlp model has no dropout layers")
+    torch.manual_seed(int(meta.get("seed", 0)))
+    model = (GPTModel if kind == "gpt" else MLPModel)(a.dropout)
+    model.load(f)
+    inputs, labels = f.get_tensor("inputs"), f.get_tensor("labels")
+
+    def loss_of(x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
+            return model.head_loss(run_blocks(model.blocks, model.stem(x), a.policy), y)
+
+    decayed = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]  # remat: linear weights only
+    plain = [p for p in model.parameters() if all(p is not d for d in decayed)]
+    lr = torch.tensor(0.0)  # a tensor, so that a compiled step is not recompiled when it changes
+    opt = torch.optim.AdamW([{"params": decayed, "weight_decay": float(meta["weight_decay"])},
+                             {"params": plain, "weight_decay": 0.0}], lr=lr,
+                            betas=(float(meta["beta1"]), float(meta["beta2"])), eps=float(meta["eps"]))
+
+    def train_step(x, y):
+        loss = loss_of(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    step_fn = torch.compile(train_step) if a.compile else train_step
+    tolerance = 5e-3 if a.bf16 else 1e-4  # bf16: activations and GEMM operands rounded differently
+
+    def check(loss):
+        if not abs(loss - a.expect_loss) <= tolerance:
+            fail(f"first-step loss {loss:.7f} differs from remat's {a.expect_loss:.7f} by "
+                 f"{abs(loss - a.expect_loss):.2e} (limit {tolerance:g}); the models are not the same", 1)
+
+    if a.dropout > 0:  # the check needs remat's dropout-0 loss: one forward without dropout first
+        model.eval()
+        with torch.no_grad():
+            check(loss_of(inputs, labels).item())
+        model.train()
+    step_ms, losses = [], []
+    for step in range(1, a.steps + 1):
+        lr.fill_(learning_rate(meta, step, a.steps))
+        t0 = time.perf_counter()
+        try:
+            loss = step_fn(inputs, labels).item()
+        except Exception as e:
+            if not a.compile:
+                raise
+            fail(f"torch.compile failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}", 3)
+        step_ms.append((time.perf_counter() - t0) * 1000)
+        losses.append(loss)
+        if step == 1 and a.dropout == 0:
+            check(loss)
+    print(json.dumps({"system": "torch.compile" if a.compile else "pytorch", "model": kind, "policy": a.policy,
+                      "precision": "bf16" if a.bf16 else "fp32", "threads": torch.get_num_threads(),
+                      "torch": torch.__version__, "steps": a.steps, "dropout": a.dropout,
+                      "batch_size": inputs.shape[0], "loss_first": losses[0], "loss_last": losses[-1],
+                      "step_ms": step_ms, "rss_after_import_bytes": rss_after_import,
+                      "vm_hwm_bytes": status_bytes("VmHWM")}))
+
+
+if __name__ == "__main__":
+    main()
