@@ -66,6 +66,7 @@ bench: build
 bench-cpu: build
 	@$(VENV)/bin/python -c 'import torch, safetensors, matplotlib' 2>/dev/null || \
 	  $(VENV)/bin/pip install --quiet --disable-pip-version-check $(foreach p,$(BENCH_PY_PKGS),'$(p)')
+	$(VENV)/bin/python bench/gemm.py
 	$(VENV)/bin/python bench/cpu.py $(BENCH_ARGS)
 
 # What scripts/device-check.sh needs on a GPU machine without registries, in .device/.

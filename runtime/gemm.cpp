@@ -217,10 +217,6 @@ void gemm_warm_up() {
   (void)done;
 }
 
-std::size_t gemm_library_bytes() {
-  int buffers = 0;
-  return std::size_t(std::max<MKL_INT64>(0, mkl_mem_stat(&buffers)));
-}
 
 }  // namespace remat
 

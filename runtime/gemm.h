@@ -42,7 +42,5 @@ int gemm_thread_count();
 // Runs MKL once per transpose case (once per process; the executor calls it), so that the
 // buffers MKL keeps per thread exist before any training step.
 void gemm_warm_up();
-// What MKL holds in those buffers (reported by the trainer; outside the plan, like thread stacks).
-std::size_t gemm_library_bytes();
 
 }  // namespace remat

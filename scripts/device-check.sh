@@ -54,6 +54,9 @@ allow() {
 }
 
 # The bundle: every binary there, and every library they need found.
+for packed in .device/bin/*.gz; do  # scripts/device-bundle.sh gzips the binaries
+  [ -e "$packed" ] && gunzip -kf "$packed"
+done
 bins=(.device/bin/test_cuda .device/bin/train-gpt .device/bin/bench-gpu)
 export LD_LIBRARY_PATH=$PWD/.device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 for bin in "${bins[@]}"; do
