@@ -1,10 +1,9 @@
 // Extern stages of library-GEMM kernels (generators/modelc.cpp, library_gemm): Halide calls them
 // with the kernel's buffers, on the kernel's device, and leaves device transitions of the inputs
 // to them. CUDA buffers go to cuBLASLt on the runtime's compute stream. Host buffers go to MKL's
-// sgemm, on MKL's own threads (as many as Halide's). The
-// OpenCL test build's GEMMs run on the host too: inputs are brought to host memory, the product
-// computed there (bf16 operands by a plain loop) and sent back to the device, where the kernel's
-// next stages read it.
+// sgemm, on MKL's own threads (as many as Halide's). The OpenCL test build's GEMMs run on the
+// host too: inputs are brought to host memory, the product computed there (bf16 operands by a
+// plain loop) and sent back to the device, where the kernel's next stages read it.
 #include "bf16.h"
 #include "cuda_device.h"
 #include "gemm.h"
@@ -216,7 +215,6 @@ void gemm_warm_up() {
   }();
   (void)done;
 }
-
 
 }  // namespace remat
 
