@@ -1,4 +1,4 @@
-// remat's CPU GEMM (runtime/gemm.cpp: MKL on its OpenMP threads, what the fp32 kernels call) at
+// remat's CPU GEMM (runtime/gemm.cpp: sequential MKL in row bands on Halide's threads, what the fp32 kernels call) at
 // every GEMM shape the example models run, forward and backward, and the Halide
 // schedule it replaced (generators/schedules.h, JIT-compiled for the pinned target) at the
 // forward shapes. `--json` prints the rows as JSON for bench/gemm.py, which puts torch.matmul

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """remat's CPU GEMM beside torch.matmul at every GEMM shape of the example models, in one run.
 
-Runs build/bin/bench-gemm --json (remat's host GEMM: MKL on its OpenMP threads, what the fp32
+Runs build/bin/bench-gemm --json (remat's host GEMM: sequential MKL in row bands on Halide's threads, what the fp32
 kernels call, and the Halide schedule it replaced at the forward shapes), then times
 torch.matmul on the same shapes, transposes and thread count, and prints both with the ratio
 remat / torch (goal: >= 0.90 at every shape). Writes bench/results/gemm.json.
@@ -62,7 +62,7 @@ def main():
     remat = json.loads(run.stdout.strip().splitlines()[-1])
     torch.set_num_threads(remat["threads"])
     print(f"CPU: {cpu_line()}")
-    print(f"fp32, {remat['threads']} threads, median of {args.reps}; remat: MKL on its OpenMP threads; "
+    print(f"fp32, {remat['threads']} threads, median of {args.reps}; remat: sequential MKL in row bands on Halide's threads; "
           f"torch {torch.__version__} matmul; Halide schedule pinned {remat['halide_target']}")
     print(f"{'shape':<20} {'m':>5} {'n':>5} {'k':>5} {'remat GF/s':>10} {'torch GF/s':>10} {'remat/torch':>11} {'halide GF/s':>11}")
     rows, worst = [], None

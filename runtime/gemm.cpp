@@ -1,7 +1,7 @@
 // Extern stages of library-GEMM kernels (generators/modelc.cpp, library_gemm): Halide calls them
 // with the kernel's buffers, on the kernel's device, and leaves device transitions of the inputs
 // to them. CUDA buffers go to cuBLASLt on the runtime's compute stream. Host buffers go to MKL's
-// sgemm, on MKL's own threads (as many as Halide's). The OpenCL test build's GEMMs run on the
+// sequential sgemm, in row bands on Halide's threads. The OpenCL test build's GEMMs run on the
 // host too: inputs are brought to host memory, the product computed there (bf16 operands by a
 // plain loop) and sent back to the device, where the kernel's next stages read it.
 #include "bf16.h"
@@ -15,11 +15,14 @@
 #include <mkl.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <stdexcept>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -81,24 +84,51 @@ void plain_gemm(const GemmCall &g) {
   }
 }
 
-// ---- host GEMMs: MKL, on its own (OpenMP) threads ----
-int gemm_threads = 1;  // set by gemm_warm_up: Halide's thread count, which MKL is given too
+// ---- host GEMMs: sequential MKL on Halide's threads ----
+// The product is cut into row bands, one per Halide thread, each band a sequential sgemm: one
+// thread pool in the process (a second one, MKL's OpenMP threads, spins on the same cores while
+// the Halide stages around the GEMMs run).
+int gemm_threads = 1;  // set by gemm_warm_up: Halide's thread count, the number of bands
+
+// Rows [first, first + count) of out = op(a) op(b) (+ bias) (+ out): out starts as the bias (or
+// out + bias) and MKL adds the product to it.
+void gemm_band(const GemmCall &g, int first, int count) {
+  const float *a = static_cast<const float *>(g.a), *b = static_cast<const float *>(g.b);
+  const float *bias = static_cast<const float *>(g.bias);
+  float *out = static_cast<float *>(g.out) + std::size_t(first) * g.n;
+  if (bias)
+    for (int i = 0; i < count; ++i)
+      for (int j = 0; j < g.n; ++j) out[std::size_t(i) * g.n + j] = (g.accumulate ? out[std::size_t(i) * g.n + j] : 0.f) + bias[j];
+  a += g.trans_a ? first : std::size_t(first) * g.k;  // the band's rows of op(a)
+  cblas_sgemm(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans, g.trans_b ? CblasTrans : CblasNoTrans, count, g.n, g.k, 1.f,
+              a, g.trans_a ? g.m : g.k, b, g.trans_b ? g.k : g.n, bias || g.accumulate ? 1.f : 0.f, out, g.n);
+}
+
+// Band boundaries depend on m and the thread count only, so a recomputed product is cut (and
+// summed) as the first one was: the same bits. Bands are multiples of 16 rows.
+struct Bands {
+  const GemmCall *g;
+  int count, rows;  // bands, rows per band (the last may be shorter)
+};
+Bands bands_of(const GemmCall &g) {
+  const int rows = std::min(g.m, ((g.m + gemm_threads - 1) / gemm_threads + 15) / 16 * 16);
+  return {&g, (g.m + rows - 1) / rows, rows};
+}
+int run_band(void *, int band, uint8_t *closure) {
+  const Bands &b = *reinterpret_cast<const Bands *>(closure);
+  const int first = band * b.rows;
+  gemm_band(*b.g, first, std::min(b.rows, b.g->m - first));
+  return 0;
+}
 
 }  // namespace
 
-// out = op(a) op(b) (+ bias) (+ out): out starts as the bias (or out + bias) and MKL adds the
-// product to it. MKL's result depends on the thread count and the operands' alignment only
-// (arena tensors are 64-byte aligned), so a recomputed product has the bits of the first one.
 void host_gemm(const GemmCall &g) {
   if (g.bf16_in || g.bf16_out) return plain_gemm(g);  // only the OpenCL test build: CPU bf16 kernels keep Halide GEMMs
-  const float *a = static_cast<const float *>(g.a), *b = static_cast<const float *>(g.b);
-  const float *bias = static_cast<const float *>(g.bias);
-  float *out = static_cast<float *>(g.out);
-  if (bias)
-    for (int i = 0; i < g.m; ++i)
-      for (int j = 0; j < g.n; ++j) out[std::size_t(i) * g.n + j] = (g.accumulate ? out[std::size_t(i) * g.n + j] : 0.f) + bias[j];
-  cblas_sgemm(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans, g.trans_b ? CblasTrans : CblasNoTrans, g.m, g.n, g.k, 1.f,
-              a, g.trans_a ? g.m : g.k, b, g.trans_b ? g.k : g.n, bias || g.accumulate ? 1.f : 0.f, out, g.n);
+  if (g.m <= 0) return;
+  Bands b = bands_of(g);
+  if (b.count == 1) return gemm_band(g, 0, g.m);
+  halide_do_par_for(nullptr, run_band, 0, b.count, reinterpret_cast<uint8_t *>(&b));
 }
 
 int gemm_thread_count() { return gemm_threads; }
@@ -194,23 +224,40 @@ int run(halide_buffer_t *a, halide_buffer_t *b, halide_buffer_t *bias, int k, in
 
 }  // namespace
 
-// MKL runs once per transpose case at a shape wider than its blocking, so that the buffers it
-// keeps per thread exist before the first step (they are then reused: a step allocates nothing).
+// MKL runs once per transpose case on every Halide thread, at a shape wider than its blocking,
+// so that the buffers it keeps per thread exist before the first step (they are then reused: a
+// step allocates nothing). The threads meet first, so that no thread runs two of the warm-ups.
+namespace {
+struct WarmUp {
+  std::atomic<int> arrived{0};
+  std::vector<float> a, b;
+};
+int warm_up_thread(void *, int, uint8_t *closure) {
+  WarmUp &w = *reinterpret_cast<WarmUp *>(closure);
+  w.arrived.fetch_add(1);
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(2);  // a pool smaller than asked
+  while (w.arrived.load() < gemm_threads && std::chrono::steady_clock::now() < give_up) std::this_thread::yield();
+  constexpr int n = 2048;
+  std::vector<float> out(std::size_t(n) * n);
+  for (int t = 0; t < 4; ++t) {
+    GemmCall g;
+    g.a = w.a.data(), g.b = w.b.data(), g.out = out.data(), g.m = g.n = n, g.k = 512;
+    g.trans_a = t & 1, g.trans_b = t & 2;
+    gemm_band(g, 0, n);
+  }
+  return 0;
+}
+}  // namespace
+
 void gemm_warm_up() {
   static const bool done = [] {
     const int threads = halide_set_num_threads(0);  // 0: Halide's default; the old value comes back
     halide_set_num_threads(threads);
     gemm_threads = std::max(1, threads);
-    mkl_set_num_threads(gemm_threads);
-    mkl_set_dynamic(0);  // always that many threads: the same partition of every product, hence the same bits
-    constexpr int n = 2048;
-    std::vector<float> a(std::size_t(n) * n, 1.f), b(a), out(a);
-    for (int t = 0; t < 4; ++t) {
-      GemmCall g;
-      g.a = a.data(), g.b = b.data(), g.out = out.data(), g.m = g.n = n, g.k = 512;
-      g.trans_a = t & 1, g.trans_b = t & 2;
-      host_gemm(g);
-    }
+    WarmUp w;
+    w.a.assign(std::size_t(2048) * 2048, 1.f);
+    w.b = w.a;
+    halide_do_par_for(nullptr, warm_up_thread, 0, gemm_threads, reinterpret_cast<uint8_t *>(&w));
     return true;
   }();
   (void)done;

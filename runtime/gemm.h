@@ -34,13 +34,13 @@ std::size_t address_alignment(const void *p);
 // gemm_alignment-byte aligned.
 void require_gemm_alignment(const GemmCall &g);
 
-// One GEMM in host memory: fp32 on MKL's threads (bf16 operands, only in the OpenCL test build:
-// a plain loop).
+// One GEMM in host memory: fp32 by sequential MKL in row bands on Halide's threads (bf16
+// operands, only in the OpenCL test build: a plain loop).
 void host_gemm(const GemmCall &g);
-// The threads MKL runs on (Halide's count; set by gemm_warm_up).
+// The threads the row bands run on (Halide's count; set by gemm_warm_up).
 int gemm_thread_count();
-// Runs MKL once per transpose case (once per process; the executor calls it), so that the
-// buffers MKL keeps per thread exist before any training step.
+// Runs MKL once per transpose case on every Halide thread (once per process; the executor calls
+// it), so that the buffers MKL keeps per thread exist before any training step.
 void gemm_warm_up();
 
 }  // namespace remat
