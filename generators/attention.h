@@ -123,6 +123,25 @@ struct AttentionGrad {
   ScoreGradChain kv;       // key side: f(t, h, b) for key row b and query position t (dk, dv)
 };
 struct EmbeddingGrad { Halide::Func dwte, dwpe; };
+// The same attention forward by (sequence, head) tiles, for the CPU: f(t, s, h, n) for query
+// position t, key position s, head h and sequence n (row n T + t). A schedule computes a whole
+// tile's scores and probabilities at once, vectorized over query positions, and every sum over
+// positions or head features runs in order, the causal mask applied in the sums over positions
+// (masked terms are exact zeros): the bits do not depend on how the loops are tiled. Its
+// gradient is attention_grad's (it reads only out and lse).
+struct TileScores {
+  Halide::Func q_t;         // q_t(t, d, h, n): the tile's queries, transposed
+  Halide::Func dot, score;  // dot(t, s, h, n) = q(t) . k(s); score = dot / sqrt(D)
+};
+struct AttentionTiles {
+  Halide::Func out, lse;             // as in Attention
+  TileScores scores, stats;          // the probabilities' chain and the statistics' own one
+  Halide::Func row_max, sum_exp;     // (t, h, n)
+  Halide::Func tile_lse;             // tile_lse(t, h, n) = row_max + log(sum_exp); lse(h, b) reads it
+  Halide::Func prob, keep, kept;     // (t, s, h, n), meaningful for s <= t (the sums mask the rest); keep
+                                     // undefined without dropout
+  Halide::Func sum;                  // sum(d, t, h, n) = sum_s kept(t, s) v(s, d)
+};
 
 class Transformer {
 public:
@@ -248,6 +267,41 @@ public:
     return g;
   }
 
+  // ---- Causal attention by (sequence, head) tiles (see AttentionTiles) -------------------------
+  // Same arguments and results as attention; the whole [T, T] tile of a head is a schedule's
+  // working set, so this suits block sizes whose tiles fit a task's stack (the model compiler
+  // decides).
+  AttentionTiles attention_tiles(const std::string &name, Halide::Func qkv, int C, int H,
+                                 const Dropout &drop = {}, std::optional<Halide::Func> saved_lse = {},
+                                 const std::string &out_name = {}) const {
+    using namespace Halide;
+    const int D = head_dim(C, H);
+    AttentionTiles a;
+    a.out = Func(out_name.empty() ? name : out_name);
+    a.lse = Func(name + "_lse");
+    a.stats = tile_scores(name + "_l", qkv, 0, qkv, C, D);
+    RDom rs(0, T, name + "_s");
+    a.row_max = Func(name + "_row_max");
+    a.row_max(t, h, n) = a.stats.score(t, 0, h, n);
+    a.row_max(t, h, n) = max(a.row_max(t, h, n), select(rs <= t, a.stats.score(t, rs, h, n), a.row_max(t, h, n)));
+    a.sum_exp = Func(name + "_sum_exp");
+    a.sum_exp(t, h, n) = L.constant(0);
+    a.sum_exp(t, h, n) += select(rs <= t, exp(a.stats.score(t, rs, h, n) - a.row_max(t, h, n)), L.constant(0));
+    a.tile_lse = Func(name + "_tile_lse");
+    a.tile_lse(t, h, n) = a.row_max(t, h, n) + log(a.sum_exp(t, h, n));
+    a.lse(h, v.b) = a.tile_lse(v.b % T, h, v.b / T);
+    a.scores = tile_scores(name, qkv, 0, qkv, C, D);
+    const Func lse = saved_lse ? *saved_lse : a.lse;  // out reads the statistics from their buffer
+    a.prob = Func(name + "_prob");
+    a.prob(t, s, h, n) = exp(a.scores.score(t, s, h, n) - lse(h, n * T + t));
+    tile_dropout(name, a.prob, H, drop, a.keep, a.kept);
+    RDom rsv(0, T, name + "_sv");
+    a.sum = Func(name + "_sum");
+    a.sum(d, t, h, n) = L.constant(0);
+    a.sum(d, t, h, n) += select(rsv <= t, a.kept(t, rsv, h, n), L.constant(0)) * qkv(2 * C + h * D + d, n * T + rsv);
+    a.out(v.c, v.b) = L.store(a.sum(v.c % D, v.b % T, v.c / D, v.b / T));
+    return a;
+  }
   // ---- Token + position embedding --------------------------------------------------------------
   // x(c, b) = wte(c, tokens(b)) + wpe(c, b % T); wte [V, C] is wte(c, token), wpe [T, C].
   // Tokens outside [0, V) are clamped (the data loader guarantees they are not).
@@ -281,6 +335,8 @@ public:
   Vars v;
   int T;
   Halide::Var s{"s"}, h{"h"};  // key position and head of the [T, H, rows] intermediates
+  // query position, head feature and sequence of the tiles' Funcs
+  Halide::Var t{"t"}, d{"d"}, n{"n"};
 
 private:
   static int head_dim(int C, int H) {
@@ -288,6 +344,30 @@ private:
     return C / H;
   }
   struct Scores { Halide::Func dot, score; };
+  // q_t(t, d, h, n) = a(a_offset + h D + d, n T + t); dot(t, s, h, n) = sum_d q_t(t, d) b(b_offset + h D + d, n T + s).
+  TileScores tile_scores(const std::string &name, Halide::Func a, int a_offset, Halide::Func b, int b_offset,
+                         int D) const {
+    using namespace Halide;
+    TileScores sc{Func(name + "_q_t"), Func(name + "_dot"), Func(name + "_score")};
+    RDom rd(0, D, name + "_qk");
+    sc.q_t(t, d, h, n) = a(a_offset + h * D + d, n * T + t);
+    sc.dot(t, s, h, n) = L.constant(0);
+    sc.dot(t, s, h, n) += sc.q_t(t, rd, h, n) * b(b_offset + h * D + rd, n * T + s);
+    sc.score(t, s, h, n) = sc.dot(t, s, h, n) * L.constant(1 / std::sqrt(double(D)));
+    return sc;
+  }
+  void tile_dropout(const std::string &name, Halide::Func prob, int H, const Dropout &drop, Halide::Func &keep,
+                    Halide::Func &kept) const {
+    if (!drop.enabled) {
+      kept = prob;
+      return;
+    }
+    keep = Halide::Func(name + "_keep");
+    keep(t, s, h, n) = dropout_factor(drop, attention_element(s, h, n * T + t, H));
+    kept = Halide::Func(name + "_kept");
+    kept(t, s, h, n) = prob(t, s, h, n) * keep(t, s, h, n);
+  }
+
   // dot(s, h, b) = sum_d q(h D + d, b) k(C + h D + d, n T + s); score = dot / sqrt(D).
   Scores scores(const std::string &name, Halide::Func qkv, int C, int H) const {
     using namespace Halide;

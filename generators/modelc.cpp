@@ -355,12 +355,21 @@ private:
         const LocalTensor lse = stats_of(blk, j)[0];
         std::optional<Func> saved_lse;
         if (backward && listed(kt.saved, lse.name)) saved_lse = args.read(lse);
-        gen::Attention a = tr.attention(str(cat("att", j)), value(src), l.out, l.heads, dropout_at(j),
-                                        saved_lse, name);
-        if (!saved_lse) output(outputs, a.lse, lse);
-        f.lse[j] = saved_lse ? *saved_lse : a.lse;
-        sched.attention(a, !saved_lse, l.out / l.heads, tr.T);
-        out = a.out;
+        const auto finish = [&](auto &a) {  // gen::Attention or gen::AttentionTiles
+          if (!saved_lse) output(outputs, a.lse, lse);
+          f.lse[j] = saved_lse ? *saved_lse : a.lse;
+          out = a.out;
+        };
+        if (attention_tiles(l)) {
+          gen::AttentionTiles a = tr.attention_tiles(str(cat("att", j)), value(src), l.out, l.heads, dropout_at(j),
+                                                     saved_lse, name);
+          finish(a);
+          sched.attention_tiles(a, !saved_lse, l.out / l.heads, tr.T);
+        } else {
+          gen::Attention a = tr.attention(str(cat("att", j)), value(src), l.out, l.heads, dropout_at(j), saved_lse, name);
+          finish(a);
+          sched.attention(a, !saved_lse, l.out / l.heads, tr.T);
+        }
         gemm_or_reduction = true;
         break;
       }
@@ -556,6 +565,9 @@ private:
     }
     if (needs_dx) materialize(outputs, "dx", grads[-1], blk.in());
   }
+
+  // CPU attention forward by (sequence, head) tiles where their buffers fit Halide's stack.
+  bool attention_tiles(const Layer &l) const { return !sched.gpu && Scheduler::attention_tiles_fit(l.out, l.heads, tr.T); }
 
   const Block &blk;
   int stage;

@@ -209,6 +209,40 @@ public:
       weighted_sum(fn);
     }
   }
+  // Causal attention forward by (sequence, head) tiles (CPU): a task per (sequence, head). The
+  // tile's transposed queries, scores or probabilities and row statistics live on the task's
+  // stack ([T, T] floats at most), computed in register tiles vectorized over query positions;
+  // the sums over key positions run in register tiles vectorized over head features. Output
+  // rows are whole sequences (align_bounds: the tensor's consumers ask for them anyway).
+  // Whether every tile buffer ([T, T] and [T, D] floats) fits Halide's stack allocations (16 KiB:
+  // beyond that Halide's "stack" memory comes from the heap, which no kernel may use).
+  static bool attention_tiles_fit(int C, int H, int T) {
+    constexpr long long stack_bytes = 16 * 1024;
+    return 4LL * T * T <= stack_bytes && 4LL * T * (C / H) <= stack_bytes;
+  }
+  void attention_tiles(gen::AttentionTiles &a, bool lse_computed, int head_dim, int block_size) {
+    const Var t("t"), h("h"), n("n"), hn("hn"), d("d");
+    if (lse_computed) {
+      a.lse.compute_root().align_bounds(v.b, block_size).split(v.b, n, t, block_size, TailStrategy::RoundUp).reorder(t, h, n).fuse(h, n, hn).parallel(hn);
+      tile_of_scores(a.stats.score, a.stats, a.lse, hn, block_size);
+      for (Func f : {a.row_max, a.sum_exp}) {
+        f.compute_at(a.lse, hn).store_in(Halide::MemoryType::Stack);
+        positions(f);
+        positions(f.update().reorder(t, f.rvars(0)[0]));
+      }
+    }
+    a.out.compute_root()
+        .align_bounds(v.b, block_size)
+        .split(v.b, n, t, block_size, TailStrategy::RoundUp)
+        .split(v.c, h, d, head_dim)
+        .reorder(d, t, h, n)
+        .fuse(h, n, hn)
+        .parallel(hn);
+    if (head_dim % vec == 0) a.out.vectorize(d, vec);
+    tile_of_scores(a.kept, a.scores, a.out, hn, block_size);
+    a.sum.compute_at(a.out, hn).store_in(Halide::MemoryType::Stack);
+    sum_over_positions(a.sum, head_dim, block_size);
+  }
   // Embedding gradients: the token table is a scatter-add over rows (serial in the rows, so
   // deterministic), vectorized (CPU) or a thread per feature (GPU); the position table sums the
   // sequences of each position.
@@ -261,6 +295,42 @@ public:
   bool gpu;
 
 private:
+  // The largest of `sizes` that divides `extent` (1 when none does).
+  static int dividing(int extent, std::initializer_list<int> sizes) {
+    for (int size : sizes)
+      if (extent % size == 0) return size;
+    return 1;
+  }
+  // f(t, ...) vectorized over query positions t where whole vectors fit.
+  template <class S> void positions(S &&f) { f.vectorize(Var("t"), vec, TailStrategy::GuardWithIf); }
+  // f(t, s, h, n), a tile's [T, T] values from the dot products of `sc`, computed at `at` of
+  // `consumer` on the stack, in register tiles of (two) vectors of query positions by (four)
+  // key positions; each tile's dot products accumulate over the head in registers.
+  void tile_of_scores(Func f, gen::TileScores sc, Func consumer, Var at, int T) {
+    const Var t("t"), s("s"), to("to"), ti("ti"), so("so"), si("si");
+    const int tile_t = dividing(T, {2 * vec, vec}), tile_s = dividing(T, {4, 2});
+    sc.q_t.compute_at(consumer, at).store_in(Halide::MemoryType::Stack);
+    positions(sc.q_t);
+    f.compute_at(consumer, at).store_in(Halide::MemoryType::Stack).split(t, to, ti, tile_t).split(s, so, si, tile_s).reorder(ti, si, to, so).unroll(si);
+    sc.dot.compute_at(f, to).unroll(s);
+    sc.dot.update().reorder(t, s, sc.dot.rvars(0)[0]).unroll(s);
+    if (tile_t % vec == 0) {
+      f.vectorize(ti, vec).unroll(ti);
+      sc.dot.vectorize(t, vec).unroll(t);
+      sc.dot.update().vectorize(t, vec).unroll(t);
+    }
+  }
+  // sum(d, t, ...) += w(t, r) x(r, d) over positions r, computed whole where it is: its update in
+  // register tiles of (four) positions t by the head's features d, vectorized over the features.
+  void sum_over_positions(Func sum, int head_dim, int T) {
+    const Var t("t"), d("d"), to("to"), ti("ti");
+    Stage update = sum.update();
+    update.split(t, to, ti, dividing(T, {4, 2})).reorder(d, ti, sum.rvars(0)[0], to).unroll(ti);
+    if (head_dim % vec == 0) {
+      sum.vectorize(d, vec);
+      update.vectorize(d, vec).unroll(d);
+    }
+  }
   // GPU: f(s, h, b), one row's values over key positions s for one head, computed in shared
   // memory at the thread-block loop `at` of `consumer`, threads over positions (vars so, si).
   static void positions_in_shared_memory(Func f, Func consumer, Var at, int block_size) {

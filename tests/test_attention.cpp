@@ -174,24 +174,26 @@ BOOST_FIXTURE_TEST_CASE(attention_backward, AttentionFixture) {
 
 // Perturbing any q, k or v entry of position s leaves out at every position t < s of the same
 // sequence, and all of the other sequence, bit-identical; out at position s itself moves (v).
+// Both formulations (by rows and by tiles).
 BOOST_FIXTURE_TEST_CASE(attention_causal_mask, AttentionFixture) {
-  Func out = tr.attention("attn", qkvp, C, H).out;
-  const Buffer<double> base = Buffer<double>(out.realize({C, rows})).copy();
-  for (int b = 0; b < rows; ++b)
-    for (int c = 0; c < 3 * C; ++c) {
-      const int n = b / T, s = b % T;
-      const double keep = qkv(c, b);
-      qkv(c, b) = keep + 0.37;
-      Buffer<double> o = out.realize({C, rows});
-      qkv(c, b) = keep;
-      for (int b2 = 0; b2 < rows; ++b2) {
-        const bool unaffected = b2 / T != n || b2 % T < s;
-        bool same = true;
-        for (int c2 = 0; c2 < C; ++c2) same = same && o(c2, b2) == base(c2, b2);
-        if (unaffected) BOOST_TEST(same, "qkv(" << c << ", " << b << ") changed out row " << b2);
-        else if (b2 == b && c >= 2 * C) BOOST_TEST(!same, "v(" << c << ", " << b << ") did not reach out row " << b);
+  for (Func out : {tr.attention("attn", qkvp, C, H).out, tr.attention_tiles("tiles", qkvp, C, H).out}) {
+    const Buffer<double> base = Buffer<double>(out.realize({C, rows})).copy();
+    for (int b = 0; b < rows; ++b)
+      for (int c = 0; c < 3 * C; ++c) {
+        const int n = b / T, s = b % T;
+        const double keep = qkv(c, b);
+        qkv(c, b) = keep + 0.37;
+        Buffer<double> o = out.realize({C, rows});
+        qkv(c, b) = keep;
+        for (int b2 = 0; b2 < rows; ++b2) {
+          const bool unaffected = b2 / T != n || b2 % T < s;
+          bool same = true;
+          for (int c2 = 0; c2 < C; ++c2) same = same && o(c2, b2) == base(c2, b2);
+          if (unaffected) BOOST_TEST(same, "qkv(" << c << ", " << b << ") changed out row " << b2);
+          else if (b2 == b && c >= 2 * C) BOOST_TEST(!same, "v(" << c << ", " << b << ") did not reach out row " << b);
+        }
       }
-    }
+  }
 }
 
 BOOST_FIXTURE_TEST_CASE(attention_dropout_backward, AttentionFixture) {
@@ -220,6 +222,30 @@ BOOST_FIXTURE_TEST_CASE(attention_dropout_mask_recompute, AttentionFixture) {
   int dropped = 0;
   fwd.for_each_element([&](const int *q) { dropped += q[0] <= q[2] % T && fwd(q) == 0; });
   BOOST_TEST(dropped > 0);  // the sizes above do drop causal probabilities
+}
+
+// The forward by (sequence, head) tiles (attention_tiles, the CPU kernels'): out and lse against
+// the plain reference, undropped and dropped, with the tolerances of the row formulation; dqkv
+// from its out and lse (attention_grad) against finite differences of its out; its mask against
+// the C++ hash, bit for bit.
+BOOST_FIXTURE_TEST_CASE(attention_tiles_match_the_reference, AttentionFixture) {
+  for (bool dropped : {false, true}) {
+    BOOST_TEST_CONTEXT((dropped ? "dropout" : "no dropout")) {
+      const Dropout d = dropped ? drop : Dropout{};
+      const AttentionRef r = dropped ? dropped_ref() : ref;
+      remat::gen::AttentionTiles fwd = tr.attention_tiles("tiles", qkvp, C, H, d);
+      Buffer<double> out = fwd.out.realize({C, rows}), lse = fwd.lse.realize({H, rows});
+      const Buffer<double> expect_out = r.out();
+      check_ref("tiles out", out, [&](const int *q) { return expect_out(q); }, out_tol);
+      check_ref("tiles lse", lse, [&](const int *q) { return lse_ref(q); }, lse_tol);
+      Buffer<double> dqkv = tr.attention_grad("dtiles", qkvp, wrap(out, "out"), wrap(lse, "lse"), wrap(R, "dout"), C, H, d)
+                                .dqkv.realize({3 * C, rows});
+      check_fd("tiles dqkv fd", qkv, dqkv, [&] { return objective(fwd.out, R); }, {2e-9, 0});
+      if (dropped)  // keep(t, s, h, n)
+        check_ref("tiles mask", Buffer<double>(fwd.keep.realize({T, T, H, N})),
+                  [](const int *q) { return mult_ref(q[2], q[3], q[0], q[1]); }, exact);
+    }
+  }
 }
 
 // p = 0 is exactly no dropout. A constant p = 0 builds no mask at all (the plain pipeline, which
