@@ -279,7 +279,7 @@ public:
     AttentionTiles a;
     a.out = Func(out_name.empty() ? name : out_name);
     a.lse = Func(name + "_lse");
-    a.stats = tile_scores(name + "_l", qkv, 0, qkv, C, D);
+    a.stats = tile_scores(name + "_l", qkv, C, D);
     RDom rs(0, T, name + "_s");
     a.row_max = Func(name + "_row_max");
     a.row_max(t, h, n) = a.stats.score(t, 0, h, n);
@@ -290,7 +290,7 @@ public:
     a.tile_lse = Func(name + "_tile_lse");
     a.tile_lse(t, h, n) = a.row_max(t, h, n) + log(a.sum_exp(t, h, n));
     a.lse(h, v.b) = a.tile_lse(v.b % T, h, v.b / T);
-    a.scores = tile_scores(name, qkv, 0, qkv, C, D);
+    a.scores = tile_scores(name, qkv, C, D);
     const Func lse = saved_lse ? *saved_lse : a.lse;  // out reads the statistics from their buffer
     a.prob = Func(name + "_prob");
     a.prob(t, s, h, n) = exp(a.scores.score(t, s, h, n) - lse(h, n * T + t));
@@ -344,15 +344,14 @@ private:
     return C / H;
   }
   struct Scores { Halide::Func dot, score; };
-  // q_t(t, d, h, n) = a(a_offset + h D + d, n T + t); dot(t, s, h, n) = sum_d q_t(t, d) b(b_offset + h D + d, n T + s).
-  TileScores tile_scores(const std::string &name, Halide::Func a, int a_offset, Halide::Func b, int b_offset,
-                         int D) const {
+  // q_t(t, d, h, n) = q(h D + d, n T + t); dot(t, s, h, n) = sum_d q_t(t, d) k(C + h D + d, n T + s).
+  TileScores tile_scores(const std::string &name, Halide::Func qkv, int C, int D) const {
     using namespace Halide;
     TileScores sc{Func(name + "_q_t"), Func(name + "_dot"), Func(name + "_score")};
     RDom rd(0, D, name + "_qk");
-    sc.q_t(t, d, h, n) = a(a_offset + h * D + d, n * T + t);
+    sc.q_t(t, d, h, n) = qkv(h * D + d, n * T + t);
     sc.dot(t, s, h, n) = L.constant(0);
-    sc.dot(t, s, h, n) += sc.q_t(t, rd, h, n) * b(b_offset + h * D + rd, n * T + s);
+    sc.dot(t, s, h, n) += sc.q_t(t, rd, h, n) * qkv(C + h * D + rd, n * T + s);
     sc.score(t, s, h, n) = sc.dot(t, s, h, n) * L.constant(1 / std::sqrt(double(D)));
     return sc;
   }

@@ -209,17 +209,17 @@ public:
       weighted_sum(fn);
     }
   }
-  // Causal attention forward by (sequence, head) tiles (CPU): a task per (sequence, head). The
-  // tile's transposed queries, scores or probabilities and row statistics live on the task's
-  // stack ([T, T] floats at most), computed in register tiles vectorized over query positions;
-  // the sums over key positions run in register tiles vectorized over head features. Output
-  // rows are whole sequences (align_bounds: the tensor's consumers ask for them anyway).
   // Whether every tile buffer ([T, T] and [T, D] floats) fits Halide's stack allocations (16 KiB:
   // beyond that Halide's "stack" memory comes from the heap, which no kernel may use).
   static bool attention_tiles_fit(int C, int H, int T) {
     constexpr long long stack_bytes = 16 * 1024;
     return 4LL * T * T <= stack_bytes && 4LL * T * (C / H) <= stack_bytes;
   }
+  // Causal attention forward by (sequence, head) tiles (CPU): a task per (sequence, head). The
+  // tile's transposed queries, scores or probabilities and row statistics live on the task's
+  // stack ([T, T] floats at most), computed in register tiles vectorized over query positions;
+  // the sums over key positions run in register tiles vectorized over head features. Output
+  // rows are whole sequences (align_bounds: the tensor's consumers ask for them anyway).
   void attention_tiles(gen::AttentionTiles &a, bool lse_computed, int head_dim, int block_size) {
     const Var t("t"), h("h"), n("n"), hn("hn"), d("d");
     if (lse_computed) {
