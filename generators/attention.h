@@ -128,7 +128,7 @@ struct EmbeddingGrad { Halide::Func dwte, dwpe; };
 // tile's scores and probabilities at once, vectorized over query positions, and every sum over
 // positions or head features runs in order, the causal mask applied in the sums over positions
 // (masked terms are exact zeros): the bits do not depend on how the loops are tiled. Its
-// gradient is attention_grad's (it reads only out and lse).
+// gradient: AttentionTilesGrad (or attention_grad's rows: both read only out and lse).
 struct TileScores {
   Halide::Func q_t;         // q_t(t, d, h, n): the tile's queries, transposed
   Halide::Func dot, score;  // dot(t, s, h, n) = q(t) . k(s); score = dot / sqrt(D)
@@ -141,6 +141,22 @@ struct AttentionTiles {
   Halide::Func prob, keep, kept;     // (t, s, h, n), meaningful for s <= t (the sums mask the rest); keep
                                      // undefined without dropout
   Halide::Func sum;                  // sum(d, t, h, n) = sum_s kept(t, s) v(s, d)
+};
+
+// Its gradient by the same tiles (CPU): one task per (sequence, head) rebuilds P and dS once for
+// the whole [T, T] tile and sums dq, dk and dv of that head from them. Every sum over positions
+// runs in order with the causal mask applied in the sum, as in the forward.
+struct AttentionTilesGrad {
+  Halide::Func dqkv;               // dqkv(c, b) = [dq | dk | dv]: undefined, then every element
+                                   // written once by an update over `r`
+  Halide::RDom r;                  // (d, t, part, h, n): element part C + h D + d of row n T + t
+  Halide::Func delta;              // delta(h, b) (attention_delta), read from its buffer
+  TileScores scores;               // q . k, as in AttentionTiles
+  TileScores dprob_kept;           // dot(t, s, h, n) = dout(t) . v(s) over the head (q_t: dout transposed)
+  Halide::Func prob, keep, kept;   // (t, s, h, n), as in AttentionTiles
+  Halide::Func dscore;             // prob * (dprob_kept keep - delta)
+  Halide::Func dq, dk, dv;         // (d, t, h, n) sums (dq, dk before the 1 / sqrt(D)): t the query
+                                   // position of dq, the key position of dk and dv
 };
 
 class Transformer {
@@ -236,10 +252,7 @@ public:
     g.dv = Func(name + "_dv");
     const Expr n = v.b / T, t = v.b % T, scale = L.constant(1 / std::sqrt(double(D)));
 
-    RDom rd(0, D, name + "_d");
-    g.delta = Func(name + "_delta");
-    g.delta(h, v.b) = L.constant(0);
-    g.delta(h, v.b) += dout(h * D + rd, v.b) * out(h * D + rd, v.b);
+    g.delta = attention_delta(name, out, dout, C, H);
     // query side: f(s, h, b) for query row b, key position s; key side: f(t, h, b) for key
     // row b, query position t. Each is indexed by the row where it is consumed.
     g.q = score_grad_chain(name + "_q", qkv, lse, dout, g.delta, C, H, drop, v.b, n * T + s, s);
@@ -265,6 +278,16 @@ public:
                               v.c < 2 * C, g.dk(clamp(v.c - C, 0, C - 1), v.b),
                               g.dv(clamp(v.c - 2 * C, 0, C - 1), v.b));
     return g;
+  }
+
+  // delta(h, b) = sum_d dout * out over the head (named name_delta)
+  Halide::Func attention_delta(const std::string &name, Halide::Func out, Halide::Func dout, int C, int H) const {
+    const int D = head_dim(C, H);
+    Halide::RDom rd(0, D, name + "_d");
+    Halide::Func delta(name + "_delta");
+    delta(h, v.b) = L.constant(0);
+    delta(h, v.b) += dout(h * D + rd, v.b) * out(h * D + rd, v.b);
+    return delta;
   }
 
   // ---- Causal attention by (sequence, head) tiles (see AttentionTiles) -------------------------
@@ -302,6 +325,47 @@ public:
     a.out(v.c, v.b) = L.store(a.sum(v.c % D, v.b % T, v.c / D, v.b / T));
     return a;
   }
+  // Vector-Jacobian rule of attention_tiles (AttentionTilesGrad), from the forward's qkv, out and
+  // lse like attention_grad; rows (a multiple of T) sizes the update's domain, and dqkv is named
+  // out_name and holds its values as L.store rounds them.
+  AttentionTilesGrad attention_tiles_grad(const std::string &name, Halide::Func qkv, Halide::Func delta,
+                                          Halide::Func lse, Halide::Func dout, int C, int H, const Dropout &drop,
+                                          Halide::Expr rows, const std::string &out_name) const {
+    using namespace Halide;
+    const int D = head_dim(C, H);
+    const Expr scale = L.constant(1 / std::sqrt(double(D)));
+    AttentionTilesGrad g;
+    g.delta = delta;
+    g.scores = tile_scores(name, qkv, C, D);
+    g.prob = Func(name + "_prob");
+    g.prob(t, s, h, n) = exp(g.scores.score(t, s, h, n) - lse(h, n * T + t));
+    tile_dropout(name, g.prob, H, drop, g.keep, g.kept);
+    g.dprob_kept = tile_dots(name + "_dp", dout, 0, qkv, 2 * C, D);
+    const Expr dprob = drop.enabled ? g.dprob_kept.dot(t, s, h, n) * g.keep(t, s, h, n) : Expr(g.dprob_kept.dot(t, s, h, n));
+    g.dscore = Func(name + "_dscore");
+    g.dscore(t, s, h, n) = g.prob(t, s, h, n) * (dprob - g.delta(h, n * T + t));
+    // dq(t) = sum_{s <= t} dS(t, s) k(s) / sqrt(D); dk(s) = sum_{t >= s} dS(t, s) q(t) / sqrt(D);
+    // dv(s) = sum_{t >= s} drop(P)(t, s) dout(t). Here t is each Func's own position.
+    auto weighted = [&](const std::string &part, Expr weight, Func rows_of, int offset, RDom r) {
+      Func sum(name + "_" + part + "_sum");
+      sum(d, t, h, n) = L.constant(0);
+      sum(d, t, h, n) += weight * rows_of(offset + h * D + d, n * T + r);
+      return sum;
+    };
+    RDom rq(0, T, name + "_dq_s"), rk(0, T, name + "_dk_t"), rv(0, T, name + "_dv_t");
+    g.dq = weighted("dq", select(rq <= t, g.dscore(t, rq, h, n), L.constant(0)), qkv, C, rq);
+    g.dk = weighted("dk", select(rk >= t, g.dscore(rk, t, h, n), L.constant(0)), qkv, 0, rk);
+    g.dv = weighted("dv", select(rv >= t, g.kept(rv, t, h, n), L.constant(0)), dout, 0, rv);
+    g.r = RDom({{0, D}, {0, T}, {0, 3}, {0, H}, {0, rows / T}}, name + "_r");
+    const Expr rd = g.r[0], rt = g.r[1], part = g.r[2], rh = g.r[3], rn = g.r[4];
+    const Expr value = L.store(select(part == 0, g.dq(rd, rt, rh, rn) * scale, part == 1, g.dk(rd, rt, rh, rn) * scale,
+                                      g.dv(rd, rt, rh, rn)));
+    g.dqkv = Func(out_name);
+    g.dqkv(v.c, v.b) = undef(value.type());
+    g.dqkv(part * C + rh * D + rd, rn * T + rt) = value;
+    return g;
+  }
+
   // ---- Token + position embedding --------------------------------------------------------------
   // x(c, b) = wte(c, tokens(b)) + wpe(c, b % T); wte [V, C] is wte(c, token), wpe [T, C].
   // Tokens outside [0, V) are clamped (the data loader guarantees they are not).
@@ -346,15 +410,21 @@ private:
   struct Scores { Halide::Func dot, score; };
   // q_t(t, d, h, n) = q(h D + d, n T + t); dot(t, s, h, n) = sum_d q_t(t, d) k(C + h D + d, n T + s).
   TileScores tile_scores(const std::string &name, Halide::Func qkv, int C, int D) const {
+    return tile_dots(name, qkv, 0, qkv, C, D);
+  }
+  // The same for any two [rows, .] operands: a_t(t, d, h, n) = a(a_offset + h D + d, n T + t),
+  // dot(t, s, h, n) = sum_d a_t(t, d) b(b_offset + h D + d, n T + s), score = dot / sqrt(D).
+  TileScores tile_dots(const std::string &name, Halide::Func a, int a_offset, Halide::Func b, int b_offset, int D) const {
     using namespace Halide;
     TileScores sc{Func(name + "_q_t"), Func(name + "_dot"), Func(name + "_score")};
     RDom rd(0, D, name + "_qk");
-    sc.q_t(t, d, h, n) = qkv(h * D + d, n * T + t);
+    sc.q_t(t, d, h, n) = a(a_offset + h * D + d, n * T + t);
     sc.dot(t, s, h, n) = L.constant(0);
-    sc.dot(t, s, h, n) += sc.q_t(t, rd, h, n) * qkv(C + h * D + rd, n * T + s);
+    sc.dot(t, s, h, n) += sc.q_t(t, rd, h, n) * b(b_offset + h * D + rd, n * T + s);
     sc.score(t, s, h, n) = sc.dot(t, s, h, n) * L.constant(1 / std::sqrt(double(D)));
     return sc;
   }
+
   void tile_dropout(const std::string &name, Halide::Func prob, int H, const Dropout &drop, Halide::Func &keep,
                     Halide::Func &kept) const {
     if (!drop.enabled) {

@@ -113,6 +113,9 @@ struct Contribution {
   std::optional<std::pair<Func, Func>> product;  // {dy, wt}; library GEMMs: {dy as stored, w}
   int layer = -1;                                // the linear, for a product
   std::function<void(Func)> schedule;            // schedules f's internals inside the consumer
+  // When it is the tensor's only contribution: builds and schedules the whole tensor itself,
+  // given its name (its values as stored), instead of f.
+  std::function<Func(const std::string &)> whole;
 };
 
 class StageKernels {
@@ -406,6 +409,11 @@ private:
   // as float for the rules that read it}.
   std::pair<Func, Func> materialize(std::vector<Func> &outputs, const std::string &name,
                                     const std::vector<Contribution> &parts, int width) {
+    if (parts.size() == 1 && parts[0].whole) {
+      Func out = parts[0].whole(name);
+      output(outputs, out, rows(Name{}.append(name), width));
+      return {out, widened(out)};
+    }
     Func out;
     const Contribution *product = nullptr;
     for (const Contribution &c : parts)
@@ -543,9 +551,16 @@ private:
         sched.attention_delta(g.delta);
         output(outputs, g.delta, head_stat(cat("att", k, "_delta"), l.heads));
         const int head_dim = l.out / l.heads;
-        grads[src].push_back({g.dqkv, {}, -1, [this, g, head_dim](Func consumer) {
-          sched.attention_grad(consumer, g, head_dim, tr.T);
-        }});
+        Contribution c{g.dqkv, {}, -1, [this, g, head_dim](Func consumer) { sched.attention_grad(consumer, g, head_dim, tr.T); }};
+        if (attention_tiles(l))
+          c.whole = [this, qkv = value(src), lse = f.lse[k], dout = d, delta = g.delta, drop = dropout_at(k), batch, k, l,
+                     head_dim](const std::string &name) {
+            gen::AttentionTilesGrad t =
+                tr.attention_tiles_grad(str(cat("datt", k)), qkv, delta, lse, dout, l.out, l.heads, drop, batch, name);
+            sched.attention_tiles_grad(t, head_dim, tr.T);
+            return t.dqkv;
+          };
+        grads[src].push_back(c);
         break;
       }
       case Op::embedding: {
@@ -566,7 +581,8 @@ private:
     if (needs_dx) materialize(outputs, "dx", grads[-1], blk.in());
   }
 
-  // CPU attention forward by (sequence, head) tiles where their buffers fit Halide's stack.
+  // CPU attention (forward, and backward where its gradient is the qkv tensor's only one) by
+  // (sequence, head) tiles where their buffers fit Halide's stack.
   bool attention_tiles(const Layer &l) const { return !sched.gpu && Scheduler::attention_tiles_fit(l.out, l.heads, tr.T); }
 
   const Block &blk;

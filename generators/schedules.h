@@ -27,6 +27,7 @@ class Scheduler {
   using TailStrategy = Halide::TailStrategy;
   using Target = Halide::Target;
   using Stage = Halide::Stage;
+  using LoopLevel = Halide::LoopLevel;
 
 public:
   Scheduler(const Target &target, const Vars &v)
@@ -185,6 +186,29 @@ public:
   // CPU: both score-gradient chains per row. GPU: a block per (row, head of q, k or v), rows on
   // the grid's x axis, as in attention; the chains for that head live in shared memory with
   // threads over positions.
+  // Its gradient by the same tiles (CPU): the update that writes dqkv runs a task per (sequence,
+  // head); the task's P (and dropout mask), dS and dq, dk, dv sums live on its stack, P and dS
+  // in the register tiles of the forward's scores, the sums in those of its P . V.
+  void attention_tiles_grad(gen::AttentionTilesGrad &g, int head_dim, int block_size) {
+    const RVar hn("hn");
+    Stage write = g.dqkv.update();
+    write.allow_race_conditions()  // every element is written by one task only
+        .fuse(g.r[3], g.r[4], hn)
+        .parallel(hn)
+        .unroll(g.r[2]);
+    if (head_dim % vec == 0) write.vectorize(g.r[0], vec);
+    const LoopLevel task(g.dqkv, hn);
+    tile_of_scores(g.prob, g.scores, task, block_size);
+    if (g.keep.defined()) {
+      g.keep.compute_at(task).store_in(Halide::MemoryType::Stack);
+      positions(g.keep);
+    }
+    tile_of_scores(g.dscore, g.dprob_kept, task, block_size);
+    for (Func f : {g.dq, g.dk, g.dv}) {
+      f.compute_at(task).store_in(Halide::MemoryType::Stack);
+      sum_over_positions(f, head_dim, block_size);
+    }
+  }
   void attention_grad(Func consumer, gen::AttentionGrad g, int head_dim, int block_size) {
     if (gpu) {
       Var co("co"), ci("ci"), si("si");
@@ -224,7 +248,7 @@ public:
     const Var t("t"), h("h"), n("n"), hn("hn"), d("d");
     if (lse_computed) {
       a.lse.compute_root().align_bounds(v.b, block_size).split(v.b, n, t, block_size, TailStrategy::RoundUp).reorder(t, h, n).fuse(h, n, hn).parallel(hn);
-      tile_of_scores(a.stats.score, a.stats, a.lse, hn, block_size);
+      tile_of_scores(a.stats.score, a.stats, LoopLevel(a.lse, hn), block_size);
       for (Func f : {a.row_max, a.sum_exp}) {
         f.compute_at(a.lse, hn).store_in(Halide::MemoryType::Stack);
         positions(f);
@@ -239,7 +263,7 @@ public:
         .fuse(h, n, hn)
         .parallel(hn);
     if (head_dim % vec == 0) a.out.vectorize(d, vec);
-    tile_of_scores(a.kept, a.scores, a.out, hn, block_size);
+    tile_of_scores(a.kept, a.scores, LoopLevel(a.out, hn), block_size);
     a.sum.compute_at(a.out, hn).store_in(Halide::MemoryType::Stack);
     sum_over_positions(a.sum, head_dim, block_size);
   }
@@ -306,12 +330,12 @@ private:
   // f(t, s, h, n), a tile's [T, T] values from the dot products of `sc`, computed at `at` of
   // `consumer` on the stack, in register tiles of (two) vectors of query positions by (four)
   // key positions; each tile's dot products accumulate over the head in registers.
-  void tile_of_scores(Func f, gen::TileScores sc, Func consumer, Var at, int T) {
+  void tile_of_scores(Func f, gen::TileScores sc, LoopLevel at, int T) {
     const Var t("t"), s("s"), to("to"), ti("ti"), so("so"), si("si");
     const int tile_t = dividing(T, {2 * vec, vec}), tile_s = dividing(T, {4, 2});
-    sc.q_t.compute_at(consumer, at).store_in(Halide::MemoryType::Stack);
+    sc.q_t.compute_at(at).store_in(Halide::MemoryType::Stack);
     positions(sc.q_t);
-    f.compute_at(consumer, at).store_in(Halide::MemoryType::Stack).split(t, to, ti, tile_t).split(s, so, si, tile_s).reorder(ti, si, to, so).unroll(si);
+    f.compute_at(at).store_in(Halide::MemoryType::Stack).split(t, to, ti, tile_t).split(s, so, si, tile_s).reorder(ti, si, to, so).unroll(si);
     sc.dot.compute_at(f, to).unroll(s);
     sc.dot.update().reorder(t, s, sc.dot.rvars(0)[0]).unroll(s);
     if (tile_t % vec == 0) {

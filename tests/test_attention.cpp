@@ -225,9 +225,9 @@ BOOST_FIXTURE_TEST_CASE(attention_dropout_mask_recompute, AttentionFixture) {
 }
 
 // The forward by (sequence, head) tiles (attention_tiles, the CPU kernels'): out and lse against
-// the plain reference, undropped and dropped, with the tolerances of the row formulation; dqkv
-// from its out and lse (attention_grad) against finite differences of its out; its mask against
-// the C++ hash, bit for bit.
+// the plain reference, undropped and dropped, with the tolerances of the row formulation; the
+// gradient by tiles (attention_tiles_grad) from its out and lse against the reference and
+// against finite differences of its out; both masks against the C++ hash, bit for bit.
 BOOST_FIXTURE_TEST_CASE(attention_tiles_match_the_reference, AttentionFixture) {
   for (bool dropped : {false, true}) {
     BOOST_TEST_CONTEXT((dropped ? "dropout" : "no dropout")) {
@@ -238,12 +238,18 @@ BOOST_FIXTURE_TEST_CASE(attention_tiles_match_the_reference, AttentionFixture) {
       const Buffer<double> expect_out = r.out();
       check_ref("tiles out", out, [&](const int *q) { return expect_out(q); }, out_tol);
       check_ref("tiles lse", lse, [&](const int *q) { return lse_ref(q); }, lse_tol);
-      Buffer<double> dqkv = tr.attention_grad("dtiles", qkvp, wrap(out, "out"), wrap(lse, "lse"), wrap(R, "dout"), C, H, d)
-                                .dqkv.realize({3 * C, rows});
+      const Func outf = wrap(out, "out"), dout = wrap(R, "dout");
+      remat::gen::AttentionTilesGrad bwd = tr.attention_tiles_grad(
+          "dtiles", qkvp, tr.attention_delta("dtiles", outf, dout, C, H), wrap(lse, "lse"), dout, C, H, d, Expr(rows), "dqkv");
+      Buffer<double> dqkv = bwd.dqkv.realize({3 * C, rows});
+      const Buffer<double> expect_dqkv = r.dqkv(R);
+      check_ref("tiles dqkv", dqkv, [&](const int *q) { return expect_dqkv(q); }, dqkv_tol);
       check_fd("tiles dqkv fd", qkv, dqkv, [&] { return objective(fwd.out, R); }, {2e-9, 0});
-      if (dropped)  // keep(t, s, h, n)
-        check_ref("tiles mask", Buffer<double>(fwd.keep.realize({T, T, H, N})),
-                  [](const int *q) { return mult_ref(q[2], q[3], q[0], q[1]); }, exact);
+      if (dropped) {  // keep(t, s, h, n)
+        auto by_tile = [](const int *q) { return mult_ref(q[2], q[3], q[0], q[1]); };
+        check_ref("tiles mask", Buffer<double>(fwd.keep.realize({T, T, H, N})), by_tile, exact);
+        check_ref("tiles backward mask", Buffer<double>(bwd.keep.realize({T, T, H, N})), by_tile, exact);
+      }
     }
   }
 }
