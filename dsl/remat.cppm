@@ -388,9 +388,13 @@ constexpr std::vector<Segment> segments(Policy p, int n_blocks) {
   case Policy::Kind::every_n_layers:
     for (int i = 0; i < n_blocks; i += p.n) out.push_back({i, i});
     break;
-  case Policy::Kind::sqrt_n: {  // ceil(sqrt(L)) segments of equal length (Chen et al. 2016)
+  case Policy::Kind::sqrt_n: {
+    // ceil(sqrt(L)) parts of equal length (Chen et al. 2016), all but the last recomputed. The last
+    // keeps its internals, as torch.utils.checkpoint.checkpoint_sequential's does: its backward
+    // comes first, while only the earlier parts' inputs are kept, so the peak is the one a
+    // recomputed part reaches anyway (give or take a block's internals).
     const int count = ceil_sqrt(n_blocks), length = (n_blocks + count - 1) / count;
-    for (int i = 0; i < n_blocks; i += length) out.push_back({i, std::min(i + length, n_blocks) - 1});
+    for (int i = 0; i + length < n_blocks; i += length) out.push_back({i, i + length - 1});
     break;
   }
   }

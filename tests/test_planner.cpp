@@ -304,8 +304,9 @@ BOOST_AUTO_TEST_CASE(unusual_stacks_plan_consistently) {
     }
   BOOST_TEST(make_plan(flat, sqrt_n, 8).recompute_launches == 0);
   BOOST_TEST(make_plan(flat, selective, 8).recompute_launches == 0);  // no repeat stage: selective is none
-  // sqrt_n over 3 + 4 blocks: ceil(sqrt(3)) = 2 segments and ceil(sqrt(4)) = 2, none crossing
-  BOOST_TEST(make_plan(two_stacks, sqrt_n, 8).recompute_launches == 2 + 1 + 2 + 2);
+  // sqrt_n over 3 + 4 blocks: ceil(sqrt(3)) = 2 parts (2 + 1 blocks) and ceil(sqrt(4)) = 2 (2 + 2),
+  // none crossing; the last part of each keeps its internals
+  BOOST_TEST(make_plan(two_stacks, sqrt_n, 8).recompute_launches == 2 + 2);
 }
 
 BOOST_AUTO_TEST_CASE(policies_choose_segments) {
@@ -318,11 +319,15 @@ BOOST_AUTO_TEST_CASE(policies_choose_segments) {
   BOOST_TEST(segments(selective, 16).empty());  // selective recomputes inside each block's backward
   BOOST_TEST(firsts(full, 4) == (std::vector<int>{0, 1, 2, 3}));
   BOOST_TEST(firsts(Policy{Policy::Kind::every_n_layers, 3}, 10) == (std::vector<int>{0, 3, 6, 9}));
-  const auto sq = segments(sqrt_n, 16);  // ceil(sqrt(16)) = 4 segments of 4 blocks
-  BOOST_TEST(sq.size() == 4u);
+  // sqrt_n: ceil(sqrt(L)) parts, every one but the last a segment (as checkpoint_sequential)
+  const auto sq = segments(sqrt_n, 16);  // ceil(sqrt(16)) = 4 parts of 4 blocks
+  BOOST_TEST(sq.size() == 3u);
   BOOST_TEST(sq[1].first == 4);
   BOOST_TEST(sq[1].last == 7);
-  BOOST_TEST(segments(sqrt_n, 10).size() == 4u);  // ceil(sqrt(10)) = 4 segments, 3+3+3+1
+  BOOST_TEST(sq[2].last == 11);
+  BOOST_TEST(segments(sqrt_n, 10).size() == 3u);  // ceil(sqrt(10)) = 4 parts, 3+3+3+1
+  BOOST_TEST(segments(sqrt_n, 6).back().last == 3);  // the GPT: 2+2 recomputed, 2 kept
+  BOOST_TEST(segments(sqrt_n, 1).empty());
 }
 
 // Every (model, policy, precision, GEMM placement, batch) combination replays cleanly in train,
@@ -528,7 +533,7 @@ BOOST_AUTO_TEST_CASE(recompute_launches_per_policy) {
   BOOST_TEST(launches(none) == 0);
   BOOST_TEST(launches(full) == 16);       // one fused recompute-backward per block
   BOOST_TEST(launches(every_2) == 8);     // blocks 0, 2, ..., 14
-  BOOST_TEST(launches(sqrt_n) == 16);     // per segment of 4: 3 forward replays + 1 fused backward
+  BOOST_TEST(launches(sqrt_n) == 12);     // per segment of 4 (3 of them): 3 forward replays + 1 fused backward
   BOOST_TEST(launches(selective) == 16);  // every block's backward rebuilds its GELU output
   // Recompute kernels appear only under policies that checkpoint.
   for (Policy p : {none, selective}) {
