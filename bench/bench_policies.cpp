@@ -10,6 +10,7 @@
 #include <memory>
 #include <random>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <vector>
 import remat;
@@ -50,7 +51,7 @@ void bench(const char *title, const char *name, const Model &model, std::span<co
   for (const Config &config : configs) {
     auto c = std::make_unique<Case>();
     c->config = config;
-    c->plan = make_plan(model, config.policy, batch, config.precision);
+    c->plan = make_plan(model, config.policy, batch, config.precision, runtime::gemms_of(runtime::Device::cpu, config.precision));
     c->arena = std::make_unique<runtime::Arena>(std::max(c->plan.peak_bytes, c->plan.eval_peak_bytes));
     c->arena->fill_canary();
     c->ex = std::make_unique<Executor>(c->plan, name, kernels, *c->arena, c->scalars);
@@ -95,11 +96,15 @@ void bench(const char *title, const char *name, const Model &model, std::span<co
     if (c->config.policy == full || c->config.policy == selective || c->config.precision == Precision::bf16)
       fmt::print("ratio step({})/step(none) = {:.2f}\n", c->config.name(), median(c->ms) / base_ms);
   fmt::print("\n");
+  for (auto &c : cases)
+    if (c->measured_peak != c->plan.peak_bytes)
+      throw std::runtime_error(fmt::format("{} {}: measured peak {} B, planned {} B", name, c->config.name(), c->measured_peak,
+                                           c->plan.peak_bytes));
 }
 
 }  // namespace
 
-int main(int argc, char **argv) {
+int main(int argc, char **argv) try {
   const int rounds = argc > 1 ? std::atoi(argv[1]) : 10;
   if (rounds < 1) {
     std::fprintf(stderr, "usage: bench-policies [ROUNDS >= 1]\n");
@@ -113,4 +118,7 @@ int main(int argc, char **argv) {
         {{none}, {selective}, {every_2}, {sqrt_n}, {full}, {none, Precision::bf16}, {selective, Precision::bf16},
          {full, Precision::bf16}});
   return 0;
+} catch (const std::exception &e) {
+  std::fprintf(stderr, "bench-policies: %s\n", e.what());
+  return 1;
 }
