@@ -91,7 +91,7 @@ def measure(system, model, policy, precision, cmd, args):
     timed = summary["step_ms"][args.warmup:]
     median = statistics.median(timed)
     samples_per_s = MODELS[model]["batch"] * 1000 / median
-    row.update(status="ok", step_ms=summary["step_ms"], step_ms_median=median, step_ms_min=min(timed),
+    row.update(status="ok", step_ms=summary["step_ms"], timed_ms=timed, step_ms_median=median, step_ms_min=min(timed),
                samples_per_s=samples_per_s,
                tokens_per_s=samples_per_s * MODELS[model]["rows_per_sample"] if model == "gpt" else None,
                loss_first=summary["loss_first"], loss_last=summary["loss_last"])
@@ -120,31 +120,45 @@ def bench_model(model, policies, precisions, args, workdir):
     print(f"{model}: remat's first-step loss {reference:.7f} (dropout 0); initial weights and batch in {init}",
           file=sys.stderr)
     dropout = ["--dropout", str(args.dropout)] if model == "gpt" else []
-    rows = []
-    for precision in precisions:
+    rows = {}
+    for rnd, precision, policy in ((r, pr, po) for r in range(args.rounds) for pr in precisions for po in policies):
         bf16 = ["--bf16"] if precision == "bf16" else []
-        for policy in policies:
-            torch_cmd = [sys.executable, os.path.join(ROOT, "bench", "torch_cpu.py"), "--init", init,
-                         "--policy", policy, "--steps", str(args.steps), "--expect-loss", repr(reference),
-                         *dropout, *bf16]
-            cmds = {"remat": [binary, *common, "--max-steps", str(args.steps), "--checkpoint-policy", policy,
-                              *dropout, *bf16],
-                    "pytorch": torch_cmd, "torch.compile": [*torch_cmd, "--compile"]}
-            for system in SYSTEMS:
-                if system == "torch.compile" and args.no_compile:
-                    continue
-                t0 = time.time()
-                row = measure(system, model, policy, precision, cmds[system], args)
-                if (system == "remat" and row["status"] == "ok" and precision == "fp32" and args.dropout == 0
-                        and abs(row["loss_first"] - reference) > 1e-4):  # the same first step as the reference
-                    row.update(status="failed", error=f"first-step loss {row['loss_first']:.7f}, "
-                                                      f"the reference run's {reference:.7f}")
-                note = (f"{row['step_ms_median']:.1f} ms/step, first loss {row['loss_first']:.7f}"
-                        if row["status"] == "ok" else f"FAILED: {row['error']}")
-                print(f"  {model} {precision} {policy:<16} {system:<13} {note} ({time.time() - t0:.0f} s)",
-                      file=sys.stderr)
-                rows.append(row)
-    return reference, rows
+        torch_cmd = [sys.executable, os.path.join(ROOT, "bench", "torch_cpu.py"), "--init", init,
+                     "--policy", policy, "--steps", str(args.steps), "--expect-loss", repr(reference),
+                     *dropout, *bf16]
+        cmds = {"remat": [binary, *common, "--max-steps", str(args.steps), "--checkpoint-policy", policy,
+                          *dropout, *bf16],
+                "pytorch": torch_cmd, "torch.compile": [*torch_cmd, "--compile"]}
+        for system in SYSTEMS:
+            if system == "torch.compile" and args.no_compile:
+                continue
+            t0 = time.time()
+            row = measure(system, model, policy, precision, cmds[system], args)
+            if (system == "remat" and row["status"] == "ok" and precision == "fp32" and args.dropout == 0
+                    and abs(row["loss_first"] - reference) > 1e-4):  # the same first step as the reference
+                row.update(status="failed", error=f"first-step loss {row['loss_first']:.7f}, "
+                                                  f"the reference run's {reference:.7f}")
+            note = (f"{row['step_ms_median']:.1f} ms/step, first loss {row['loss_first']:.7f}"
+                    if row["status"] == "ok" else f"FAILED: {row['error']}")
+            print(f"  round {rnd + 1}: {model} {precision} {policy:<16} {system:<13} {note} ({time.time() - t0:.0f} s)",
+                  file=sys.stderr)
+            key = (precision, policy, system)
+            rows[key] = pooled(rows[key], row, model) if key in rows else row
+    return reference, list(rows.values())
+
+
+def pooled(first, later, model):
+    """One row for a (system, policy) measured in several rounds: every round's timed steps pooled."""
+    if first["status"] != "ok" or later["status"] != "ok":
+        return first if first["status"] != "ok" else later
+    timed = first["timed_ms"] + later["timed_ms"]
+    median = statistics.median(timed)
+    samples_per_s = MODELS[model]["batch"] * 1000 / median
+    return {**first, "step_ms": first["step_ms"] + later["step_ms"], "timed_ms": timed, "step_ms_median": median,
+            "step_ms_min": min(timed), "samples_per_s": samples_per_s,
+            "tokens_per_s": samples_per_s * MODELS[model]["rows_per_sample"] if model == "gpt" else None,
+            "peak_rss_bytes": max(first["peak_rss_bytes"], later["peak_rss_bytes"]),
+            "other_busy_cores": max(first["other_busy_cores"], later["other_busy_cores"])}
 
 
 def add_ratios(rows):
@@ -164,7 +178,8 @@ def print_table(rows, cpu, references, args):
 
     print(f"CPU: {cpu['model']}, {cpu['cores']} cores, flags: {' '.join(cpu['flags']) or 'none of interest'}; "
           f"torch {torch_version()}; load average before {args.load_before:.2f}, now {os.getloadavg()[0]:.2f}")
-    print(f"{args.steps} steps per run, median of the last {args.steps - args.warmup} (after {args.warmup} warm-up); "
+    print(f"{args.rounds} rounds of {args.steps} steps per run, median of each run's last {args.steps - args.warmup} "
+          f"(after {args.warmup} warm-up), pooled over the rounds; "
           "x remat: step / remat's step; x none: step / the same system's none;\n"
           "train MiB: remat's measured arena peak, PyTorch's peak RSS minus its RSS after import torch; "
           "others: cores other processes kept busy during the run")
@@ -241,6 +256,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=16, help="optimizer steps per run")
     ap.add_argument("--warmup", type=int, default=4, help="first steps left out of the median")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="rounds over every (policy, system), alternating; each row pools its rounds' timed steps")
     ap.add_argument("--models", default="gpt,mlp", help="comma-separated: gpt, mlp")
     ap.add_argument("--policies", help="comma-separated (default: gpt none,full,selective,every_n_layers=2,"
                                        "sqrt_n; mlp none,full,selective)")
@@ -255,6 +272,8 @@ def main():
     policies = args.policies.split(",") if args.policies else None
     if policies and not all(POLICY.fullmatch(p) for p in policies):
         fail(f"--policies {args.policies}: each one of none, full, selective, every_n_layers=N, sqrt_n")
+    if args.rounds < 1:
+        fail(f"--rounds {args.rounds}: need at least 1")
     if args.warmup < 0 or args.steps <= args.warmup:
         fail(f"--steps {args.steps} --warmup {args.warmup}: need steps > warmup >= 0")
     if not 0 <= args.dropout < 1:
@@ -276,7 +295,7 @@ def main():
             rows += r
     add_ratios(rows)
     print_table(rows, cpu, references, args)
-    result = {"cpu": cpu, "torch": torch_version(), "steps": args.steps, "warmup": args.warmup,
+    result = {"cpu": cpu, "torch": torch_version(), "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
               "dropout": args.dropout, "seconds": time.time() - started,
               "load_average_before": args.load_before, "load_average_after": os.getloadavg()[0],
               "first_step_loss_remat": references, "rows": rows}
