@@ -1,8 +1,9 @@
 // A model unlike the examples, for the guarantees (planned == measured peak, no heap allocation
 // in a step, bit-identical gradients under every policy): widths that are no multiple of the
 // vector width (12, 36, 20), 3 heads of 4, a repeat stage right after the embedding and a second
-// one after a loose LayerNorm (two stacks; segments stay inside each), ReLU, a block that ends in
-// dropout without a LayerNorm first, a head of 13 classes.
+// one right after it (two stacks; segments stay inside each), ReLU, a block that ends in dropout
+// without a LayerNorm first, a loose attention whose q/k/v tensor is also a residual's skip (its
+// gradient has two terms: the CPU kernels then take the row form), a head of 13 classes.
 export module unusual;
 import remat;
 
@@ -13,8 +14,9 @@ inline constexpr remat::Model model = remat::checked<remat::make_model(
     remat::tokens(vocab, block_size), remat::embedding(vocab, width),
     remat::repeat(3, remat::residual(remat::layer_norm(), remat::linear(width, 3 * width),
                                      remat::causal_self_attention(heads), remat::linear(width, width))),
-    remat::layer_norm(),
     remat::repeat(4, remat::residual(remat::linear(width, hidden), remat::relu(), remat::linear(hidden, width),
                                      remat::dropout())),
-    remat::linear(width, vocab), remat::softmax_cross_entropy(vocab))>();
+    // loose: an attention whose q/k/v tensor is also a residual's skip (two gradients into it)
+    remat::linear(width, 3 * width), remat::residual(remat::causal_self_attention(heads), remat::linear(width, 3 * width)),
+    remat::linear(3 * width, vocab), remat::softmax_cross_entropy(vocab))>();
 }  // namespace unusual
