@@ -313,15 +313,10 @@ public:
     a.tile_lse = Func(name + "_tile_lse");
     a.tile_lse(t, h, n) = a.row_max(t, h, n) + log(a.sum_exp(t, h, n));
     a.lse(h, v.b) = a.tile_lse(v.b % T, h, v.b / T);
-    a.scores = tile_scores(name, qkv, C, D);
-    const Func lse = saved_lse ? *saved_lse : a.lse;  // out reads the statistics from their buffer
-    a.prob = Func(name + "_prob");
-    a.prob(t, s, h, n) = exp(a.scores.score(t, s, h, n) - lse(h, n * T + t));
-    tile_dropout(name, a.prob, H, drop, a.keep, a.kept);
+    // out reads the statistics from their buffer
+    tile_probabilities(name, qkv, saved_lse ? *saved_lse : a.lse, C, H, drop, a.scores, a.prob, a.keep, a.kept);
     RDom rsv(0, T, name + "_sv");
-    a.sum = Func(name + "_sum");
-    a.sum(d, t, h, n) = L.constant(0);
-    a.sum(d, t, h, n) += select(rsv <= t, a.kept(t, rsv, h, n), L.constant(0)) * qkv(2 * C + h * D + d, n * T + rsv);
+    a.sum = tile_sum(name + "_sum", select(rsv <= t, a.kept(t, rsv, h, n), L.constant(0)), qkv, 2 * C, D, rsv);
     a.out(v.c, v.b) = L.store(a.sum(v.c % D, v.b % T, v.c / D, v.b / T));
     return a;
   }
@@ -336,26 +331,17 @@ public:
     const Expr scale = L.constant(1 / std::sqrt(double(D)));
     AttentionTilesGrad g;
     g.delta = delta;
-    g.scores = tile_scores(name, qkv, C, D);
-    g.prob = Func(name + "_prob");
-    g.prob(t, s, h, n) = exp(g.scores.score(t, s, h, n) - lse(h, n * T + t));
-    tile_dropout(name, g.prob, H, drop, g.keep, g.kept);
+    tile_probabilities(name, qkv, lse, C, H, drop, g.scores, g.prob, g.keep, g.kept);
     g.dprob_kept = tile_dots(name + "_dp", dout, 0, qkv, 2 * C, D);
     const Expr dprob = drop.enabled ? g.dprob_kept.dot(t, s, h, n) * g.keep(t, s, h, n) : Expr(g.dprob_kept.dot(t, s, h, n));
     g.dscore = Func(name + "_dscore");
     g.dscore(t, s, h, n) = g.prob(t, s, h, n) * (dprob - g.delta(h, n * T + t));
     // dq(t) = sum_{s <= t} dS(t, s) k(s) / sqrt(D); dk(s) = sum_{t >= s} dS(t, s) q(t) / sqrt(D);
     // dv(s) = sum_{t >= s} drop(P)(t, s) dout(t). Here t is each Func's own position.
-    auto weighted = [&](const std::string &part, Expr weight, Func rows_of, int offset, RDom r) {
-      Func sum(name + "_" + part + "_sum");
-      sum(d, t, h, n) = L.constant(0);
-      sum(d, t, h, n) += weight * rows_of(offset + h * D + d, n * T + r);
-      return sum;
-    };
     RDom rq(0, T, name + "_dq_s"), rk(0, T, name + "_dk_t"), rv(0, T, name + "_dv_t");
-    g.dq = weighted("dq", select(rq <= t, g.dscore(t, rq, h, n), L.constant(0)), qkv, C, rq);
-    g.dk = weighted("dk", select(rk >= t, g.dscore(rk, t, h, n), L.constant(0)), qkv, 0, rk);
-    g.dv = weighted("dv", select(rv >= t, g.kept(rv, t, h, n), L.constant(0)), dout, 0, rv);
+    g.dq = tile_sum(name + "_dq_sum", select(rq <= t, g.dscore(t, rq, h, n), L.constant(0)), qkv, C, D, rq);
+    g.dk = tile_sum(name + "_dk_sum", select(rk >= t, g.dscore(rk, t, h, n), L.constant(0)), qkv, 0, D, rk);
+    g.dv = tile_sum(name + "_dv_sum", select(rv >= t, g.kept(rv, t, h, n), L.constant(0)), dout, 0, D, rv);
     g.r = RDom({{0, D}, {0, T}, {0, 3}, {0, H}, {0, rows / T}}, name + "_r");
     const Expr rd = g.r[0], rt = g.r[1], part = g.r[2], rh = g.r[3], rn = g.r[4];
     const Expr value = L.store(select(part == 0, g.dq(rd, rt, rh, rn) * scale, part == 1, g.dk(rd, rt, rh, rn) * scale,
@@ -425,6 +411,23 @@ private:
     return sc;
   }
 
+  // A tile's scores and probabilities prob(t, s, h, n) = exp(score - lse(h, n T + t)), with the
+  // dropout mask and the kept probabilities (kept = prob without dropout).
+  void tile_probabilities(const std::string &name, Halide::Func qkv, Halide::Func lse, int C, int H, const Dropout &drop,
+                          TileScores &scores, Halide::Func &prob, Halide::Func &keep, Halide::Func &kept) const {
+    scores = tile_scores(name, qkv, C, C / H);
+    prob = Halide::Func(name + "_prob");
+    prob(t, s, h, n) = Halide::exp(scores.score(t, s, h, n) - lse(h, n * T + t));
+    tile_dropout(name, prob, H, drop, keep, kept);
+  }
+  // sum(d, t, h, n) = sum_r weight(r) x(offset + h D + d, n T + r) over positions r, in order
+  // (weight an expression of t, r, h, n).
+  Halide::Func tile_sum(const std::string &name, Halide::Expr weight, Halide::Func x, int offset, int D, Halide::RDom r) const {
+    Halide::Func sum(name);
+    sum(d, t, h, n) = L.constant(0);
+    sum(d, t, h, n) += weight * x(offset + h * D + d, n * T + r);
+    return sum;
+  }
   void tile_dropout(const std::string &name, Halide::Func prob, int H, const Dropout &drop, Halide::Func &keep,
                     Halide::Func &kept) const {
     if (!drop.enabled) {

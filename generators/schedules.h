@@ -186,29 +186,6 @@ public:
   // CPU: both score-gradient chains per row. GPU: a block per (row, head of q, k or v), rows on
   // the grid's x axis, as in attention; the chains for that head live in shared memory with
   // threads over positions.
-  // Its gradient by the same tiles (CPU): the update that writes dqkv runs a task per (sequence,
-  // head); the task's P (and dropout mask), dS and dq, dk, dv sums live on its stack, P and dS
-  // in the register tiles of the forward's scores, the sums in those of its P . V.
-  void attention_tiles_grad(gen::AttentionTilesGrad &g, int head_dim, int block_size) {
-    const RVar hn("hn");
-    Stage write = g.dqkv.update();
-    write.allow_race_conditions()  // every element is written by one task only
-        .fuse(g.r[3], g.r[4], hn)
-        .parallel(hn)
-        .unroll(g.r[2]);
-    if (head_dim % vec == 0) write.vectorize(g.r[0], vec);
-    const LoopLevel task(g.dqkv, hn);
-    tile_of_scores(g.prob, g.scores, task, block_size);
-    if (g.keep.defined()) {
-      g.keep.compute_at(task).store_in(Halide::MemoryType::Stack);
-      positions(g.keep);
-    }
-    tile_of_scores(g.dscore, g.dprob_kept, task, block_size);
-    for (Func f : {g.dq, g.dk, g.dv}) {
-      f.compute_at(task).store_in(Halide::MemoryType::Stack);
-      sum_over_positions(f, head_dim, block_size);
-    }
-  }
   void attention_grad(Func consumer, gen::AttentionGrad g, int head_dim, int block_size) {
     if (gpu) {
       Var co("co"), ci("ci"), si("si");
@@ -266,6 +243,29 @@ public:
     tile_of_scores(a.kept, a.scores, LoopLevel(a.out, hn), block_size);
     a.sum.compute_at(a.out, hn).store_in(Halide::MemoryType::Stack);
     sum_over_positions(a.sum, head_dim, block_size);
+  }
+  // Its gradient by the same tiles (CPU): the update that writes dqkv runs a task per (sequence,
+  // head); the task's P (and dropout mask), dS and dq, dk, dv sums live on its stack, P and dS
+  // in the register tiles of the forward's scores, the sums in those of its P . V.
+  void attention_tiles_grad(gen::AttentionTilesGrad &g, int head_dim, int block_size) {
+    const RVar hn("hn");
+    Stage write = g.dqkv.update();
+    write.allow_race_conditions()  // every element is written by one task only
+        .fuse(g.r[3], g.r[4], hn)
+        .parallel(hn)
+        .unroll(g.r[2]);
+    if (head_dim % vec == 0) write.vectorize(g.r[0], vec);
+    const LoopLevel task(g.dqkv, hn);
+    tile_of_scores(g.prob, g.scores, task, block_size);
+    if (g.keep.defined()) {
+      g.keep.compute_at(task).store_in(Halide::MemoryType::Stack);
+      positions(g.keep);
+    }
+    tile_of_scores(g.dscore, g.dprob_kept, task, block_size);
+    for (Func f : {g.dq, g.dk, g.dv}) {
+      f.compute_at(task).store_in(Halide::MemoryType::Stack);
+      sum_over_positions(f, head_dim, block_size);
+    }
   }
   // Embedding gradients: the token table is a scatter-add over rows (serial in the rows, so
   // deterministic), vectorized (CPU) or a thread per feature (GPU); the position table sums the
@@ -327,8 +327,8 @@ private:
   }
   // f(t, ...) vectorized over query positions t where whole vectors fit.
   template <class S> void positions(S &&f) { f.vectorize(Var("t"), vec, TailStrategy::GuardWithIf); }
-  // f(t, s, h, n), a tile's [T, T] values from the dot products of `sc`, computed at `at` of
-  // `consumer` on the stack, in register tiles of (two) vectors of query positions by (four)
+  // f(t, s, h, n), a tile's [T, T] values from the dot products of `sc`, computed at the loop
+  // `at` on the stack, in register tiles of (two) vectors of query positions by (four)
   // key positions; each tile's dot products accumulate over the head in registers.
   void tile_of_scores(Func f, gen::TileScores sc, LoopLevel at, int T) {
     const Var t("t"), s("s"), to("to"), ti("ti"), so("so"), si("si");
