@@ -494,20 +494,21 @@ constexpr bool read_by_backward(const Block &b, int j) {
 // plans differ: a library plan buffers every linear input and output.
 enum class Gemms : std::uint8_t { halide, library };
 
-// A GEMM epilogue chain: linear -> dropout / residual sum -> ..., computed in the GEMM's
-// epilogue. Output j is fused into it (never a buffer of its own) when it starts or continues
-// such a chain, nothing reads it but the next layer of the chain, and backward does not read it.
-// Library GEMMs fuse nothing.
-constexpr bool fused(const Block &b, int j, Gemms g = Gemms::halide) {
-  if (g == Gemms::library) return false;
+// An epilogue chain: linear -> dropout / residual sum -> ..., each element computed once from
+// the linear's output. Output j continues such a chain when it starts or continues one, nothing
+// reads it but the next layer of the chain, and backward does not read it. With Halide GEMMs the
+// chain runs in the GEMM's epilogue and j is fused into it (never a buffer of its own); library
+// GEMMs fuse nothing, their chain runs elementwise from the GEMM's buffer.
+constexpr bool continues_chain(const Block &b, int j) {
   if (!is_internal(b, j) || read_by_backward(b, j) || consumers(b, j) != 1) return false;
   const Op next = b.layers[j + 1].op;
-  if (next != Op::dropout || b.source(j + 1) != j) {
-    if (next != Op::residual_end || b.source(j + 1) != j) return false;
-  }
+  if ((next != Op::dropout && next != Op::residual_end) || b.source(j + 1) != j) return false;
   const Op op = b.layers[j].op;
   if (op == Op::linear) return true;
-  return (op == Op::dropout || op == Op::residual_end) && b.source(j) >= 0 && fused(b, b.source(j));
+  return (op == Op::dropout || op == Op::residual_end) && b.source(j) >= 0 && continues_chain(b, b.source(j));
+}
+constexpr bool fused(const Block &b, int j, Gemms g = Gemms::halide) {
+  return g == Gemms::halide && continues_chain(b, j);
 }
 
 constexpr bool feeds_linear(const Block &b, int j) {
@@ -517,15 +518,17 @@ constexpr bool feeds_linear(const Block &b, int j) {
 }
 
 // Output j has a buffer of its own whenever it exists outside registers: GEMM, GELU and
-// attention outputs (not fused into a following epilogue) and the end of an epilogue chain;
-// with library GEMMs also every linear input. Everything else (LayerNorm output, ReLU, dropout,
-// residual sums of buffered values) is rebuilt elementwise where it is used.
+// attention outputs (not fused into a following epilogue) and the end of an epilogue chain (its
+// dropout masks are hashed once, not by each reader); with library GEMMs also every linear
+// input. Everything else (LayerNorm output, ReLU, dropout and residual sums of buffered values)
+// is rebuilt elementwise where it is used.
 constexpr bool materialized(const Block &b, int j, Gemms g = Gemms::halide) {
   if (!b.produces(j) || fused(b, j, g)) return false;
   const Op op = b.layers[j].op;
   if (op == Op::linear || op == Op::gelu || op == Op::attention) return true;
   if (g == Gemms::library && feeds_linear(b, j)) return true;
-  return (op == Op::dropout || op == Op::residual_end) && b.source(j) >= 0 && fused(b, b.source(j), g);
+  return (op == Op::dropout || op == Op::residual_end) && b.source(j) >= 0 && continues_chain(b, b.source(j)) &&
+         !continues_chain(b, j);
 }
 
 constexpr bool saved(const Block &b, int j, Keep keep, Gemms g = Gemms::halide) {
