@@ -316,6 +316,7 @@ public:
     // out reads the statistics from their buffer
     tile_probabilities(name, qkv, saved_lse ? *saved_lse : a.lse, C, H, drop, a.scores, a.prob, a.keep, a.kept);
     RDom rsv(0, T, name + "_sv");
+    rsv.where(rsv <= last_of_sum_tile(t));
     a.sum = tile_sum(name + "_sum", select(rsv <= t, a.kept(t, rsv, h, n), L.constant(0)), qkv, 2 * C, D, rsv);
     a.out(v.c, v.b) = L.store(a.sum(v.c % D, v.b % T, v.c / D, v.b / T));
     return a;
@@ -339,6 +340,9 @@ public:
     // dq(t) = sum_{s <= t} dS(t, s) k(s) / sqrt(D); dk(s) = sum_{t >= s} dS(t, s) q(t) / sqrt(D);
     // dv(s) = sum_{t >= s} drop(P)(t, s) dout(t). Here t is each Func's own position.
     RDom rq(0, T, name + "_dq_s"), rk(0, T, name + "_dk_t"), rv(0, T, name + "_dv_t");
+    rq.where(rq <= last_of_sum_tile(t));
+    rk.where(rk >= first_of_sum_tile(t));
+    rv.where(rv >= first_of_sum_tile(t));
     g.dq = tile_sum(name + "_dq_sum", select(rq <= t, g.dscore(t, rq, h, n), L.constant(0)), qkv, C, D, rq);
     g.dk = tile_sum(name + "_dk_sum", select(rk >= t, g.dscore(rk, t, h, n), L.constant(0)), qkv, 0, D, rk);
     g.dv = tile_sum(name + "_dv_sum", select(rv >= t, g.kept(rv, t, h, n), L.constant(0)), dout, 0, D, rv);
@@ -380,6 +384,13 @@ public:
     g.dwpe(v.c, v.b) += dx(v.c, rn * T + v.b);
     return g;
   }
+
+  // The tiles' sums over positions run in tiles of this many positions t
+  // (Scheduler::sum_over_positions) and skip the positions the causal mask zeroes in all of a
+  // tile's rows: their bounds are whole tiles, and the masks in the sums do the rest.
+  static constexpr int sum_tile = 4;
+  static Halide::Expr first_of_sum_tile(Halide::Expr t) { return t / sum_tile * sum_tile; }
+  static Halide::Expr last_of_sum_tile(Halide::Expr t) { return first_of_sum_tile(t) + (sum_tile - 1); }
 
   Layers L;
   Vars v;

@@ -96,9 +96,21 @@ public:
       for (Func &p : partial) p.compute_at(f, bi);
       return;
     }
-    f.compute_root().parallel(v.b, 16, TailStrategy::GuardWithIf);
-    if (f.has_update_definition()) f.update().parallel(v.b, 16, TailStrategy::GuardWithIf);
-    for (Func &p : partial) p.compute_at(f, v.b);
+    // CPU: a task per 2 vectors of rows, each lane summing its own row in order (the order of a
+    // loop per row, so the bits do not depend on the vector width); the partial sums of a task
+    // on its stack (constant size also for a last, shorter task)
+    const Var bo("bo"), bi("bi");
+    f.compute_root().split(v.b, bo, bi, 2 * vec, TailStrategy::GuardWithIf).parallel(bo).vectorize(bi, vec);
+    if (f.has_update_definition())
+      f.update()
+          .split(v.b, bo, bi, 2 * vec, TailStrategy::GuardWithIf)
+          .reorder(bi, f.rvars(0)[0], bo)
+          .parallel(bo)
+          .vectorize(bi, vec);
+    for (Func &p : partial) {
+      p.compute_at(f, bo).bound_storage(v.b, 2 * vec).vectorize(v.b, vec, TailStrategy::GuardWithIf);
+      p.update().reorder(v.b, p.rvars(0)[0]).vectorize(v.b, vec, TailStrategy::GuardWithIf);
+    }
   }
   // A dot product f(s, h, b) over a head's `width` features. CPU: the products accumulate
   // lane-wise, one vector per (position, head) (an rfactor over vector lanes, computed per head),
@@ -349,7 +361,7 @@ private:
   void sum_over_positions(Func sum, int head_dim, int T) {
     const Var t("t"), d("d"), to("to"), ti("ti");
     Stage update = sum.update();
-    update.split(t, to, ti, dividing(T, {4, 2})).reorder(d, ti, sum.rvars(0)[0], to).unroll(ti);
+    update.split(t, to, ti, dividing(T, {gen::Transformer::sum_tile, 2})).reorder(d, ti, sum.rvars(0)[0], to).unroll(ti);
     if (head_dim % vec == 0) {
       sum.vectorize(d, vec);
       update.vectorize(d, vec).unroll(d);
