@@ -143,6 +143,7 @@ def bench_model(model, policies, precisions, args, workdir):
             print(f"  round {rnd + 1}: {model} {precision} {policy:<16} {system:<13} {note} ({time.time() - t0:.0f} s)",
                   file=sys.stderr)
             key = (precision, policy, system)
+            row["round_ms"] = [row["step_ms_median"]] if row["status"] == "ok" else []
             rows[key] = pooled(rows[key], row, model) if key in rows else row
     return reference, list(rows.values())
 
@@ -155,6 +156,7 @@ def pooled(first, later, model):
     median = statistics.median(timed)
     samples_per_s = MODELS[model]["batch"] * 1000 / median
     return {**first, "step_ms": first["step_ms"] + later["step_ms"], "timed_ms": timed, "step_ms_median": median,
+            "round_ms": first["round_ms"] + later["round_ms"],
             "step_ms_min": min(timed), "samples_per_s": samples_per_s,
             "tokens_per_s": samples_per_s * MODELS[model]["rows_per_sample"] if model == "gpt" else None,
             "peak_rss_bytes": max(first["peak_rss_bytes"], later["peak_rss_bytes"]),
@@ -206,6 +208,7 @@ def print_table(rows, cpu, references, args):
         if eager:
             print(f"first-step loss, {model}: remat {loss:.7f}, PyTorch {eager[0]:.7f} "
                   f"(|diff| {abs(loss - eager[0]):.1e}, limit 1e-4)")
+    print_rounds(rows)
     for r in rows:
         if r["status"] != "ok":
             print(f"failed: {r['system']} {r['model']} {r['precision']} {r['policy']}: {r['error']}")
@@ -213,6 +216,19 @@ def print_table(rows, cpu, references, args):
     if shared:
         print(f"warning: {len(shared)} of {len(rows)} runs shared the CPU with other processes (up to "
               f"{max(shared):.2f} cores busy elsewhere): their times are not this machine's; rerun it idle")
+
+
+def print_rounds(rows):
+    """Each round's step ÷ remat's step of the same round: how far the host's drift moves a ratio."""
+    remat = {(r["model"], r["precision"], r["policy"]): r["round_ms"] for r in rows
+             if r["system"] == "remat" and r["status"] == "ok"}
+    for r in rows:
+        ours = remat.get((r["model"], r["precision"], r["policy"]))
+        if r["system"] == "remat" or r["status"] != "ok" or not ours or len(ours) != len(r["round_ms"]) or len(ours) < 2:
+            continue
+        ratios = [theirs / mine for theirs, mine in zip(r["round_ms"], ours)]
+        print(f"per round, {r['system']} ÷ remat, {r['model']} {r['precision']} {r['policy']}: "
+              f"{' '.join(f'{x:.2f}' for x in ratios)} (remat faster in {sum(x > 1 for x in ratios)} of {len(ratios)})")
 
 
 def torch_version():
