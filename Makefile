@@ -57,7 +57,7 @@ test: build
 	$(VENV)/bin/ctest --test-dir $(BUILD) --output-on-failure --output-junit $(abspath $(BUILD))/ctest-results.xml
 
 bench: build
-	$(BUILD)/bin/bench-policies 6
+	$(BUILD)/bin/bench-policies 20
 	$(BUILD)/bin/bench-gemm 30
 	$(BUILD)/bin/bench-gpu
 
