@@ -315,9 +315,7 @@ public:
     a.lse(h, v.b) = a.tile_lse(v.b % T, h, v.b / T);
     // out reads the statistics from their buffer
     tile_probabilities(name, qkv, saved_lse ? *saved_lse : a.lse, C, H, drop, a.scores, a.prob, a.keep, a.kept);
-    RDom rsv(0, T, name + "_sv");
-    rsv.where(rsv <= last_of_sum_tile(t));
-    a.sum = tile_sum(name + "_sum", select(rsv <= t, a.kept(t, rsv, h, n), L.constant(0)), qkv, 2 * C, D, rsv);
+    a.sum = tile_sum(name + "_sum", Causal::keys_of_t, [&](Expr r) { return a.kept(t, r, h, n); }, qkv, 2 * C, D);
     a.out(v.c, v.b) = L.store(a.sum(v.c % D, v.b % T, v.c / D, v.b / T));
     return a;
   }
@@ -339,13 +337,9 @@ public:
     g.dscore(t, s, h, n) = g.prob(t, s, h, n) * (dprob - g.delta(h, n * T + t));
     // dq(t) = sum_{s <= t} dS(t, s) k(s) / sqrt(D); dk(s) = sum_{t >= s} dS(t, s) q(t) / sqrt(D);
     // dv(s) = sum_{t >= s} drop(P)(t, s) dout(t). Here t is each Func's own position.
-    RDom rq(0, T, name + "_dq_s"), rk(0, T, name + "_dk_t"), rv(0, T, name + "_dv_t");
-    rq.where(rq <= last_of_sum_tile(t));
-    rk.where(rk >= first_of_sum_tile(t));
-    rv.where(rv >= first_of_sum_tile(t));
-    g.dq = tile_sum(name + "_dq_sum", select(rq <= t, g.dscore(t, rq, h, n), L.constant(0)), qkv, C, D, rq);
-    g.dk = tile_sum(name + "_dk_sum", select(rk >= t, g.dscore(rk, t, h, n), L.constant(0)), qkv, 0, D, rk);
-    g.dv = tile_sum(name + "_dv_sum", select(rv >= t, g.kept(rv, t, h, n), L.constant(0)), dout, 0, D, rv);
+    g.dq = tile_sum(name + "_dq_sum", Causal::keys_of_t, [&](Expr r) { return g.dscore(t, r, h, n); }, qkv, C, D);
+    g.dk = tile_sum(name + "_dk_sum", Causal::queries_of_t, [&](Expr r) { return g.dscore(r, t, h, n); }, qkv, 0, D);
+    g.dv = tile_sum(name + "_dv_sum", Causal::queries_of_t, [&](Expr r) { return g.kept(r, t, h, n); }, dout, 0, D);
     g.r = RDom({{0, D}, {0, T}, {0, 3}, {0, H}, {0, rows / T}}, name + "_r");
     const Expr rd = g.r[0], rt = g.r[1], part = g.r[2], rh = g.r[3], rn = g.r[4];
     const Expr value = L.store(select(part == 0, g.dq(rd, rt, rh, rn) * scale, part == 1, g.dk(rd, rt, rh, rn) * scale,
@@ -386,11 +380,8 @@ public:
   }
 
   // The tiles' sums over positions run in tiles of this many positions t
-  // (Scheduler::sum_over_positions) and skip the positions the causal mask zeroes in all of a
-  // tile's rows: their bounds are whole tiles, and the masks in the sums do the rest.
+  // (Scheduler::sum_over_positions; see tile_sum).
   static constexpr int sum_tile = 4;
-  static Halide::Expr first_of_sum_tile(Halide::Expr t) { return t / sum_tile * sum_tile; }
-  static Halide::Expr last_of_sum_tile(Halide::Expr t) { return first_of_sum_tile(t) + (sum_tile - 1); }
 
   Layers L;
   Vars v;
@@ -431,12 +422,23 @@ private:
     prob(t, s, h, n) = Halide::exp(scores.score(t, s, h, n) - lse(h, n * T + t));
     tile_dropout(name, prob, H, drop, keep, kept);
   }
-  // sum(d, t, h, n) = sum_r weight(r) x(offset + h D + d, n T + r) over positions r, in order
-  // (weight an expression of t, r, h, n).
-  Halide::Func tile_sum(const std::string &name, Halide::Expr weight, Halide::Func x, int offset, int D, Halide::RDom r) const {
-    Halide::Func sum(name);
+  // The positions r the causal mask keeps in a sum for position t: the keys of query t (r <= t)
+  // or the queries of key t (r >= t).
+  enum class Causal { keys_of_t, queries_of_t };
+  // sum(d, t, h, n) = sum over the positions r that `causal` keeps of weight(r) x(offset + h D +
+  // d, n T + r), in order (weight(r) an expression of t, r, h, n). The loop over r skips the
+  // positions masked for every t of a sum tile; within it the mask's terms are exact zeros, so
+  // the bits do not depend on the tiling.
+  template <class Weight>
+  Halide::Func tile_sum(const std::string &name, Causal causal, Weight weight, Halide::Func x, int offset, int D) const {
+    using namespace Halide;
+    RDom r(0, T, name + "_r");
+    const Expr first_of_tile = t / sum_tile * sum_tile;
+    const bool keys = causal == Causal::keys_of_t;
+    r.where(keys ? r <= first_of_tile + (sum_tile - 1) : r >= first_of_tile);
+    Func sum(name);
     sum(d, t, h, n) = L.constant(0);
-    sum(d, t, h, n) += weight * x(offset + h * D + d, n * T + r);
+    sum(d, t, h, n) += select(keys ? r <= t : r >= t, weight(r), L.constant(0)) * x(offset + h * D + d, n * T + r);
     return sum;
   }
   void tile_dropout(const std::string &name, Halide::Func prob, int H, const Dropout &drop, Halide::Func &keep,

@@ -100,15 +100,16 @@ public:
     // loop per row, so the bits do not depend on the vector width); the partial sums of a task
     // on its stack (constant size also for a last, shorter task)
     const Var bo("bo"), bi("bi");
-    f.compute_root().split(v.b, bo, bi, 2 * vec, TailStrategy::GuardWithIf).parallel(bo).vectorize(bi, vec);
+    const int rows_per_task = 2 * vec;
+    f.compute_root().split(v.b, bo, bi, rows_per_task, TailStrategy::GuardWithIf).parallel(bo).vectorize(bi, vec);
     if (f.has_update_definition())
       f.update()
-          .split(v.b, bo, bi, 2 * vec, TailStrategy::GuardWithIf)
+          .split(v.b, bo, bi, rows_per_task, TailStrategy::GuardWithIf)
           .reorder(bi, f.rvars(0)[0], bo)
           .parallel(bo)
           .vectorize(bi, vec);
     for (Func &p : partial) {
-      p.compute_at(f, bo).bound_storage(v.b, 2 * vec).vectorize(v.b, vec, TailStrategy::GuardWithIf);
+      p.compute_at(f, bo).bound_storage(v.b, rows_per_task).vectorize(v.b, vec, TailStrategy::GuardWithIf);
       p.update().reorder(v.b, p.rvars(0)[0]).vectorize(v.b, vec, TailStrategy::GuardWithIf);
     }
   }
