@@ -11,7 +11,7 @@ TRAIN_ARGS ?=
 BENCH_PY_PKGS := torch==2.15.0 safetensors==0.8.0 matplotlib==3.11.2
 BENCH_ARGS ?=
 
-.PHONY: all deps build train train-gpt train-mlp test bench bench-cpu device-bundle clean
+.PHONY: all deps build train train-gpt train-mlp train-llama test bench bench-cpu device-bundle clean
 
 all: build
 
@@ -51,6 +51,9 @@ train-gpt: build
 
 train-mlp: build
 	$(BUILD)/bin/train-mlp $(TRAIN_ARGS)
+
+train-llama: build
+	$(BUILD)/bin/train-llama $(TRAIN_ARGS)
 
 # ctest's own results also go to $(BUILD)/ctest-results.xml (JUnit), which .ci/run counts.
 test: build

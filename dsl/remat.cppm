@@ -55,59 +55,241 @@ template <class Out = Name, class... Parts> constexpr Out cat(Parts... parts) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Layers and blocks
+// Layers and their kinds
 // ---------------------------------------------------------------------------------------------
 enum class Op : std::uint8_t {
-  linear, layer_norm, gelu, relu, dropout, attention, embedding, residual_begin, residual_end
+  linear, layer_norm, rms_norm, gelu, relu, swiglu, dropout, rope, attention, embedding, residual_begin, residual_end
 };
-
-constexpr std::string_view op_name(Op op) {
-  switch (op) {
-  case Op::linear: return "linear";
-  case Op::layer_norm: return "layer_norm";
-  case Op::gelu: return "gelu";
-  case Op::relu: return "relu";
-  case Op::dropout: return "dropout";
-  case Op::attention: return "causal_self_attention";
-  case Op::embedding: return "embedding";
-  case Op::residual_begin: return "residual(";
-  case Op::residual_end: return "residual sum";
-  }
-  return "?";
-}
+inline constexpr int n_ops = 12;
 
 // A layer maps C_in features to C_out features per row. 0 means "inferred from the stack".
 struct Layer {
   Op op{};
   int in = 0;
   int out = 0;
-  int heads = 0;       // attention
+  int heads = 0;       // attention, rope: query heads
+  int kv_heads = 0;    // attention, rope: key / value heads (a divisor of heads; fewer: grouped-query)
   int vocab = 0;       // embedding
   int block_size = 0;  // attention, embedding: T, the rows of one sequence (from the input)
+  bool bias = true;    // linear: y = x w + b (false: y = x w); embedding: a position table
 };
 
+// The dimensions of a layer's tensors, in terms of the layer.
+enum class Dim : std::uint8_t { none, rows, in, out, vocab, block_size, heads };
+constexpr long long dim_of(const Layer &l, Dim d) {
+  switch (d) {
+  case Dim::none: return 0;
+  case Dim::rows: return -1;
+  case Dim::in: return l.in;
+  case Dim::out: return l.out;
+  case Dim::vocab: return l.vocab;
+  case Dim::block_size: return l.block_size;
+  case Dim::heads: return l.heads;
+  }
+  return 0;
+}
+// How a parameter starts. uniform_fan_in: U(-1/sqrt(n), 1/sqrt(n)) with n its extent[1] (a
+// linear's input width, as PyTorch; an embedding table's rows).
+enum class Init : std::uint8_t { zeros, ones, uniform_fan_in };
+// When a tensor of a kind exists.
+enum class When : std::uint8_t { always, with_bias, with_input_grad };
+
+// One tensor of a kind, named <stem><layer index><suffix> (p3_w, mean2, att4_lse).
+struct TensorRule {
+  std::string_view stem, suffix;  // empty stem: no tensor
+  int dims = 1;
+  std::array<Dim, 2> extent{};    // extent[0] is the innermost (contiguous) dimension
+  Init init = Init::zeros;        // parameters
+  bool decay = false;             // parameters: AdamW weight decay applies
+  When when = When::always;
+};
+using TensorRules = std::array<TensorRule, 2>;
+
+// What shape inference gives a kind: the stack's width before the layer, whether it is the
+// model's first layer, and the input (token models: vocab, block_size).
+struct ShapeContext {
+  int width = 0;
+  bool first = false;
+  int vocab = 0, block_size = 0;  // 0: feature rows
+};
+
+// Everything the planner, the model compiler, the executor, the trainer, the plan report and the
+// tests know about a kind of layer, in one entry (the kernels' rules live in generators/: one
+// unit per kind, dispatched by Op).
+struct Kind {
+  Op op{};
+  std::string_view name;
+  // Resolves l.in / l.out (and what else the layer takes from the model) from the stack, or says
+  // what is wrong (the caller prefixes the layer's position).
+  Message (*infer)(Layer &l, const ShapeContext &c) = nullptr;
+  bool reads_input = false;   // its backward reads its input
+  bool reads_output = false;  // ... and its own output (so it cannot end a block)
+  // Its output is a buffer of its own where it is computed (GEMM, GELU, attention); otherwise it
+  // is rebuilt elementwise where it is read (unless the planner buffers it for a GEMM).
+  bool buffered = false;
+  bool recomputed_by_selective = false;  // what Megatron-style selective recomputes in backward
+  bool gemm = false;        // y = x w (+ b): GEMM weight copies, starts an epilogue chain
+  bool chain_link = false;  // elementwise on its source, continues an epilogue chain (dropout, residual sum)
+  bool draws_masks = false; // reads the dropout counters (seed, step, block)
+  bool repeatable = true;
+  TensorRules params{};     // parameters, their gradients g<k>_<suffix>
+  TensorRules stats{};      // row statistics forward writes and backward reads
+  TensorRules workspace{};  // backward's own short-lived buffers
+  // Forward arithmetic per row, multiply-adds counted as two: GEMMs and attention products
+  // (what REMAT_PROFILE divides by time; elementwise work is left out). nullptr: none.
+  double (*flops)(const Layer &l) = nullptr;
+  double backward_flops = 0;  // backward's arithmetic per forward flop
+};
+
+namespace kinds {
+constexpr Message keeps_width(Layer &l, const ShapeContext &c) {
+  if (l.in != 0 && l.in != c.width) return cat<Message>("declared for width ", l.in, " but the stack carries ", c.width);
+  l.in = l.out = c.width;
+  return {};
+}
+constexpr Message linear_shape(Layer &l, const ShapeContext &c) {
+  if (l.in <= 0 || l.out <= 0) return cat<Message>("linear(", l.in, ", ", l.out, ") needs positive widths");
+  if (l.in != c.width) return cat<Message>("expects ", l.in, " input features but the stack carries ", c.width);
+  return {};
+}
+constexpr Message halves_width(Layer &l, const ShapeContext &c) {
+  if (c.width % 2 != 0) return cat<Message>("expects [gate | up] (2H features) but the stack carries ", c.width);
+  l.in = c.width;
+  l.out = c.width / 2;
+  return {};
+}
+constexpr Message rope_shape(Layer &l, const ShapeContext &c) {
+  if (c.block_size == 0) return "rope needs sequences: tokens(vocab, block_size)";
+  if (l.heads < 1 || l.kv_heads < 1 || l.heads % l.kv_heads != 0)
+    return cat<Message>("rope(", l.heads, ", ", l.kv_heads, ") needs heads >= 1 and kv_heads dividing them");
+  const int parts = l.heads + 2 * l.kv_heads;
+  if (c.width % parts != 0 || (c.width / parts) % 2 != 0)
+    return cat<Message>("expects [q | k | v] of ", l.heads, " + 2 x ", l.kv_heads, " heads of an even width but the stack carries ",
+                        c.width);
+  l.in = l.out = c.width;
+  l.block_size = c.block_size;
+  return {};
+}
+constexpr Message embedding_shape(Layer &l, const ShapeContext &c) {
+  if (!c.first || c.block_size == 0) return "an embedding must be the first layer, after tokens(vocab, block_size)";
+  if (l.vocab != c.vocab) return cat<Message>("embedding(", l.vocab, ", ...) but tokens(", c.vocab, ", ...)");
+  if (l.out <= 0) return "needs a positive width";
+  l.block_size = c.block_size;
+  return {};
+}
+constexpr Message attention_shape(Layer &l, const ShapeContext &c) {
+  if (c.block_size == 0) return "attention needs sequences: tokens(vocab, block_size)";
+  if (l.kv_heads == l.heads) {  // multi-head: [q | k | v] of C each
+    if (c.width % 3 != 0) return cat<Message>("expects fused q, k, v (3C features) but the stack carries ", c.width);
+    if (l.heads < 1 || (c.width / 3) % l.heads != 0)
+      return cat<Message>(l.heads, " heads do not divide the width ", c.width / 3);
+  } else {  // grouped-query: q of heads x D, k and v of kv_heads x D each
+    if (l.kv_heads < 1 || l.heads % l.kv_heads != 0)
+      return cat<Message>(l.kv_heads, " kv_heads do not divide the ", l.heads, " heads");
+    if (c.width % (l.heads + 2 * l.kv_heads) != 0)
+      return cat<Message>("expects fused q, k, v of ", l.heads, " + 2 x ", l.kv_heads, " heads but the stack carries ", c.width);
+  }
+  l.in = c.width;
+  l.out = c.width / (l.heads + 2 * l.kv_heads) * l.heads;
+  l.block_size = c.block_size;
+  return {};
+}
+constexpr double gemm_flops(const Layer &l) { return 2.0 * l.in * l.out; }
+// causal: q k^T and p v over (T + 1) / 2 keys on average
+constexpr double attention_flops(const Layer &l) { return 2.0 * (l.block_size + 1) * l.out; }
+
+constexpr TensorRule row_statistic(std::string_view stem, std::string_view suffix = {}, When when = When::always) {
+  return {stem, suffix, 1, {Dim::rows, Dim::none}, Init::zeros, false, when};
+}
+constexpr TensorRule head_statistic(std::string_view stem, std::string_view suffix) {
+  return {stem, suffix, 2, {Dim::heads, Dim::rows}};
+}
+
+inline constexpr std::array<Kind, n_ops> table = {{
+    {.op = Op::linear, .name = "linear", .infer = linear_shape, .reads_input = true, .buffered = true, .gemm = true,
+     // w [K, O] row-major (y = x w + b), b [O]
+     .params = {{{"p", "_w", 2, {Dim::out, Dim::in}, Init::uniform_fan_in, true},
+                 {"p", "_b", 1, {Dim::out, Dim::none}, Init::zeros, false, When::with_bias}}},
+     .flops = gemm_flops, .backward_flops = 2},  // dx and dW
+    {.op = Op::layer_norm, .name = "layer_norm", .infer = keeps_width, .reads_input = true,
+     .params = {{{"p", "_w", 1, {Dim::out, Dim::none}, Init::ones}, {"p", "_b", 1, {Dim::out, Dim::none}, Init::zeros}}},
+     .stats = {{row_statistic("mean"), row_statistic("rstd")}},
+     .workspace = {{row_statistic("s", "_1", When::with_input_grad), row_statistic("s", "_2", When::with_input_grad)}}},
+    {.op = Op::rms_norm, .name = "rms_norm", .infer = keeps_width, .reads_input = true,
+     .params = {{{"p", "_w", 1, {Dim::out, Dim::none}, Init::ones}}},
+     .stats = {{row_statistic("rstd")}},
+     .workspace = {{row_statistic("s", "_1", When::with_input_grad)}}},
+    {.op = Op::gelu, .name = "gelu", .infer = keeps_width, .reads_input = true, .buffered = true,
+     .recomputed_by_selective = true},
+    {.op = Op::relu, .name = "relu", .infer = keeps_width, .reads_input = true},
+    {.op = Op::swiglu, .name = "swiglu", .infer = halves_width, .reads_input = true, .buffered = true,
+     .recomputed_by_selective = true},
+    // Inverted dropout: the mask is a counter-based hash of (seed, step, block, element), so a
+    // recompute draws the same mask without saving it.
+    {.op = Op::dropout, .name = "dropout", .infer = keeps_width, .chain_link = true, .draws_masks = true},
+    // Rotary position embedding on the q and k heads of a fused [q | k | v] row; v passes. Its
+    // backward (the inverse rotation) reads nothing; its output is buffered, and the attention
+    // after it reads that.
+    {.op = Op::rope, .name = "rope", .infer = rope_shape, .buffered = true},
+    {.op = Op::attention, .name = "causal_self_attention", .infer = attention_shape, .reads_input = true,
+     .reads_output = true, .buffered = true, .recomputed_by_selective = true, .draws_masks = true,
+     .stats = {{head_statistic("att", "_lse")}}, .workspace = {{head_statistic("att", "_delta")}},
+     // backward rebuilds p and forms dp, dv, dq and dk: 5 products of the forward's 2
+     .flops = attention_flops, .backward_flops = 2.5},
+    // token table [V, C], positions [T, C]
+    {.op = Op::embedding, .name = "embedding", .infer = embedding_shape, .repeatable = false,
+     .params = {{{"p", "_w", 2, {Dim::out, Dim::vocab}, Init::uniform_fan_in},
+                 {"p", "_b", 2, {Dim::out, Dim::block_size}, Init::uniform_fan_in, false, When::with_bias}}}},
+    {.op = Op::residual_begin, .name = "residual(", .infer = keeps_width},
+    {.op = Op::residual_end, .name = "residual sum", .infer = keeps_width, .chain_link = true},
+}};
+static_assert([] {
+  for (int i = 0; i < n_ops; ++i)
+    if (int(table[i].op) != i) return false;
+  return true;
+}(), "remat: the kinds table is indexed by Op");
+}  // namespace kinds
+
+constexpr const Kind &kind(Op op) { return kinds::table[std::size_t(op)]; }
+constexpr std::string_view op_name(Op op) { return kind(op).name; }
+// Whether a tensor rule applies to layer l (a bias only when the linear has one).
+constexpr bool present(const TensorRule &r, const Layer &l, bool input_grad = true) {
+  if (r.stem.empty()) return false;
+  return r.when == When::always || (r.when == When::with_bias && l.bias) || (r.when == When::with_input_grad && input_grad);
+}
+
 constexpr Layer linear(int in, int out) { return {Op::linear, in, out}; }
+// A linear without bias (y = x w), as in Llama-style models.
+struct NoBias {};
+inline constexpr NoBias no_bias{};
+constexpr Layer linear(int in, int out, NoBias) { return {.op = Op::linear, .in = in, .out = out, .bias = false}; }
 constexpr Layer layer_norm(int width = 0) { return {Op::layer_norm, width, width}; }
+// RMSNorm (Llama): x / sqrt(mean(x^2) + 1e-6) * gamma, no bias.
+constexpr Layer rms_norm(int width = 0) { return {Op::rms_norm, width, width}; }
 constexpr Layer gelu() { return {Op::gelu}; }
 constexpr Layer relu() { return {Op::relu}; }
-// Inverted dropout; the probability is a run-time value (--dropout), the mask a counter-based
-// hash of (seed, step, block, element), so recompute reproduces it without saving anything.
+// The gate of a gated MLP: [a | b] (2H features) in, silu(a) * b (H) out, as in
+// linear(C, 2H) -> swiglu -> linear(H, C).
+constexpr Layer swiglu() { return {Op::swiglu}; }
+// Inverted dropout; the probability is a run-time value (--dropout).
 constexpr Layer dropout() { return {Op::dropout}; }
-// Causal multi-head self-attention core on fused [q | k | v] features (3C in, C out).
-constexpr Layer causal_self_attention(int heads) { return {Op::attention, 0, 0, heads}; }
-// Token + position embedding: token ids in, `width` features out.
-constexpr Layer embedding(int vocab, int width) { return {Op::embedding, 1, width, 0, vocab}; }
-
-// Backward of the layer reads its input.
-constexpr bool reads_input(Op op) {
-  return op == Op::linear || op == Op::layer_norm || op == Op::gelu || op == Op::relu ||
-         op == Op::attention;
+// Causal multi-head self-attention core on fused [q | k | v] features (3C in, C out). With
+// kv_heads < heads, grouped-query attention: [q | k | v] of (heads + 2 kv_heads) D features in,
+// heads D out, query head h reading key / value head h / (heads / kv_heads).
+constexpr Layer causal_self_attention(int heads, int kv_heads = 0) {
+  return {.op = Op::attention, .heads = heads, .kv_heads = kv_heads == 0 ? heads : kv_heads};
 }
-// Buffered outputs that the `selective` policy recomputes in backward instead of saving
-// (Megatron-style: the attention core and the GELU).
-constexpr bool recomputed_by_selective(Op op) { return op == Op::attention || op == Op::gelu; }
-constexpr bool has_params(Op op) {
-  return op == Op::linear || op == Op::layer_norm || op == Op::embedding;
+// Token + position embedding: token ids in, `width` features out.
+constexpr Layer embedding(int vocab, int width) { return {Op::embedding, 1, width, 0, 0, vocab}; }
+// Token embedding only (positions come from rope inside the blocks, as in Llama).
+constexpr Layer token_embedding(int vocab, int width) {
+  return {.op = Op::embedding, .in = 1, .out = width, .vocab = vocab, .bias = false};
+}
+// Rotary position embedding (the rotate-half form of Llama and GPT-NeoX, base 10000) of the
+// queries and keys in a fused [q | k | v] row of heads + 2 kv_heads heads: put it between the
+// q/k/v projection and the attention.
+constexpr Layer rope(int heads, int kv_heads = 0) {
+  return {.op = Op::rope, .heads = heads, .kv_heads = kv_heads == 0 ? heads : kv_heads};
 }
 
 inline constexpr int max_block_layers = 16;
@@ -151,6 +333,10 @@ constexpr Block chain_one(Block acc, const Block &b) {
   acc.overflow += b.overflow;
   return acc;
 }
+constexpr Block chain_one(Block acc, const Layer &l) {
+  acc.push(l);
+  return acc;
+}
 // residual(f...) computes x + f(x).
 template <class... L> constexpr Block residual(L... layers) {
   Block b;
@@ -159,7 +345,8 @@ template <class... L> constexpr Block residual(L... layers) {
   b.push({Op::residual_end});
   return b;
 }
-// Blocks one after the other, as one block (e.g. a transformer block: two residual branches).
+// Blocks and layers one after the other, as one block (e.g. a transformer block: two residual
+// branches; or plain layers, a block without a residual).
 template <class... B> constexpr Block chain(B... blocks) {
   Block out;
   ((out = chain_one(out, blocks)), ...);
@@ -253,54 +440,21 @@ constexpr Checked check(Model m) {
       const auto where = cat<Message>("stage ", s, " layer ", written, " (", op_name(l.op), ")");
       written += !marker;
       const bool first = s == 0 && k == 0;
-      switch (l.op) {
-      case Op::linear:
-        if (l.in <= 0 || l.out <= 0)
-          return fail(cat<Message>(where, ": linear(", l.in, ", ", l.out, ") needs positive widths"));
-        if (l.in != width)
-          return fail(cat<Message>(where, ": expects ", l.in, " input features but the stack carries ", width));
-        break;
-      case Op::embedding:
-        if (!first || !m.token_input())
-          return fail(cat<Message>(where, ": an embedding must be the first layer, after tokens(vocab, block_size)"));
-        if (l.vocab != m.input.vocab)
-          return fail(cat<Message>(where, ": embedding(", l.vocab, ", ...) but tokens(", m.input.vocab, ", ...)"));
-        if (l.out <= 0) return fail(cat<Message>(where, ": needs a positive width"));
-        l.block_size = m.input.block_size;
-        break;
-      case Op::attention: {
-        if (!m.token_input())
-          return fail(cat<Message>(where, ": attention needs sequences: tokens(vocab, block_size)"));
-        if (width % 3 != 0)
-          return fail(cat<Message>(where, ": expects fused q, k, v (3C features) but the stack carries ", width));
-        if (l.heads < 1 || (width / 3) % l.heads != 0)
-          return fail(cat<Message>(where, ": ", l.heads, " heads do not divide the width ", width / 3));
-        l.in = width;
-        l.out = width / 3;
-        l.block_size = m.input.block_size;
-        break;
-      }
-      case Op::residual_begin:
+      const Kind &kd = kind(l.op);
+      if (l.op == Op::residual_begin) {
         open[depth++] = width;
-        l.in = l.out = width;
-        break;
-      case Op::residual_end:
-        if (open[--depth] != width)
-          return fail(cat<Message>("stage ", s, ": residual block maps ", open[depth], " features to ", width,
-                                   "; a residual block must keep its width"));
-        l.in = l.out = width;
-        break;
-      default:
-        if (l.in != 0 && l.in != width)
-          return fail(cat<Message>(where, ": declared for width ", l.in, " but the stack carries ", width));
-        l.in = l.out = width;
+      } else if (l.op == Op::residual_end && open[--depth] != width) {
+        return fail(cat<Message>("stage ", s, ": residual block maps ", open[depth], " features to ", width,
+                                 "; a residual block must keep its width"));
       }
+      const Message wrong = kd.infer(l, {width, first, m.input.vocab, m.input.block_size});
+      if (wrong.size() > 0) return fail(cat<Message>(where, ": ", wrong));
       if (m.token_input() && first && l.op != Op::embedding)
         return fail("a token model starts with embedding(vocab, width)");
-      if (l.op == Op::embedding && b.repeat > 1)
-        return fail(cat<Message>(where, ": an embedding cannot be repeated"));
-      if (l.op == Op::attention && k + 1 == b.n_layers)
-        return fail(cat<Message>(where, ": attention cannot end a block (its backward reads its output)"));
+      if (!kd.repeatable && b.repeat > 1)
+        return fail(cat<Message>(where, ": cannot be repeated"));
+      if (kd.reads_output && k + 1 == b.n_layers)
+        return fail(cat<Message>(where, ": cannot end a block (its backward reads its output)"));
       width = l.out;
     }
     if (b.repeat > 1 && width != block_in)
@@ -431,6 +585,7 @@ struct LocalTensor {
   int layer = -1;               // the layer that produces it (-1: none)
   bool decay = false;           // parameters: AdamW weight decay applies
   Kind kind = Kind::activation;
+  Init init = Init::zeros;      // parameters: how the trainer starts them
   constexpr long long elements(long long rows) const {
     long long n = 1;
     for (int d = 0; d < dims; ++d) n *= extent[d] < 0 ? rows : extent[d];
@@ -459,11 +614,23 @@ constexpr int element_bytes(const LocalTensor &lt, Precision p) {
 
 constexpr LocalTensor output_of(const Block &b, int k) { return rows(cat("h", k), b.layers[k].out, k); }
 
-constexpr std::vector<LocalTensor> stats_of(const Block &b, int k) {
+// The tensor a kind's rule describes, for layer k of block b.
+constexpr LocalTensor tensor_of(const TensorRule &r, const Block &b, int k, LocalTensor::Kind kind) {
   const Layer &l = b.layers[k];
-  if (l.op == Op::layer_norm) return {row_stat(cat("mean", k), k), row_stat(cat("rstd", k), k)};
-  if (l.op == Op::attention) return {head_stat(cat("att", k, "_lse"), l.heads, k)};
-  return {};
+  LocalTensor t{cat(r.stem, k, r.suffix), r.dims, {}, k, r.decay, kind, r.init};
+  for (int d = 0; d < r.dims; ++d) t.extent[d] = int(dim_of(l, r.extent[d]));
+  return t;
+}
+constexpr void add_tensors(std::vector<LocalTensor> &to, const TensorRules &rules, const Block &b, int k,
+                           LocalTensor::Kind kind, bool input_grad = true) {
+  for (const TensorRule &r : rules)
+    if (present(r, b.layers[k], input_grad)) to.push_back(tensor_of(r, b, k, kind));
+}
+
+constexpr std::vector<LocalTensor> stats_of(const Block &b, int k) {
+  std::vector<LocalTensor> out;
+  add_tensors(out, kind(b.layers[k].op).stats, b, k, LocalTensor::Kind::statistic);
+  return out;
 }
 
 // Outputs of layers before the last (the last one's output is y).
@@ -477,13 +644,13 @@ constexpr int consumers(const Block &b, int j) {
   return n;
 }
 
-// Backward reads output j: a later layer's rule reads its input j, or j is an attention output
-// (its rule reads the output too).
+// Backward reads output j: a later layer's rule reads its input j, or j's own rule reads its
+// output (attention).
 constexpr bool read_by_backward(const Block &b, int j) {
   if (!is_internal(b, j)) return false;
-  if (b.layers[j].op == Op::attention) return true;
+  if (kind(b.layers[j].op).reads_output) return true;
   for (int k = j + 1; k < b.n_layers; ++k)
-    if (b.source(k) == j && reads_input(b.layers[k].op)) return true;
+    if (b.source(k) == j && kind(b.layers[k].op).reads_input) return true;
   return false;
 }
 
@@ -501,11 +668,10 @@ enum class Gemms : std::uint8_t { halide, library };
 // GEMMs fuse nothing, their chain runs elementwise from the GEMM's buffer.
 constexpr bool continues_chain(const Block &b, int j) {
   if (!is_internal(b, j) || read_by_backward(b, j) || consumers(b, j) != 1) return false;
-  const Op next = b.layers[j + 1].op;
-  if ((next != Op::dropout && next != Op::residual_end) || b.source(j + 1) != j) return false;
-  const Op op = b.layers[j].op;
-  if (op == Op::linear) return true;
-  return (op == Op::dropout || op == Op::residual_end) && b.source(j) >= 0 && continues_chain(b, b.source(j));
+  if (!kind(b.layers[j + 1].op).chain_link || b.source(j + 1) != j) return false;
+  const Kind &k = kind(b.layers[j].op);
+  if (k.gemm) return true;
+  return k.chain_link && b.source(j) >= 0 && continues_chain(b, b.source(j));
 }
 constexpr bool fused(const Block &b, int j, Gemms g = Gemms::halide) {
   return g == Gemms::halide && continues_chain(b, j);
@@ -513,7 +679,7 @@ constexpr bool fused(const Block &b, int j, Gemms g = Gemms::halide) {
 
 constexpr bool feeds_linear(const Block &b, int j) {
   for (int k = j + 1; k < b.n_layers; ++k)
-    if (b.source(k) == j && b.layers[k].op == Op::linear) return true;
+    if (b.source(k) == j && kind(b.layers[k].op).gemm) return true;
   return false;
 }
 
@@ -524,18 +690,17 @@ constexpr bool feeds_linear(const Block &b, int j) {
 // is rebuilt elementwise where it is used.
 constexpr bool materialized(const Block &b, int j, Gemms g = Gemms::halide) {
   if (!b.produces(j) || fused(b, j, g)) return false;
-  const Op op = b.layers[j].op;
-  if (op == Op::linear || op == Op::gelu || op == Op::attention) return true;
+  const Kind &k = kind(b.layers[j].op);
+  if (k.buffered) return true;
   if (g == Gemms::library && feeds_linear(b, j)) return true;
-  return (op == Op::dropout || op == Op::residual_end) && b.source(j) >= 0 && continues_chain(b, b.source(j)) &&
-         !continues_chain(b, j);
+  return k.chain_link && b.source(j) >= 0 && continues_chain(b, b.source(j)) && !continues_chain(b, j);
 }
 
 constexpr bool saved(const Block &b, int j, Keep keep, Gemms g = Gemms::halide) {
   switch (keep) {
   case Keep::all: return read_by_backward(b, j);
   case Keep::selective:
-    return read_by_backward(b, j) && materialized(b, j, g) && !recomputed_by_selective(b.layers[j].op);
+    return read_by_backward(b, j) && materialized(b, j, g) && !kind(b.layers[j].op).recomputed_by_selective;
   case Keep::nothing: return false;
   }
   return false;
@@ -551,9 +716,9 @@ constexpr LocalTensor weight_copy_of(const Block &b, int k) {
 }
 constexpr LocalTensor bias_copy_of(const Block &b, int k) { return {cat("p", k, "_b16"), 1, {b.layers[k].out, 0}, k}; }
 constexpr void add_parameter_copies(std::vector<LocalTensor> &to, const Block &b, int k, Gemms g, Precision p) {
-  if (b.layers[k].op != Op::linear) return;
+  if (!kind(b.layers[k].op).gemm) return;
   if (weight_copy(p)) to.push_back(weight_copy_of(b, k));
-  if (bias_copy(g, p)) to.push_back(bias_copy_of(b, k));
+  if (bias_copy(g, p) && b.layers[k].bias) to.push_back(bias_copy_of(b, k));
 }
 
 // A kernel's tensors besides x, y, dy, dx and parameters.
@@ -585,7 +750,7 @@ constexpr KernelTensors forward_tensors(const Block &b, Keep keep, Gemms g = Gem
 // when the linear's input also gets gradient from elsewhere (then the sum is formed after, and
 // rounded once: dp<k> stays fp32, like a statistic).
 constexpr bool product_buffer(const Block &b, int k, Gemms g) {
-  return g == Gemms::library && b.layers[k].op == Op::linear && consumers(b, b.source(k)) > 1;
+  return g == Gemms::library && kind(b.layers[k].op).gemm && consumers(b, b.source(k)) > 1;
 }
 constexpr LocalTensor product_of(const Block &b, int k) {
   return {cat("dp", k), 2, {b.layers[k].in, -1}, k, false, LocalTensor::Kind::statistic};
@@ -613,34 +778,17 @@ constexpr KernelTensors backward_tensors(const Block &b, Keep keep, bool needs_i
     const Layer &l = b.layers[j];
     const bool grad_in = b.source(j) >= 0 || needs_input_grad;
     if (is_internal(b, j)) t.workspace.push_back(rows(cat("dh", j), l.out, j));
-    if (l.op == Op::layer_norm && grad_in) {
-      t.workspace.push_back(row_stat(cat("s", j, "_1"), j));
-      t.workspace.push_back(row_stat(cat("s", j, "_2"), j));
-    }
+    add_tensors(t.workspace, kind(l.op).workspace, b, j, LocalTensor::Kind::statistic, grad_in);
     add_parameter_copies(t.workspace, b, j, g, p);
-    if (l.op == Op::linear && grad_in && g == Gemms::halide) t.workspace.push_back({cat("p", j, "_wt"), 2, {l.in, l.out}, j});
+    if (kind(l.op).gemm && grad_in && g == Gemms::halide) t.workspace.push_back({cat("p", j, "_wt"), 2, {l.in, l.out}, j});
     if (product_buffer(b, j, g) && grad_in) t.workspace.push_back(product_of(b, j));
-    if (l.op == Op::attention) t.workspace.push_back(head_stat(cat("att", j, "_delta"), l.heads, j));
   }
   return t;
 }
 
 constexpr std::vector<LocalTensor> params(const Block &b) {
   std::vector<LocalTensor> out;
-  for (int k = 0; k < b.n_layers; ++k) {
-    const Layer &l = b.layers[k];
-    constexpr auto param = LocalTensor::Kind::parameter;
-    if (l.op == Op::linear) {
-      out.push_back({cat("p", k, "_w"), 2, {l.out, l.in}, k, true, param});
-      out.push_back({cat("p", k, "_b"), 1, {l.out, 0}, k, false, param});
-    } else if (l.op == Op::layer_norm) {
-      out.push_back({cat("p", k, "_w"), 1, {l.out, 0}, k, false, param});
-      out.push_back({cat("p", k, "_b"), 1, {l.out, 0}, k, false, param});
-    } else if (l.op == Op::embedding) {
-      out.push_back({cat("p", k, "_w"), 2, {l.out, l.vocab}, k, false, param});
-      out.push_back({cat("p", k, "_b"), 2, {l.out, l.block_size}, k, false, param});
-    }
-  }
+  for (int k = 0; k < b.n_layers; ++k) add_tensors(out, kind(b.layers[k].op).params, b, k, LocalTensor::Kind::parameter);
   return out;
 }
 
@@ -664,25 +812,25 @@ enum class Variant : std::uint8_t {
   adamw,               // optimizer update over a flat range of parameters
 };
 
-// The arithmetic of one call of a block's kernel over `rows` rows, multiply-adds counted as two: the
-// GEMMs and the attention products (what REMAT_PROFILE divides by time; elementwise work is left
-// out). Causal attention forward: q k^T and p v over (T + 1) / 2 keys on average; its backward
-// rebuilds p and forms dp, dv, dq and dk (5 products). A linear's backward is two GEMMs (dx, dW).
+// The arithmetic of one call of a block's kernel over `rows` rows: its kinds' flops (GEMMs and
+// attention products), backward's multiple of them, and the forward work a variant recomputes.
 constexpr double kernel_flops(const Block &b, Variant v, long long rows) {
-  double gemm = 0, attention = 0;
+  double forward = 0, backward = 0, rebuilt_by_selective = 0;
   for (int j = 0; j < b.n_layers; ++j) {
-    const Layer &l = b.layers[j];
-    if (l.op == Op::linear) gemm += 2.0 * double(rows) * l.in * l.out;
-    if (l.op == Op::attention) attention += 2.0 * double(rows) * (l.block_size + 1) * l.out;
+    const Kind &k = kind(b.layers[j].op);
+    if (!k.flops) continue;
+    const double f = double(rows) * k.flops(b.layers[j]);
+    forward += f;
+    backward += k.backward_flops * f;
+    if (k.recomputed_by_selective) rebuilt_by_selective += f;
   }
-  const double backward = 2 * gemm + 2.5 * attention;
   switch (v) {
   case Variant::forward_save:
   case Variant::forward_selective:
-  case Variant::forward_discard: return gemm + attention;
+  case Variant::forward_discard: return forward;
   case Variant::backward_saved: return backward;
-  case Variant::backward_selective: return backward + attention;
-  case Variant::backward_recompute: return backward + gemm + attention;
+  case Variant::backward_selective: return backward + rebuilt_by_selective;
+  case Variant::backward_recompute: return backward + forward;
   case Variant::loss:
   case Variant::adamw: return 0;
   }
@@ -751,6 +899,7 @@ struct Tensor {
   std::size_t offset = 0;     // roots: arena offset; views: offset inside the root
   std::size_t host_offset = 0;  // offloaded tensors: offset in the pinned host buffer
   int stage = -1, block = -1, layer = -1;  // where it comes from, for reports
+  Init init = Init::zeros;                  // parameters: how the trainer starts them
   constexpr std::size_t bytes() const {
     long long n = elem_bytes;
     for (int d = 0; d < dims; ++d) n *= extent[d];
@@ -878,6 +1027,7 @@ struct Builder {
     t.stage = stage;
     t.block = block;
     t.layer = lt.layer;
+    t.init = lt.init;
     return add(t);
   }
   constexpr void free_activation(Step &st, int t) const {  // data tensors stay

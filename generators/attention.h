@@ -199,19 +199,21 @@ public:
     return u(b / T) * Expr(uint64_t(H) * TT) + u(h) * Expr(TT) + u(b % T) * Expr(uint64_t(T)) + u(s);
   }
 
-  // qkv(c, b) with 3C features: q = [0, C), k = [C, 2C), v = [2C, 3C); head h owns features
-  // h D .. h D + D - 1 of each part, D = C / H.
+  // qkv(c, b) with (H + 2 KV) D features, D = C / H: q = [0, C) in H heads, then k and v in KV
+  // heads each (KV = H: [q | k | v] of C each); query head h owns features h D .. h D + D - 1 of
+  // q and reads key / value head h / (H / KV) (grouped-query attention).
   // saved_lse: statistics saved by an earlier forward (a recompute then rebuilds the same P from
   // them); out_name: the name of the output Func (default: name).
   Attention attention(const std::string &name, Halide::Func qkv, int C, int H,
                       const Dropout &drop = {}, std::optional<Halide::Func> saved_lse = {},
-                      const std::string &out_name = {}) const {
+                      const std::string &out_name = {}, int KV = 0) const {
     using namespace Halide;
     const int D = head_dim(C, H);
+    const Heads hd{C, H, KV ? KV : H};
     Attention a{Func(out_name.empty() ? name : out_name), Func(name + "_sum"), Func(name + "_lse")};
     const Expr t = v.b % T;
     // Statistics from their own score chain, so that a schedule computes it per row of lse.
-    Scores sl = scores(name + "_l", qkv, C, H);
+    Scores sl = scores(name + "_l", qkv, hd);
     a.lse_dot = sl.dot;
     RDom r(0, T, name + "_s");
     r.where(r <= t);  // causal: keys s <= t only
@@ -222,7 +224,7 @@ public:
     a.sum_exp(h, v.b) = L.constant(0);
     a.sum_exp(h, v.b) += exp(sl.score(r, h, v.b) - a.row_max(h, v.b));
     a.lse(h, v.b) = a.row_max(h, v.b) + log(a.sum_exp(h, v.b));
-    Scores sc = scores(name, qkv, C, H);
+    Scores sc = scores(name, qkv, hd);
     a.dot = sc.dot;
     a.score = sc.score;
     a.prob = probabilities(name, a.score, saved_lse ? *saved_lse : a.lse);
@@ -231,7 +233,7 @@ public:
     r2.where(r2 <= t);
     const Expr n = v.b / T;
     a.sum(v.c, v.b) = L.constant(0);
-    a.sum(v.c, v.b) += a.kept(r2, v.c / D, v.b) * qkv(2 * C + v.c, n * T + r2);
+    a.sum(v.c, v.b) += a.kept(r2, v.c / D, v.b) * qkv(hd.column(2, v.c), n * T + r2);
     a.out(v.c, v.b) = L.store(a.sum(v.c, v.b));
     return a;
   }
@@ -240,11 +242,13 @@ public:
   // exp(score - lse); no [T, T] tensor is an output). With dropout the same counters give the
   // same mask: dv uses drop(P), dP = (dout . v) * keep / (1 - p), dS = P * (dP - delta) with
   // delta = sum_d dout * out (= sum_s P dP still).
+  // Grouped heads (KV < H): a key / value head's gradient sums those of the query heads sharing it.
   AttentionGrad attention_grad(const std::string &name, Halide::Func qkv, Halide::Func out,
                                Halide::Func lse, Halide::Func dout, int C, int H,
-                               const Dropout &drop = {}) const {
+                               const Dropout &drop = {}, int KV = 0) const {
     using namespace Halide;
     const int D = head_dim(C, H);
+    const Heads hd{C, H, KV ? KV : H};
     AttentionGrad g;
     g.dqkv = Func(name);
     g.dq = Func(name + "_dq");
@@ -255,16 +259,16 @@ public:
     g.delta = attention_delta(name, out, dout, C, H);
     // query side: f(s, h, b) for query row b, key position s; key side: f(t, h, b) for key
     // row b, query position t. Each is indexed by the row where it is consumed.
-    g.q = score_grad_chain(name + "_q", qkv, lse, dout, g.delta, C, H, drop, v.b, n * T + s, s);
-    g.kv = score_grad_chain(name + "_kv", qkv, lse, dout, g.delta, C, H, drop, n * T + s, v.b, t);
+    g.q = score_grad_chain(name + "_q", qkv, lse, dout, g.delta, hd, drop, v.b, n * T + s, s);
+    g.kv = score_grad_chain(name + "_kv", qkv, lse, dout, g.delta, hd, drop, n * T + s, v.b, t);
 
     // dq(b) = sum_{s <= t} dS(s) k(n T + s) / sqrt(D)
     RDom rq(0, T, name + "_dq_s");
     rq.where(rq <= t);
     g.dq(v.c, v.b) = L.constant(0);
-    g.dq(v.c, v.b) += g.q.dscore(rq, v.c / D, v.b) * qkv(C + v.c, n * T + rq) * scale;
+    g.dq(v.c, v.b) += g.q.dscore(rq, v.c / D, v.b) * qkv(hd.column(1, v.c), n * T + rq) * scale;
     // Key/value row b = n T + s: sums over the queries t' >= s of the same sequence, from the
-    // key-side chain (indexed by query position, head and key row).
+    // key-side chain (indexed by query position, head and key row); dk and dv by query head.
     RDom rk(0, T, name + "_dk_t");
     rk.where(rk >= t);
     g.dk(v.c, v.b) = L.constant(0);
@@ -274,9 +278,10 @@ public:
     g.dv(v.c, v.b) = L.constant(0);
     g.dv(v.c, v.b) += g.kv.kept(rv, v.c / D, v.b) * dout(v.c, n * T + rv);
 
+    const int KVD = hd.kv * D;
     g.dqkv(v.c, v.b) = select(v.c < C, g.dq(clamp(v.c, 0, C - 1), v.b),
-                              v.c < 2 * C, g.dk(clamp(v.c - C, 0, C - 1), v.b),
-                              g.dv(clamp(v.c - 2 * C, 0, C - 1), v.b));
+                              v.c < C + KVD, hd.group_sum(g.dk, clamp(v.c - C, 0, KVD - 1), v.b),
+                              hd.group_sum(g.dv, clamp(v.c - C - KVD, 0, KVD - 1), v.b));
     return g;
   }
 
@@ -296,13 +301,14 @@ public:
   // decides).
   AttentionTiles attention_tiles(const std::string &name, Halide::Func qkv, int C, int H,
                                  const Dropout &drop = {}, std::optional<Halide::Func> saved_lse = {},
-                                 const std::string &out_name = {}) const {
+                                 const std::string &out_name = {}, int KV = 0) const {
     using namespace Halide;
     const int D = head_dim(C, H);
+    const Heads hd{C, H, KV ? KV : H};
     AttentionTiles a;
     a.out = Func(out_name.empty() ? name : out_name);
     a.lse = Func(name + "_lse");
-    a.stats = tile_scores(name + "_l", qkv, C, D);
+    a.stats = tile_scores(name + "_l", qkv, hd);
     RDom rs(0, T, name + "_s");
     a.row_max = Func(name + "_row_max");
     a.row_max(t, h, n) = a.stats.score(t, 0, h, n);
@@ -314,8 +320,9 @@ public:
     a.tile_lse(t, h, n) = a.row_max(t, h, n) + log(a.sum_exp(t, h, n));
     a.lse(h, v.b) = a.tile_lse(v.b % T, h, v.b / T);
     // out reads the statistics from their buffer
-    tile_probabilities(name, qkv, saved_lse ? *saved_lse : a.lse, C, H, drop, a.scores, a.prob, a.keep, a.kept);
-    a.sum = tile_sum(name + "_sum", Causal::keys_of_t, [&](Expr r) { return a.kept(t, r, h, n); }, qkv, 2 * C, D);
+    tile_probabilities(name, qkv, saved_lse ? *saved_lse : a.lse, hd, drop, a.scores, a.prob, a.keep, a.kept);
+    a.sum = tile_sum(name + "_sum", Causal::keys_of_t, [&](Expr r) { return a.kept(t, r, h, n); }, qkv, hd.offset(2), D,
+                     hd.group());
     a.out(v.c, v.b) = L.store(a.sum(v.c % D, v.b % T, v.c / D, v.b / T));
     return a;
   }
@@ -327,10 +334,11 @@ public:
                                           Halide::Expr rows, const std::string &out_name) const {
     using namespace Halide;
     const int D = head_dim(C, H);
+    const Heads hd{C, H, H};  // grouped heads: attention_grad (a task per query head cannot own a shared head's gradient)
     const Expr scale = L.constant(1 / std::sqrt(double(D)));
     AttentionTilesGrad g;
     g.delta = delta;
-    tile_probabilities(name, qkv, lse, C, H, drop, g.scores, g.prob, g.keep, g.kept);
+    tile_probabilities(name, qkv, lse, hd, drop, g.scores, g.prob, g.keep, g.kept);
     g.dprob_kept = tile_dots(name + "_dp", dout, 0, qkv, 2 * C, D);
     const Expr dprob = drop.enabled ? g.dprob_kept.dot(t, s, h, n) * g.keep(t, s, h, n) : Expr(g.dprob_kept.dot(t, s, h, n));
     g.dscore = Func(name + "_dscore");
@@ -350,13 +358,34 @@ public:
     return g;
   }
 
+  // ---- Rotary position embedding -----------------------------------------------------------------
+  // On x(c, b) = [q (q_heads D) | k (kv_heads D) | v]: in each q and k head, feature e < D / 2
+  // and its partner e + D / 2 turn by the angle t theta^(-2e / D) (t = b % T, theta = 10000):
+  //   y(e) = x(e) cos - x(e + D/2) sin,  y(e + D/2) = x(e + D/2) cos + x(e) sin;  v unchanged.
+  // inverse: the transposed rotation (the vector-Jacobian rule). Not rounded (L.store is the
+  // caller's).
+  static constexpr double rope_theta = 10000;
+  Halide::Func rope(const std::string &name, Halide::Func x, int q_heads, int kv_heads, int D, bool inverse = false) const {
+    using namespace Halide;
+    if (D % 2 != 0) throw std::invalid_argument("remat: rope needs an even head width");
+    const int rotated = (q_heads + kv_heads) * D, half = D / 2;
+    const Expr e = v.c % D, low = e < half;
+    const Expr angle = cast(L.t, v.b % T) * exp(cast(L.t, e % half) * L.constant(-2.0 * std::log(rope_theta) / D));
+    const Expr partner = x(clamp(select(low, v.c + half, v.c - half), 0, rotated - 1), v.b);
+    const Expr sin_term = select(low != inverse, -partner, partner) * sin(angle);
+    Func y(name);
+    y(v.c, v.b) = select(v.c < rotated, x(v.c, v.b) * cos(angle) + sin_term, x(v.c, v.b));
+    return y;
+  }
+
   // ---- Token + position embedding --------------------------------------------------------------
-  // x(c, b) = wte(c, tokens(b)) + wpe(c, b % T); wte [V, C] is wte(c, token), wpe [T, C].
-  // Tokens outside [0, V) are clamped (the data loader guarantees they are not).
+  // x(c, b) = wte(c, tokens(b)) + wpe(c, b % T); wte [V, C] is wte(c, token), wpe [T, C] (none:
+  // token embedding only). Tokens outside [0, V) are clamped (the data loader guarantees they are not).
   Halide::Func embedding(const std::string &name, Halide::Func tokens, Halide::Func wte,
-                         Halide::Func wpe, int V) const {
+                         std::optional<Halide::Func> wpe, int V) const {
     Halide::Func x(name);
-    x(v.c, v.b) = L.store(wte(v.c, Halide::clamp(tokens(v.b), 0, V - 1)) + wpe(v.c, v.b % T));
+    Halide::Expr token = wte(v.c, Halide::clamp(tokens(v.b), 0, V - 1));
+    x(v.c, v.b) = L.store(wpe ? token + (*wpe)(v.c, v.b % T) : token);
     return x;
   }
   // dwte(c, token) = sum over rows b with tokens(b) == token of dx(c, b) (scatter-add over rows);
@@ -395,42 +424,70 @@ private:
     if (H < 1 || C % H != 0) throw std::invalid_argument("remat: attention width must be a multiple of the head count");
     return C / H;
   }
+  // Where the heads sit in a qkv row: H query heads of D = C / H features, then KV key heads and
+  // KV value heads; query head h reads key / value head h / (H / KV).
+  struct Heads {
+    int C, H, kv;
+    int D() const { return C / H; }
+    int group() const {
+      if (kv < 1 || H % kv != 0) throw std::invalid_argument("remat: kv_heads must divide the heads");
+      return H / kv;
+    }
+    // where part 0 (q), 1 (k) or 2 (v) starts
+    int offset(int part) const { return part == 0 ? 0 : C + (part - 1) * kv * D(); }
+    // the column of part 1 (k) or 2 (v) that query column c (in [0, C)) reads
+    Halide::Expr column(int part, Halide::Expr c) const {
+      if (group() == 1) return part * C + c;
+      return offset(part) + c / D() / group() * D() + c % D();
+    }
+    // the gradient of k or v column c (in [0, KV D)) from f, by query column: the sum over the
+    // query heads of its group (f itself when KV = H)
+    Halide::Expr group_sum(Halide::Func f, Halide::Expr c, Halide::Expr b) const {
+      const int G = group();
+      if (G == 1) return f(c, b);
+      Halide::Expr sum = f(c / D() * G * D() + c % D(), b);
+      for (int j = 1; j < G; ++j) sum = sum + f((c / D() * G + j) * D() + c % D(), b);
+      return sum;
+    }
+  };
   struct Scores { Halide::Func dot, score; };
   // q_t(t, d, h, n) = q(h D + d, n T + t); dot(t, s, h, n) = sum_d q_t(t, d) k(C + h D + d, n T + s).
-  TileScores tile_scores(const std::string &name, Halide::Func qkv, int C, int D) const {
-    return tile_dots(name, qkv, 0, qkv, C, D);
+  TileScores tile_scores(const std::string &name, Halide::Func qkv, const Heads &hd) const {
+    return tile_dots(name, qkv, 0, qkv, hd.offset(1), hd.D(), hd.group());
   }
   // The same for any two [rows, .] operands: a_t(t, d, h, n) = a(a_offset + h D + d, n T + t),
-  // dot(t, s, h, n) = sum_d a_t(t, d) b(b_offset + h D + d, n T + s), score = dot / sqrt(D).
-  TileScores tile_dots(const std::string &name, Halide::Func a, int a_offset, Halide::Func b, int b_offset, int D) const {
+  // dot(t, s, h, n) = sum_d a_t(t, d) b(b_offset + (h / group) D + d, n T + s), score = dot / sqrt(D).
+  TileScores tile_dots(const std::string &name, Halide::Func a, int a_offset, Halide::Func b, int b_offset, int D,
+                       int group = 1) const {
     using namespace Halide;
     TileScores sc{Func(name + "_q_t"), Func(name + "_dot"), Func(name + "_score")};
     RDom rd(0, D, name + "_qk");
     sc.q_t(t, d, h, n) = a(a_offset + h * D + d, n * T + t);
     sc.dot(t, s, h, n) = L.constant(0);
-    sc.dot(t, s, h, n) += sc.q_t(t, rd, h, n) * b(b_offset + h * D + rd, n * T + s);
+    sc.dot(t, s, h, n) += sc.q_t(t, rd, h, n) * b(b_offset + (group == 1 ? h : h / group) * D + rd, n * T + s);
     sc.score(t, s, h, n) = sc.dot(t, s, h, n) * L.constant(1 / std::sqrt(double(D)));
     return sc;
   }
 
   // A tile's scores and probabilities prob(t, s, h, n) = exp(score - lse(h, n T + t)), with the
   // dropout mask and the kept probabilities (kept = prob without dropout).
-  void tile_probabilities(const std::string &name, Halide::Func qkv, Halide::Func lse, int C, int H, const Dropout &drop,
+  void tile_probabilities(const std::string &name, Halide::Func qkv, Halide::Func lse, const Heads &hd, const Dropout &drop,
                           TileScores &scores, Halide::Func &prob, Halide::Func &keep, Halide::Func &kept) const {
-    scores = tile_scores(name, qkv, C, C / H);
+    scores = tile_scores(name, qkv, hd);
     prob = Halide::Func(name + "_prob");
     prob(t, s, h, n) = Halide::exp(scores.score(t, s, h, n) - lse(h, n * T + t));
-    tile_dropout(name, prob, H, drop, keep, kept);
+    tile_dropout(name, prob, hd.H, drop, keep, kept);
   }
   // The positions r the causal mask keeps in a sum for position t: the keys of query t (r <= t)
   // or the queries of key t (r >= t).
   enum class Causal { keys_of_t, queries_of_t };
-  // sum(d, t, h, n) = sum over the positions r that `causal` keeps of weight(r) x(offset + h D +
-  // d, n T + r), in order (weight(r) an expression of t, r, h, n). The loop over r skips the
+  // sum(d, t, h, n) = sum over the positions r that `causal` keeps of weight(r) x(offset + (h /
+  // group) D + d, n T + r), in order (weight(r) an expression of t, r, h, n). The loop over r skips the
   // positions masked for every t of a sum tile; within it the mask's terms are exact zeros, so
   // the bits do not depend on the tiling.
   template <class Weight>
-  Halide::Func tile_sum(const std::string &name, Causal causal, Weight weight, Halide::Func x, int offset, int D) const {
+  Halide::Func tile_sum(const std::string &name, Causal causal, Weight weight, Halide::Func x, int offset, int D,
+                        int group = 1) const {
     using namespace Halide;
     RDom r(0, T, name + "_r");
     const Expr first_of_tile = t / sum_tile * sum_tile;
@@ -438,7 +495,8 @@ private:
     r.where(keys ? r <= first_of_tile + (sum_tile - 1) : r >= first_of_tile);
     Func sum(name);
     sum(d, t, h, n) = L.constant(0);
-    sum(d, t, h, n) += select(keys ? r <= t : r >= t, weight(r), L.constant(0)) * x(offset + h * D + d, n * T + r);
+    sum(d, t, h, n) += select(keys ? r <= t : r >= t, weight(r), L.constant(0)) *
+                       x(offset + (group == 1 ? h : h / group) * D + d, n * T + r);
     return sum;
   }
   void tile_dropout(const std::string &name, Halide::Func prob, int H, const Dropout &drop, Halide::Func &keep,
@@ -453,30 +511,30 @@ private:
     kept(t, s, h, n) = prob(t, s, h, n) * keep(t, s, h, n);
   }
 
-  // dot(s, h, b) = sum_d q(h D + d, b) k(C + h D + d, n T + s); score = dot / sqrt(D).
-  Scores scores(const std::string &name, Halide::Func qkv, int C, int H) const {
+  // dot(s, h, b) = sum_d q(h D + d, b) k(of head h, d, n T + s); score = dot / sqrt(D).
+  Scores scores(const std::string &name, Halide::Func qkv, const Heads &hd) const {
     using namespace Halide;
-    const int D = C / H;
+    const int D = hd.D();
     Scores sc{Func(name + "_dot"), Func(name + "_score")};
     RDom rd(0, D, name + "_qk");
     const Expr n = v.b / T;
     sc.dot(s, h, v.b) = L.constant(0);
-    sc.dot(s, h, v.b) += qkv(h * D + rd, v.b) * qkv(C + h * D + rd, n * T + s);
+    sc.dot(s, h, v.b) += qkv(h * D + rd, v.b) * qkv(hd.column(1, h * D + rd), n * T + s);
     sc.score(s, h, v.b) = sc.dot(s, h, v.b) * L.constant(1 / std::sqrt(double(D)));
     return sc;
   }
   // Probabilities and score gradients for the (query row, key row) pair that `query` and `key`
   // name in terms of (s, h, b); `key_position` is the key's position within its sequence.
   ScoreGradChain score_grad_chain(const std::string &name, Halide::Func qkv, Halide::Func lse,
-                                  Halide::Func dout, Halide::Func delta, int C, int H, const Dropout &drop,
+                                  Halide::Func dout, Halide::Func delta, const Heads &hd, const Dropout &drop,
                                   Halide::Expr query, Halide::Expr key, Halide::Expr key_position) const {
     using namespace Halide;
-    const int D = C / H;
+    const int D = hd.D(), H = hd.H;
     ScoreGradChain c;
     RDom rd(0, D, name + "_d");
     c.dot = Func(name + "_dot");
     c.dot(s, h, v.b) = L.constant(0);
-    c.dot(s, h, v.b) += qkv(h * D + rd, query) * qkv(C + h * D + rd, key);
+    c.dot(s, h, v.b) += qkv(h * D + rd, query) * qkv(hd.column(1, h * D + rd), key);
     c.score = Func(name + "_score");
     c.score(s, h, v.b) = c.dot(s, h, v.b) * L.constant(1 / std::sqrt(double(D)));
     c.prob = Func(name + "_prob");
@@ -491,7 +549,7 @@ private:
     }
     c.dprob_kept = Func(name + "_dprob_kept");
     c.dprob_kept(s, h, v.b) = L.constant(0);
-    c.dprob_kept(s, h, v.b) += dout(h * D + rd, query) * qkv(2 * C + h * D + rd, key);
+    c.dprob_kept(s, h, v.b) += dout(h * D + rd, query) * qkv(hd.column(2, h * D + rd), key);
     c.dprob = Func(name + "_dprob");
     c.dprob(s, h, v.b) = drop.enabled ? c.dprob_kept(s, h, v.b) * c.keep(s, h, v.b)
                                       : Expr(c.dprob_kept(s, h, v.b));

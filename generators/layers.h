@@ -146,6 +146,63 @@ public:
     return g;
   }
 
+  // ---- RMSNorm over the C features of each row (Llama): y = x * rstd * gamma ------------------
+  static constexpr double rms_norm_eps = 1e-6;
+  // rstd(b) = 1 / sqrt(mean_c x^2 + eps); sq is the row sum it is made from (undefined when rstd
+  // is read from a saved buffer).
+  struct RmsNormStats { Halide::Func rstd, sq; };
+  RmsNormStats rms_norm_stats(const std::string &rstd_name, Halide::Func x, int width) const {
+    using namespace Halide;
+    RmsNormStats s{Func(rstd_name), Func(rstd_name + "_sq")};
+    RDom r(0, width, rstd_name + "_r");
+    s.sq(v.b) = constant(0);
+    s.sq(v.b) += x(r, v.b) * x(r, v.b);
+    s.rstd(v.b) = constant(1) / sqrt(s.sq(v.b) / constant(width) + constant(rms_norm_eps));
+    return s;
+  }
+  Halide::Func rms_norm(const std::string &name, Halide::Func x, Halide::Func rstd, Halide::Func gamma) const {
+    Halide::Func y(name);
+    y(v.c, v.b) = store(x(v.c, v.b) * rstd(v.b) * gamma(v.c));
+    return y;
+  }
+  // du = dy * gamma, u = x * rstd; dx = rstd * (du - u * s / C) with the row sum s = sum_c du * u;
+  // dgamma = sum_b dy * u.
+  struct RmsNormGrad { Halide::Func s, dx, dgamma; };
+  RmsNormGrad rms_norm_grad(const std::string &s_name, const std::string &dx_name, Halide::Func x, Halide::Func rstd,
+                            Halide::Func gamma, Halide::Func dy, int width, Halide::Expr batch) const {
+    using namespace Halide;
+    RmsNormGrad g{Func(s_name), Func(dx_name), Func(dx_name + "_dgamma")};
+    auto u = [&](Expr c, Expr b) { return x(c, b) * rstd(b); };
+    auto du = [&](Expr c, Expr b) { return dy(c, b) * gamma(c); };
+    RDom r(0, width, s_name + "_r");
+    g.s(v.b) = constant(0);
+    g.s(v.b) += du(r, v.b) * u(r, v.b);
+    g.dx(v.c, v.b) = rstd(v.b) * (du(v.c, v.b) - u(v.c, v.b) * g.s(v.b) / constant(width));
+    RDom rb(0, batch, dx_name + "_rb");
+    g.dgamma(v.c) = constant(0);
+    g.dgamma(v.c) += dy(v.c, rb) * u(v.c, rb);
+    return g;
+  }
+
+  // ---- SwiGLU (gated MLP): [a | b] of 2H features in, silu(a) * b out (H) -------------------
+  Halide::Expr sigmoid(Halide::Expr z) const { return constant(1) / (constant(1) + Halide::exp(-z)); }
+  Halide::Func swiglu(const std::string &name, Halide::Func x, int out) const {
+    Halide::Func y(name);
+    Halide::Expr a = x(v.c, v.b), b = x(v.c + out, v.b);
+    y(v.c, v.b) = store(a * sigmoid(a) * b);
+    return y;
+  }
+  // d/da = dy * b * sig(a) * (1 + a * (1 - sig(a))), d/db = dy * silu(a): the gradient of the
+  // 2H-wide input, the gate's half first.
+  Halide::Func swiglu_grad(const std::string &name, Halide::Func x, Halide::Func dy, int out) const {
+    using namespace Halide;
+    Func dx(name);
+    Expr c = v.c % out;  // the feature within its half
+    Expr a = x(c, v.b), b = x(c + out, v.b), g = dy(c, v.b), sa = sigmoid(a);
+    dx(v.c, v.b) = select(v.c < out, g * b * sa * (constant(1) + a * (constant(1) - sa)), g * a * sa);
+    return dx;
+  }
+
   // ---- GELU (tanh form, as GPT-2) and ReLU ---------------------------------------------------
   // tanh(z) = 1 - 2 / (exp(2z) + 1): finite for every z and vectorizes through Halide's exp.
   Halide::Expr tanh_via_exp(Halide::Expr z) const {

@@ -6,6 +6,7 @@ module;
 #include "schedules.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -90,7 +91,8 @@ public:
 // A linear whose output only feeds a dropout / residual chain: the chain is applied in the
 // GEMM's epilogue when its end is built.
 struct PendingGemm {
-  Func a, w, bias;
+  Func a, w;
+  std::optional<Func> bias;  // none for a linear without bias
   int inner = 0;
   std::vector<std::function<Expr(Expr)>> epilogue;  // applied in order to sum + bias
   bool operand_buffered = true;                      // a is in memory
@@ -101,8 +103,7 @@ struct Values {
   std::vector<Func> stored;                     // ... as stored (bf16 bits or float): GEMM operands
   std::vector<bool> buffered;                   // out[k] is in memory (an input or an output)
   std::map<int, PendingGemm> pending;           // by layer
-  std::map<int, Layers::LayerNormStats> stats;  // LayerNorm statistics, by layer
-  std::map<int, Func> lse;                      // attention statistics, by layer
+  std::map<int, std::vector<Func>> stats;       // row statistics by layer, in the order of stats_of
   Func x, x_stored, y;
 };
 
@@ -118,6 +119,29 @@ struct Contribution {
   std::function<Func(const std::string &)> whole;
 };
 
+class StageKernels;
+
+// A kind's rules for the model compiler (one unit per kind in generators/kinds/, listed in
+// kinds/all.h by Op). A rule reads its inputs through the StageKernels it is given (value(j),
+// stored(j), param(j, ...)) and hands back what it made.
+struct Built {
+  Func out;               // the layer's output as stored (undefined when pending)
+  bool scheduled = false; // out is scheduled already (a GEMM, a reduction); else pointwise where buffered
+  bool pending = false;   // fused into a GEMM's epilogue chain, built by the chain's end
+};
+struct KindRules {
+  Op op;
+  // Before the output is made or read back (forward and backward kernels): row statistics,
+  // computed and written as outputs, or read where the plan saved them. nullptr: none.
+  void (*statistics)(StageKernels &k, int j) = nullptr;
+  // The output of layer j (named `name`: h<j>, or y for the block's last layer).
+  Built (*forward)(StageKernels &k, int j, const std::string &name) = nullptr;
+  // Given the gradient of the output (as stored and as float), adds gradient contributions to
+  // its inputs (k.add_grad) and writes its parameters' gradients.
+  void (*backward)(StageKernels &k, int j, Func d_stored, Func d) = nullptr;
+};
+const KindRules &rules_of(Op op);
+
 class StageKernels {
 public:
   StageKernels(const Model &model, int stage, const Target &target, Precision precision)
@@ -131,7 +155,7 @@ public:
         L(Float(32), v, precision == Precision::bf16), tr(L, model.rows_per_sample()),
         sched(target, v) {
     for (int k = 0; k < blk.n_layers; ++k)
-      if (blk.layers[k].op == Op::dropout || blk.layers[k].op == Op::attention) {
+      if (kind(blk.layers[k].op).draws_masks) {
         Param<uint64_t> seed("seed"), threshold("drop_threshold");
         Param<int> step("step"), site("rng_block");
         Param<float> scale("drop_scale");
@@ -144,48 +168,78 @@ public:
   }
 
   Pipeline forward(Keep keep) {
-    const KernelTensors kt = forward_tensors(blk, keep, gemms, precision);
-    std::vector<Func> outputs;
-    write_weight_copies(kt, outputs);
-    Values f = build_forward(kt, false, outputs);
-    outputs.insert(outputs.begin(), f.y);
-    return Pipeline(outputs);
+    const KernelTensors tensors = forward_tensors(blk, keep, gemms, precision);
+    std::vector<Func> outs;
+    begin(tensors, false, outs);
+    write_weight_copies();
+    build_forward();
+    outs.insert(outs.begin(), f.y);
+    return Pipeline(outs);
   }
 
   Pipeline backward(Keep keep) {
-    const KernelTensors kt = backward_tensors(blk, keep, needs_dx, gemms, precision);
-    std::vector<Func> outputs;
-    write_weight_copies(kt, outputs);
-    Values f = build_forward(kt, true, outputs);
-    build_backward(f, outputs);
-    return Pipeline(outputs);
+    const KernelTensors tensors = backward_tensors(blk, keep, needs_dx, gemms, precision);
+    std::vector<Func> outs;
+    begin(tensors, true, outs);
+    write_weight_copies();
+    build_forward();
+    build_backward();
+    return Pipeline(outs);
   }
 
   std::vector<Argument> arguments() const { return args.order; }
 
-private:
-  Func x_stored() {
-    if (token_input && stage == 0) return args.tensor("x", 1, {-1, 0}, Int(32));
-    return args.tensor(rows("x", blk.in()));
+  // ---- what the kinds' rules use ----
+  // Layer j's output (-1: the block input) as float, as stored (bf16 bits or float: GEMM
+  // operands), and whether it is in memory.
+  Func value(int j) const { return j < 0 ? f.x : f.out[j]; }
+  Func stored(int j) const { return j < 0 ? f.x_stored : f.stored[j]; }
+  bool buffered(int j) const { return j < 0 || f.buffered[j]; }
+  // Whether gradient flows into layer j's output (the block input's only when the plan asks for it).
+  bool flows(int j) const { return j >= 0 || needs_dx; }
+  void add_grad(int j, Contribution c) {
+    if (flows(j)) grads[j].push_back(std::move(c));
   }
   Func param(int k, const char *which) {
     for (const LocalTensor &lt : params(blk))
       if (lt.name == cat("p", k, "_", which)) return args.tensor(lt);
     throw std::runtime_error("no parameter");
   }
+  std::pair<std::string, LocalTensor> grad_of(int k, const char *which) {
+    for (const LocalTensor &lt : params(blk))
+      if (lt.name == cat("p", k, "_", which)) return {str(grad_name(lt.name)), lt};
+    throw std::runtime_error("no parameter");
+  }
+  // Accumulating parameter gradient: g = (accumulate ? g_prev : 0) + new.
+  Expr accumulated(const std::string &grad, const LocalTensor &lt, Expr value, std::vector<Expr> at) {
+    ImageParam prev = args.tensor(grad + "_prev", lt.dims, lt.extent);
+    return select(args.flag("accumulate"), prev(at), L.constant(0)) + value;
+  }
+  // Writes a 1-D parameter gradient made of a column sum over rows (`sum`, scheduled here).
+  void write_column_sum_grad(int k, const char *which, Func sum, int width) {
+    auto [name, spec] = grad_of(k, which);
+    Func g(name);
+    g(v.c) = accumulated(name, spec, sum(v.c), {v.c});
+    sched.column_sum(g, sum, sum.rvars(0)[0], width);
+    output(g, spec);
+  }
   gen::Dropout dropout_at(int k) const { return drop.enabled ? drop.at(drop.block + k) : drop; }
   // Output buffers get the same layout constraints as inputs.
-  void output(std::vector<Func> &outputs, Func f, const LocalTensor &lt) {
-    Arguments::constrain(f.output_buffer(), lt.dims, lt.extent);
-    outputs.push_back(f);
+  void output(Func fn, const LocalTensor &lt) {
+    Arguments::constrain(fn.output_buffer(), lt.dims, lt.extent);
+    outputs->push_back(fn);
   }
+  // Whether the plan saved a tensor of this kernel (then a backward kernel reads it).
+  bool saved(const Name &name) const { return building_backward && listed(kt->saved, name); }
   static bool listed(const std::vector<LocalTensor> &list, const Name &name) {
     for (const LocalTensor &lt : list)
       if (lt.name == name) return true;
     return false;
   }
+  Type stored_type() const { return precision == Precision::bf16 ? UInt(16) : Float(32); }
 
-  // ---- library GEMMs: extern stages (runtime/gemm.cpp) ----
+  // ---- GEMMs ----
+  // library GEMMs: extern stages (runtime/gemm.cpp).
   // out = op(a) op(b) [+ bias] [+ out when accumulate], over `inner` products; a and b are
   // buffers (kernel inputs, or Funcs that are kernel outputs) a_cols and b_cols wide (as stored),
   // op transposes when asked. The library asks for whole operands at run time (a bounds query),
@@ -211,17 +265,86 @@ private:
     out.compute_root();
     return out;
   }
+  // The weight of linear k as a GEMM operand: fp32, or its bf16 copy.
+  Func gemm_weight(int k) {
+    return weight_copy(precision) ? bf16_copy(k, "w", weight_copy_of(blk, k)) : param(k, "w");
+  }
+  // The bias of linear k for a library GEMM's epilogue: fp32, or its bf16 copy for bf16 outputs.
+  std::optional<Func> library_bias(int k) {
+    if (!blk.layers[k].bias) return std::nullopt;
+    return bias_copy(gemms, precision) ? bf16_copy(k, "b", bias_copy_of(blk, k)) : param(k, "b");
+  }
+  Func build_gemm(const std::string &name, const PendingGemm &p, int width) {
+    MatMul m = L.matmul(name, p.a, p.w, p.inner, [&](Expr sum) {
+      Expr e = p.bias ? sum + (*p.bias)(v.c) : sum;
+      for (const auto &op : p.epilogue) e = op(e);
+      return L.store(e);
+    });
+    sched.matmul(m, -1, width, p.operand_buffered ? std::nullopt : std::optional<Func>(p.a));
+    return m.out;
+  }
+  // Continues the epilogue chain pending at layer `src` with op, or applies op elementwise.
+  Built chain_link(int j, const std::string &name, std::function<Expr(Expr)> op) {
+    const int src = blk.source(j);
+    if (f.pending.count(src)) {  // continue the epilogue chain of a linear
+      PendingGemm p = f.pending.at(src);
+      p.epilogue.push_back(op);
+      if (j + 1 < blk.n_layers && fused(blk, j)) {
+        f.pending[j] = p;
+        return {.pending = true};
+      }
+      return {build_gemm(name, p, blk.layers[j].out), true};
+    }
+    Func out(name);
+    Func in = value(src);
+    out(v.c, v.b) = L.store(op(in(v.c, v.b)));
+    return {out};
+  }
+  // CPU attention (forward, and backward where its gradient is the qkv tensor's only one) by
+  // (sequence, head) tiles where their buffers fit Halide's stack.
+  bool attention_tiles(const Layer &l) const { return !sched.gpu && Scheduler::attention_tiles_fit(l.out, l.heads, tr.T); }
+
+  const Block &blk;
+  int stage;
+  bool needs_dx, token_input;
+  Precision precision;
+  Gemms gemms;
+  DeviceAPI extern_device;     // the device of a library GEMM's buffers (host, CUDA, or OpenCL for the tests)
+  std::map<std::string, Func> copies;  // bf16 parameter copies, by name
+  gen::Vars v;
+  Arguments args;
+  Layers L;
+  gen::Transformer tr;
+  Scheduler sched;
+  gen::Dropout drop;
+  // the kernel being built
+  const KernelTensors *kt = nullptr;
+  bool building_backward = false;
+  std::vector<Func> *outputs = nullptr;
+  Values f;
+  std::map<int, std::vector<Contribution>> grads;  // by tensor; -1 is the block input
+  Expr batch;                                      // the kernel's row count
+
+private:
+  void begin(const KernelTensors &tensors, bool backward, std::vector<Func> &outs) {
+    kt = &tensors;
+    building_backward = backward;
+    outputs = &outs;
+  }
+  Func x_stored() {
+    if (token_input && stage == 0) return args.tensor("x", 1, {-1, 0}, Int(32));
+    return args.tensor(rows("x", blk.in()));
+  }
   // Every parameter copy the plan gives the kernel is written, used or not (the plan counts it).
-  void write_weight_copies(const KernelTensors &kt, std::vector<Func> &outputs) {
-    for (const LocalTensor &lt : kt.workspace)
-      if (lt.layer >= 0 && blk.layers[lt.layer].op == Op::linear) {
-        if (lt.name == weight_copy_of(blk, lt.layer).name) gemm_weight(lt.layer, outputs);
-        if (lt.name == bias_copy_of(blk, lt.layer).name) library_bias(lt.layer, outputs);
+  void write_weight_copies() {
+    for (const LocalTensor &lt : kt->workspace)
+      if (lt.layer >= 0 && kind(blk.layers[lt.layer].op).gemm) {
+        if (lt.name == weight_copy_of(blk, lt.layer).name) gemm_weight(lt.layer);
+        if (lt.name == bias_copy_of(blk, lt.layer).name) library_bias(lt.layer);
       }
   }
-  Type stored_type() const { return precision == Precision::bf16 ? UInt(16) : Float(32); }
   // A bf16 copy of a parameter into its planned workspace, written once per call.
-  Func bf16_copy(int k, const char *which, const LocalTensor &lt, std::vector<Func> &outputs) {
+  Func bf16_copy(int k, const char *which, const LocalTensor &lt) {
     const std::string name = str(lt.name);
     if (!copies.count(name)) {
       Func p = param(k, which), copy(name);
@@ -232,186 +355,65 @@ private:
         copy(v.c) = L.store(p(v.c));
         sched.flat(copy);
       }
-      output(outputs, copy, lt);
+      output(copy, lt);
       copies[name] = copy;
     }
     return copies.at(name);
   }
-  // The weight of linear k as a GEMM operand: fp32, or its bf16 copy.
-  Func gemm_weight(int k, std::vector<Func> &outputs) {
-    return weight_copy(precision) ? bf16_copy(k, "w", weight_copy_of(blk, k), outputs) : param(k, "w");
-  }
-  // The bias of linear k for a library GEMM's epilogue: fp32, or its bf16 copy for bf16 outputs.
-  Func library_bias(int k, std::vector<Func> &outputs) {
-    return bias_copy(gemms, precision) ? bf16_copy(k, "b", bias_copy_of(blk, k), outputs) : param(k, "b");
-  }
-
-  Func build_gemm(const std::string &name, const PendingGemm &p, int width) {
-    MatMul m = L.matmul(name, p.a, p.w, p.inner, [&](Expr sum) {
-      Expr e = sum + p.bias(v.c);
-      for (const auto &op : p.epilogue) e = op(e);
-      return L.store(e);
-    });
-    sched.matmul(m, -1, width, p.operand_buffered ? std::nullopt : std::optional<Func>(p.a));
-    return m.out;
-  }
 
   // The forward chain. In a forward kernel, the saved and scratch tensors of kt are outputs. In
   // a backward kernel, saved tensors are inputs and scratch tensors (what it rebuilds) outputs.
-  Values build_forward(const KernelTensors &kt, bool backward, std::vector<Func> &outputs) {
-    Values f;
+  void build_forward() {
+    f = Values{};
     f.x_stored = x_stored();
     f.x = widened(f.x_stored);
-    f.out.resize(blk.n_layers);
-    f.stored.resize(blk.n_layers);
-    f.buffered.resize(blk.n_layers);
     const int n = blk.n_layers;
-    auto value = [&](int j) { return j < 0 ? f.x : f.out[j]; };
-    auto stored = [&](int j) { return j < 0 ? f.x_stored : f.stored[j]; };
-    auto buffered = [&](int j) { return j < 0 || f.buffered[j]; };
+    f.out.resize(n);
+    f.stored.resize(n);
+    f.buffered.resize(n);
     for (int j = 0; j < n; ++j) {
       const Layer &l = blk.layers[j];
       const bool last = j + 1 == n;
       const std::string name = last ? "y" : str(cat("h", j));
-      const int src = blk.source(j);
-      // statistics: read when saved (backward), otherwise computed and written
-      if (l.op == Op::layer_norm) {
-        const LocalTensor mean = row_stat(cat("mean", j)), rstd = row_stat(cat("rstd", j));
-        if (backward && listed(kt.saved, mean.name)) {
-          f.stats[j] = {args.read(mean), args.read(rstd)};
-        } else {
-          Layers::LayerNormStats st = L.layer_norm_stats(str(mean.name), str(rstd.name), value(src), l.in);
-          sched.row_reduction(st.mean, {st.sum});
-          sched.row_reduction(st.rstd, {st.sq});
-          output(outputs, st.mean, mean);
-          output(outputs, st.rstd, rstd);
-          f.stats[j] = st;
-        }
-      }
-      if (!last && backward && listed(kt.saved, cat("h", j))) {  // saved by the forward
-        f.stored[j] = args.tensor(output_of(blk, j));
-        f.out[j] = widened(f.stored[j]);
-        f.buffered[j] = true;
-        if (l.op == Op::attention) f.lse[j] = args.read(stats_of(blk, j)[0]);
-        continue;
-      }
-      Func out;
-      bool gemm_or_reduction = false;
-      switch (l.op) {
-      case Op::residual_begin:
+      if (!blk.produces(j)) {  // residual( passes its source on
+        const int src = blk.source(j);
         f.out[j] = value(src);
         f.stored[j] = stored(src);
         f.buffered[j] = buffered(src);
         continue;
-      case Op::linear: {
-        if (gemms == Gemms::library) {
-          if (!buffered(src)) throw std::runtime_error("library GEMM: the input of linear " + std::to_string(j) + " is not a buffer");
-          out = library_gemm(name, stored(src), l.in, false, gemm_weight(j, outputs), l.out, false, library_bias(j, outputs), l.in,
-                             Expr(0), stored_type());
-          gemm_or_reduction = true;
-          break;
-        }
-        PendingGemm p{value(src), widened(gemm_weight(j, outputs)), param(j, "b"), l.in, {}, buffered(src)};
-        if (fused(blk, j)) {
-          f.pending[j] = p;
-          continue;
-        }
-        out = build_gemm(name, p, l.out);
-        gemm_or_reduction = true;
-        break;
       }
-      case Op::dropout:
-      case Op::residual_end: {
-        std::function<Expr(Expr)> op;
-        if (l.op == Op::dropout) {
-          const gen::Dropout d = dropout_at(j);
-          op = [this, d, w = l.out](Expr e) {
-            return d.enabled ? e * tr.dropout_factor(d, tr.activation_element(v.c, v.b, w)) : e;
-          };
-        } else {
-          Func skip = value(blk.skip_source(j));
-          op = [this, skip](Expr e) { return e + skip(v.c, v.b); };
-        }
-        if (f.pending.count(src)) {  // continue the epilogue chain of a linear
-          PendingGemm p = f.pending.at(src);
-          p.epilogue.push_back(op);
-          if (!last && fused(blk, j)) {
-            f.pending[j] = p;
-            continue;
-          }
-          out = build_gemm(name, p, l.out);
-          gemm_or_reduction = true;
-        } else {
-          out = Func(name);
-          Func in = value(src);
-          out(v.c, v.b) = L.store(op(in(v.c, v.b)));
-        }
-        break;
+      const KindRules &rules = rules_of(l.op);
+      if (rules.statistics) rules.statistics(*this, j);
+      if (!last && saved(cat("h", j))) {  // saved by the forward
+        f.stored[j] = args.tensor(output_of(blk, j));
+        f.out[j] = widened(f.stored[j]);
+        f.buffered[j] = true;
+        continue;
       }
-      case Op::layer_norm:
-        out = L.layer_norm(name, value(src), f.stats[j], param(j, "w"), param(j, "b"));
-        break;
-      case Op::gelu: out = L.gelu(name, value(src)); break;
-      case Op::relu: out = L.relu(name, value(src)); break;
-      case Op::embedding: out = tr.embedding(name, f.x, param(j, "w"), param(j, "b"), l.vocab); break;
-      case Op::attention: {
-        const LocalTensor lse = stats_of(blk, j)[0];
-        std::optional<Func> saved_lse;
-        if (backward && listed(kt.saved, lse.name)) saved_lse = args.read(lse);
-        const auto finish = [&](auto &a) {  // gen::Attention or gen::AttentionTiles
-          if (!saved_lse) output(outputs, a.lse, lse);
-          f.lse[j] = saved_lse ? *saved_lse : a.lse;
-          out = a.out;
-        };
-        if (attention_tiles(l)) {
-          gen::AttentionTiles a = tr.attention_tiles(str(cat("att", j)), value(src), l.out, l.heads, dropout_at(j),
-                                                     saved_lse, name);
-          finish(a);
-          sched.attention_tiles(a, !saved_lse, l.out / l.heads, tr.T);
-        } else {
-          gen::Attention a = tr.attention(str(cat("att", j)), value(src), l.out, l.heads, dropout_at(j), saved_lse, name);
-          finish(a);
-          sched.attention(a, !saved_lse, l.out / l.heads, tr.T);
-        }
-        gemm_or_reduction = true;
-        break;
-      }
-      }
+      const Built b = rules.forward(*this, j, name);
+      if (b.pending) continue;
       if (last) {
-        if (!gemm_or_reduction) sched.pointwise(out);
-        Arguments::constrain(out.output_buffer(), 2, {l.out, -1});
-        f.y = out;
+        if (!b.scheduled) sched.pointwise(b.out);
+        Arguments::constrain(b.out.output_buffer(), 2, {l.out, -1});
+        f.y = b.out;
       } else {
-        f.stored[j] = out;
-        f.out[j] = widened(out);  // `out` is the stored value; layers read it as float
-        if (listed(kt.saved, cat("h", j)) || listed(kt.scratch, cat("h", j))) {
-          if (!gemm_or_reduction) sched.pointwise(out);
-          output(outputs, out, output_of(blk, j));
+        f.stored[j] = b.out;
+        f.out[j] = widened(b.out);  // `out` is the stored value; layers read it as float
+        if (listed(kt->saved, cat("h", j)) || listed(kt->scratch, cat("h", j))) {
+          if (!b.scheduled) sched.pointwise(b.out);
+          output(b.out, output_of(blk, j));
           f.buffered[j] = true;
         }
       }
     }
-    return f;
-  }
-
-  // Accumulating parameter gradient: g = (accumulate ? g_prev : 0) + new.
-  Expr accumulated(const std::string &grad, const LocalTensor &lt, Expr value, std::vector<Expr> at) {
-    ImageParam prev = args.tensor(grad + "_prev", lt.dims, lt.extent);
-    return select(args.flag("accumulate"), prev(at), L.constant(0)) + value;
-  }
-  std::pair<std::string, LocalTensor> grad_of(int k, const char *which) {
-    for (const LocalTensor &lt : params(blk))
-      if (lt.name == cat("p", k, "_", which)) return {str(grad_name(lt.name)), lt};
-    throw std::runtime_error("no parameter");
   }
 
   // The gradient of one tensor, written to its buffer (rounded to the storage type): {as stored,
   // as float for the rules that read it}.
-  std::pair<Func, Func> materialize(std::vector<Func> &outputs, const std::string &name,
-                                    const std::vector<Contribution> &parts, int width) {
+  std::pair<Func, Func> materialize(const std::string &name, const std::vector<Contribution> &parts, int width) {
     if (parts.size() == 1 && parts[0].whole) {
       Func out = parts[0].whole(name);
-      output(outputs, out, rows(Name{}.append(name), width));
+      output(out, rows(Name{}.append(name), width));
       return {out, widened(out)};
     }
     Func out;
@@ -439,7 +441,7 @@ private:
       if (alone) {
         out = p;
       } else {
-        output(outputs, p, product_of(blk, product->layer));
+        output(p, product_of(blk, product->layer));
         Func pv = widened(p);
         out = Func(name);
         out(v.c, v.b) = L.store(others(pv(v.c, v.b)));
@@ -458,18 +460,15 @@ private:
     }
     for (const Contribution &c : parts)
       if (c.schedule) c.schedule(out);
-    output(outputs, out, rows(Name{}.append(name), width));
+    output(out, rows(Name{}.append(name), width));
     return {out, widened(out)};
   }
 
-  void build_backward(Values &f, std::vector<Func> &outputs) {
+  void build_backward() {
     Func dy_stored = args.tensor(rows("dy", blk.out()));
-    Expr batch = (token_input && stage == 0) ? args.tensor("x", 1, {-1, 0}, Int(32)).dim(0).extent()
-                                             : args.tensor(rows("x", blk.in())).dim(1).extent();
-    std::map<int, std::vector<Contribution>> grads;  // by tensor; -1 is the block input
-    auto value = [&](int j) { return j < 0 ? f.x : f.out[j]; };
-    auto stored = [&](int j) { return j < 0 ? f.x_stored : f.stored[j]; };
-    auto flows = [&](int j) { return j >= 0 || needs_dx; };
+    batch = (token_input && stage == 0) ? args.tensor("x", 1, {-1, 0}, Int(32)).dim(0).extent()
+                                        : args.tensor(rows("x", blk.in())).dim(1).extent();
+    grads.clear();
     for (int k = blk.n_layers - 1; k >= 0; --k) {
       const Layer &l = blk.layers[k];
       const int src = blk.source(k);
@@ -479,126 +478,14 @@ private:
         continue;
       }
       auto [d_stored, d] = k + 1 == blk.n_layers ? std::pair{dy_stored, widened(dy_stored)}
-                                                 : materialize(outputs, str(cat("dh", k)), grads[k], l.out);
-      switch (l.op) {
-      case Op::linear: {
-        // dW = x^T dy (+ dW when accumulating), db a column sum, and the input gradient dy w^T
-        auto [gw_name, gw_spec] = grad_of(k, "w");
-        if (gemms == Gemms::library) {
-          Func gw = library_gemm(gw_name, stored(src), l.in, true, d_stored, l.out, false, std::nullopt, batch, args.flag("accumulate"),
-                                 Float(32));
-          output(outputs, gw, gw_spec);
-        } else {
-          MatMul gw = L.linear_weight_grad(gw_name, value(src), d, batch, [&](Expr sum) {
-            return accumulated(gw_name, gw_spec, sum, {v.c, v.b});
-          });
-          sched.matmul(gw, l.in, l.out);
-          output(outputs, gw.out, gw_spec);
-        }
-        auto [gb_name, gb_spec] = grad_of(k, "b");
-        Func gb_sum = L.column_sum(gb_name + "_sum", d, batch), gb(gb_name);
-        gb(v.c) = accumulated(gb_name, gb_spec, gb_sum(v.c), {v.c});
-        sched.column_sum(gb, gb_sum, gb_sum.rvars(0)[0], l.out);
-        output(outputs, gb, gb_spec);
-        if (!flows(src)) break;
-        if (gemms == Gemms::library) {  // the library transposes the weight itself
-          grads[src].push_back({Func(), std::pair{d_stored, gemm_weight(k, outputs)}, k, {}});
-        } else {
-          Func wt = L.transpose(str(cat("p", k, "_wt")), param(k, "w"));
-          sched.transpose(wt);
-          output(outputs, wt, {cat("p", k, "_wt"), 2, {l.in, l.out}});
-          grads[src].push_back({Func(), std::pair{d, widened(wt)}, k, {}});
-        }
-        break;
-      }
-      case Op::layer_norm: {
-        auto g = L.layer_norm_grad(str(cat("s", k, "_1")), str(cat("s", k, "_2")), str(cat("ln", k, "_dx")),
-                                   value(src), f.stats[k], param(k, "w"), d, l.in, batch);
-        auto [gw_name, gw_spec] = grad_of(k, "w");
-        auto [gb_name, gb_spec] = grad_of(k, "b");
-        Func gw(gw_name), gb(gb_name);
-        gw(v.c) = accumulated(gw_name, gw_spec, g.dgamma(v.c), {v.c});
-        gb(v.c) = accumulated(gb_name, gb_spec, g.dbeta(v.c), {v.c});
-        sched.column_sum(gw, g.dgamma, g.dgamma.rvars(0)[0], l.in);
-        sched.column_sum(gb, g.dbeta, g.dbeta.rvars(0)[0], l.in);
-        output(outputs, gw, gw_spec);
-        output(outputs, gb, gb_spec);
-        if (flows(src)) {
-          sched.row_reduction(g.s1);
-          sched.row_reduction(g.s2);
-          output(outputs, g.s1, row_stat(cat("s", k, "_1")));
-          output(outputs, g.s2, row_stat(cat("s", k, "_2")));
-          grads[src].push_back({g.dx});
-        }
-        break;
-      }
-      case Op::gelu:
-        if (flows(src)) grads[src].push_back({L.gelu_grad(str(cat("gelu", k, "_dx")), value(src), d)});
-        break;
-      case Op::relu:
-        if (flows(src)) grads[src].push_back({L.relu_grad(str(cat("relu", k, "_dx")), value(src), d)});
-        break;
-      case Op::dropout:
-        if (flows(src)) grads[src].push_back({tr.dropout_grad(str(cat("drop", k, "_dx")), d, l.out, dropout_at(k))});
-        break;
-      case Op::residual_end:
-        if (flows(src)) grads[src].push_back({d});
-        if (flows(blk.skip_source(k))) grads[blk.skip_source(k)].push_back({d});
-        break;
-      case Op::attention: {
-        gen::AttentionGrad g = tr.attention_grad(str(cat("att", k)), value(src), value(k), f.lse[k], d,
-                                                 l.out, l.heads, dropout_at(k));
-        sched.attention_delta(g.delta);
-        output(outputs, g.delta, head_stat(cat("att", k, "_delta"), l.heads));
-        const int head_dim = l.out / l.heads;
-        Contribution c{g.dqkv, {}, -1, [this, g, head_dim](Func consumer) { sched.attention_grad(consumer, g, head_dim, tr.T); }};
-        if (attention_tiles(l))
-          c.whole = [this, qkv = value(src), lse = f.lse[k], dout = d, delta = g.delta, drop = dropout_at(k), batch, k, l,
-                     head_dim](const std::string &name) {
-            gen::AttentionTilesGrad t =
-                tr.attention_tiles_grad(str(cat("datt", k)), qkv, delta, lse, dout, l.out, l.heads, drop, batch, name);
-            sched.attention_tiles_grad(t, head_dim, tr.T);
-            return t.dqkv;
-          };
-        grads[src].push_back(c);
-        break;
-      }
-      case Op::embedding: {
-        auto [gw_name, gw_spec] = grad_of(k, "w");
-        auto [gb_name, gb_spec] = grad_of(k, "b");
-        gen::EmbeddingGrad g = tr.embedding_grad(str(cat("emb", k)), f.x, d, l.vocab, batch,
-                                                 accumulated(gw_name, gw_spec, L.constant(0), {v.c, v.b}),
-                                                 accumulated(gb_name, gb_spec, L.constant(0), {v.c, v.b}),
-                                                 gw_name, gb_name);
-        sched.embedding_grad(g);
-        output(outputs, g.dwte, gw_spec);
-        output(outputs, g.dwpe, gb_spec);
-        break;
-      }
-      case Op::residual_begin: break;
-      }
+                                                 : materialize(str(cat("dh", k)), grads[k], l.out);
+      rules_of(l.op).backward(*this, k, d_stored, d);
     }
-    if (needs_dx) materialize(outputs, "dx", grads[-1], blk.in());
+    if (needs_dx) materialize("dx", grads[-1], blk.in());
   }
-
-  // CPU attention (forward, and backward where its gradient is the qkv tensor's only one) by
-  // (sequence, head) tiles where their buffers fit Halide's stack.
-  bool attention_tiles(const Layer &l) const { return !sched.gpu && Scheduler::attention_tiles_fit(l.out, l.heads, tr.T); }
-
-  const Block &blk;
-  int stage;
-  bool needs_dx, token_input;
-  Precision precision;
-  Gemms gemms;
-  DeviceAPI extern_device;     // the device of a library GEMM's buffers (host, CUDA, or OpenCL for the tests)
-  std::map<std::string, Func> copies;  // bf16 parameter copies, by name
-  gen::Vars v;
-  Arguments args;
-  Layers L;
-  gen::Transformer tr;
-  Scheduler sched;
-  gen::Dropout drop;
 };
+
+#include "kinds/all.h"
 
 }  // namespace
 }  // namespace remat::modelc

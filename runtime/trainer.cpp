@@ -82,12 +82,14 @@ void init_params(const Plan &plan, Executor &ex, std::uint64_t seed) {
     if (t.role != Role::params || t.view_of < 0 || t.name.view().find('.') == std::string_view::npos)
       continue;
     auto values = ex.tensor<float>(t.name.view());
-    const bool weight = t.name.view().ends_with("_w");
-    if (t.dims == 2) {  // linear [K, O]: U(-1/sqrt(K), 1/sqrt(K)) as PyTorch; embedding tables likewise over their rows
+    switch (t.init) {
+    case Init::uniform_fan_in: {
       const float bound = 1.f / std::sqrt(float(t.extent[1]));
       for (float &v : values) v = bound * uniform(rng);
-    } else {
-      std::fill(values.begin(), values.end(), weight ? 1.f : 0.f);  // LayerNorm gamma / biases
+      break;
+    }
+    case Init::ones: std::ranges::fill(values, 1.f); break;
+    case Init::zeros: std::ranges::fill(values, 0.f); break;
     }
   }
   for (auto name : {"adam_m", "adam_v"}) std::ranges::fill(ex.tensor<float>(name), 0.f);
@@ -105,7 +107,7 @@ double learning_rate(const Options &o, long step, long max_steps) {  // step cou
 bool has_dropout(const Model &m) {  // dropout layers, or attention (dropout on its probabilities)
   for (int s = 0; s < m.n_stages; ++s)
     for (int k = 0; k < m.stages[s].n_layers; ++k)
-      if (m.stages[s].layers[k].op == Op::dropout || m.stages[s].layers[k].op == Op::attention) return true;
+      if (kind(m.stages[s].layers[k].op).draws_masks) return true;
   return false;
 }
 
@@ -236,8 +238,8 @@ void print_plan_report(std::FILE *out, const Model &model, const Plan &plan) {
           why = fmt::format("{} row statistics, read by its backward", op_name(l.op));
         } else {
           int reader = x.layer;  // an attention output is read by its own backward too
-          for (int k = x.layer + 1; k < blk.n_layers && l.op != Op::attention; ++k)
-            if (blk.source(k) == x.layer && reads_input(blk.layers[k].op)) {
+          for (int k = x.layer + 1; k < blk.n_layers && !kind(l.op).reads_output; ++k)
+            if (blk.source(k) == x.layer && kind(blk.layers[k].op).reads_input) {
               reader = k;
               break;
             }

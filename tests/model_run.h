@@ -35,8 +35,9 @@ struct Run {
     std::uniform_real_distribution<float> u(-1.f, 1.f);
     for (const Tensor &t : plan.tensors)
       if (t.role == Role::params && t.view_of >= 0 && t.name.view().find('.') != std::string_view::npos) {
-        const float scale = t.dims == 2 ? 1.f / std::sqrt(float(t.extent[1])) : 0.2f;
-        for (float &x : ex.tensor<float>(t.name.view())) x = scale * u(rng) + (t.dims == 1 && t.name.view().ends_with("_w") ? 1.f : 0.f);
+        // random biases and gains around their trained start, so that every term of a rule shows
+        const float scale = t.init == Init::uniform_fan_in ? 1.f / std::sqrt(float(t.extent[1])) : 0.2f;
+        for (float &x : ex.tensor<float>(t.name.view())) x = scale * u(rng) + (t.init == Init::ones ? 1.f : 0.f);
       }
     if (m.token_input())
       for (auto &t : ex.tensor<std::int32_t>("inputs")) t = int(rng() % m.input.vocab);

@@ -21,6 +21,10 @@ import gpt;
 import gpt.kernels;
 import unusual;
 import unusual.kernels;
+import zoo_rows;
+import zoo_rows.kernels;
+import zoo_gated;
+import zoo_gated.kernels;
 
 #include "compare.h"
 #include "model_run.h"
@@ -55,6 +59,12 @@ struct Example {
 const Example examples[] = {{&mlp::model, "mlp", mlp_kernels::table, batch, 0},
                             {&gpt::model, "gpt", gpt_kernels::table, 2, 0.1},
                             {&unusual::model, "unusual", unusual_kernels::table, 4, 0.1}};
+// The model zoo (tests/models/zoo_*.cppm), each at a small batch (8 rows at least: the GEMM row
+// tiles) and at one that is no multiple of any tile (the last, shorter row tasks of every kernel).
+const Example zoo[] = {{&zoo_rows::model, "zoo_rows", zoo_rows_kernels::table, 8, 0.1},
+                       {&zoo_rows::model, "zoo_rows", zoo_rows_kernels::table, 37, 0.1},
+                       {&zoo_gated::model, "zoo_gated", zoo_gated_kernels::table, 3, 0.1},
+                       {&zoo_gated::model, "zoo_gated", zoo_gated_kernels::table, 13, 0.1}};
 
 // Runs the train phase of `plan` with a test-only kernel that writes 2 bytes past the argument of
 // `site`, and returns the error the executor raised ("" if none).
@@ -150,17 +160,19 @@ BOOST_AUTO_TEST_CASE(a_write_into_another_gradient_is_caught) {
   }
 }
 
-// The guarantees on the real kernels of the examples and of a model unlike them
-// (tests/models/unusual.cppm), under every policy, offload and bf16 included: no kernel writes
+// The guarantees on the real kernels of the examples, of a model unlike them
+// (tests/models/unusual.cppm) and of the model zoo, under every policy, offload and bf16 included: no kernel writes
 // outside the tensors the plan gives it (the free-memory check), the measured peak is the planned
 // one, no step allocates from the heap (Halide's or any other), and every policy gives the
 // gradients of `none` bit for bit.
 BOOST_AUTO_TEST_CASE(real_kernels_keep_the_guarantees) {
-  for (const Example &e : examples)
+  std::vector<Example> models(std::begin(examples), std::end(examples));
+  models.insert(models.end(), std::begin(zoo), std::end(zoo));
+  for (const Example &e : models)
     for (Precision precision : {Precision::fp32, Precision::bf16}) {
       std::vector<float> expected;
       for (Policy p : {none, selective, full, Policy{Policy::Kind::every_n_layers, 2}, sqrt_n, with_offload(sqrt_n)}) {
-        BOOST_TEST_CONTEXT(e.name << " " << policy_name(p).view() << " " << precision_name(precision)) {
+        BOOST_TEST_CONTEXT(e.name << " batch " << e.samples << " " << policy_name(p).view() << " " << precision_name(precision)) {
           Run run(*e.model, e.name, e.table, p, e.samples, e.dropout, true, runtime::Device::cpu, precision);
           Executor checked(run.plan, e.name, e.table, run.arena, run.scalars, {.free_memory = true});
           runtime::reset_step_heap();

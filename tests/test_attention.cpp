@@ -53,10 +53,14 @@ struct AttentionRef {
   int N, T, H, D, C;
   Buffer<double> qkv;
   std::function<double(int, int, int, int)> mult = [](int, int, int, int) { return 1.0; };
+  int KV = 0;  // key / value heads (0: H); query head h reads head h / (H / KV)
 
+  int kv() const { return KV ? KV : H; }
+  int k_col(int h, int d) const { return C + h / (H / kv()) * D + d; }
+  int v_col(int h, int d) const { return C + kv() * D + h / (H / kv()) * D + d; }
   double q(int n, int t, int h, int d) const { return qkv(h * D + d, n * T + t); }
-  double k(int n, int s, int h, int d) const { return qkv(C + h * D + d, n * T + s); }
-  double v(int n, int s, int h, int d) const { return qkv(2 * C + h * D + d, n * T + s); }
+  double k(int n, int s, int h, int d) const { return qkv(k_col(h, d), n * T + s); }
+  double v(int n, int s, int h, int d) const { return qkv(v_col(h, d), n * T + s); }
   double score(int n, int h, int t, int s) const {
     double x = 0;
     for (int d = 0; d < D; ++d) x += q(n, t, h, d) * k(n, s, h, d);
@@ -89,7 +93,7 @@ struct AttentionRef {
   }
   // Textbook chain rule: g = dJ/dP, softmax Jacobian dS = P (g - sum P g).
   Buffer<double> dqkv(const Buffer<double> &dout) const {
-    Buffer<double> g(3 * C, N * T);
+    Buffer<double> g(C + 2 * kv() * D, N * T);
     g.fill(0);
     const double scale = 1 / std::sqrt(double(D));
     for (int n = 0; n < N; ++n)
@@ -101,7 +105,7 @@ struct AttentionRef {
           for (int s = 0; s <= t; ++s) {
             for (int d = 0; d < D; ++d) {
               dp[s] += dout(h * D + d, n * T + t) * v(n, s, h, d) * mult(h, n, t, s);
-              g(2 * C + h * D + d, n * T + s) += p[s] * mult(h, n, t, s) * dout(h * D + d, n * T + t);
+              g(v_col(h, d), n * T + s) += p[s] * mult(h, n, t, s) * dout(h * D + d, n * T + t);
             }
             pg += p[s] * dp[s];
           }
@@ -109,7 +113,7 @@ struct AttentionRef {
             const double ds = p[s] * (dp[s] - pg);
             for (int d = 0; d < D; ++d) {
               g(h * D + d, n * T + t) += ds * k(n, s, h, d) * scale;
-              g(C + h * D + d, n * T + s) += ds * q(n, t, h, d) * scale;
+              g(k_col(h, d), n * T + s) += ds * q(n, t, h, d) * scale;
             }
           }
         }
@@ -172,28 +176,96 @@ BOOST_FIXTURE_TEST_CASE(attention_backward, AttentionFixture) {
   check_ref("dqkv", r.dqkv, [&](const int *q) { return expect(q); }, dqkv_tol);
 }
 
-// Perturbing any q, k or v entry of position s leaves out at every position t < s of the same
-// sequence, and all of the other sequence, bit-identical; out at position s itself moves (v).
+// Perturbing any q, k or v entry of position s leaves out (rows x C) at every position t < s of the
+// same sequence, and all of the other sequences, bit-identical; out at position s itself moves
+// (v). qkv is the buffer `out` reads (rows x 3C), perturbed in place.
+void expect_causal(Func out, Buffer<double> &qkv, int C, int T, int rows) {
+  const Buffer<double> base = Buffer<double>(out.realize({C, rows})).copy();
+  for (int b = 0; b < rows; ++b)
+    for (int c = 0; c < 3 * C; ++c) {
+      const int n = b / T, s = b % T;
+      const double keep = qkv(c, b);
+      qkv(c, b) = keep + 0.37;
+      Buffer<double> o = out.realize({C, rows});
+      qkv(c, b) = keep;
+      for (int b2 = 0; b2 < rows; ++b2) {
+        const bool unaffected = b2 / T != n || b2 % T < s;
+        bool same = true;
+        for (int c2 = 0; c2 < C; ++c2) same = same && o(c2, b2) == base(c2, b2);
+        if (unaffected) BOOST_TEST(same, "qkv(" << c << ", " << b << ") changed out row " << b2);
+        else if (b2 == b && c >= 2 * C) BOOST_TEST(!same, "v(" << c << ", " << b << ") did not reach out row " << b);
+      }
+    }
+}
+
 // Both formulations (by rows and by tiles).
 BOOST_FIXTURE_TEST_CASE(attention_causal_mask, AttentionFixture) {
-  for (Func out : {tr.attention("attn", qkvp, C, H).out, tr.attention_tiles("tiles", qkvp, C, H).out}) {
-    const Buffer<double> base = Buffer<double>(out.realize({C, rows})).copy();
-    for (int b = 0; b < rows; ++b)
-      for (int c = 0; c < 3 * C; ++c) {
-        const int n = b / T, s = b % T;
-        const double keep = qkv(c, b);
-        qkv(c, b) = keep + 0.37;
-        Buffer<double> o = out.realize({C, rows});
-        qkv(c, b) = keep;
-        for (int b2 = 0; b2 < rows; ++b2) {
-          const bool unaffected = b2 / T != n || b2 % T < s;
-          bool same = true;
-          for (int c2 = 0; c2 < C; ++c2) same = same && o(c2, b2) == base(c2, b2);
-          if (unaffected) BOOST_TEST(same, "qkv(" << c << ", " << b << ") changed out row " << b2);
-          else if (b2 == b && c >= 2 * C) BOOST_TEST(!same, "v(" << c << ", " << b << ") did not reach out row " << b);
-        }
-      }
-  }
+  for (Func out : {tr.attention("attn", qkvp, C, H).out, tr.attention_tiles("tiles", qkvp, C, H).out})
+    expect_causal(out, qkv, C, T, rows);
+}
+
+// RoPE on [q (2 heads) | k (1 head) | v] of D = 4 features, T = 3, N = 2 (the rotation of
+// position t is its own: rows of other positions must not leak in): against the rotation
+// written out with std::pow, std::cos and std::sin; its rule (the inverse rotation) against
+// finite differences; the inverse undoing it; position 0 unrotated.
+BOOST_FIXTURE_TEST_CASE(rope, Fixture) {
+  const int T = 3, N = 2, rows = N * T, H = 2, KV = 1, D = 4, W = (H + 2 * KV) * D;
+  Transformer tr{L, T};
+  Buffer<double> x = random({W, rows}, -1.5, 1.5), R = random({W, rows});
+  ImageParam xp = param(x, "x");
+  Func y = tr.rope("y", xp, H, KV, D);
+  const Buffer<double> yb = Buffer<double>(y.realize({W, rows})).copy();
+  check_ref("rope y", yb, [&](const int *q) {
+    const int c = q[0], b = q[1], e = c % D, half = D / 2;
+    if (c >= (H + KV) * D) return x(c, b);  // v
+    const double angle = (b % T) * std::pow(Transformer::rope_theta, -2.0 * (e % half) / D);
+    return e < half ? x(c, b) * std::cos(angle) - x(c + half, b) * std::sin(angle)
+                    : x(c, b) * std::cos(angle) + x(c - half, b) * std::sin(angle);
+  }, {1e-15, 0});
+  for (int n = 0; n < N; ++n)
+    for (int c = 0; c < W; ++c) BOOST_TEST(yb(c, n * T) == x(c, n * T));  // angle 0: cos 1, sin 0 exactly
+  Buffer<double> dx = tr.rope("dx", wrap(R, "dy"), H, KV, D, true).realize({W, rows});
+  check_fd("rope dx fd", x, dx, [&] { return objective(y, R); }, {1e-9, 0});
+  Buffer<double> back = tr.rope("back", wrap(yb, "yb"), H, KV, D, true).realize({W, rows});
+  check_ref("rope inverse", back, [&](const int *q) { return x(q); }, {1e-15, 0});
+}
+
+// Grouped-query attention: H = 4 query heads of D = 3 sharing KV = 2 key / value heads, with
+// attention dropout. Both forward forms against the plain reference (its own column map); the
+// row-form backward (which sums each shared head's gradient over its query heads) against the
+// reference and finite differences.
+BOOST_FIXTURE_TEST_CASE(grouped_query_attention, AttentionFixture) {
+  constexpr int H4 = 4, KV = 2, D3 = 3, C12 = H4 * D3, W = (H4 + 2 * KV) * D3;
+  Buffer<double> x = random({W, rows}, -1.5, 1.5), dout = random({C12, rows});
+  ImageParam xp = param(x, "qkv_gqa");
+  AttentionRef gref{N, T, H4, D3, C12, x};
+  gref.KV = KV;
+  gref.mult = [](int h, int n, int t, int s) {
+    const uint64_t e = ((uint64_t(n) * H4 + h) * T + t) * T + s;
+    return keep_ref(0x5eedULL, 17, 3, e, p) ? 1 / (1 - p) : 0.0;
+  };
+  auto a = tr.attention("gqa", xp, C12, H4, drop, {}, {}, KV);
+  Func out = a.out;
+  const Buffer<double> ob = Buffer<double>(out.realize({C12, rows})).copy(), lse = a.lse.realize({H4, rows}), expect = gref.out();
+  check_ref("gqa out", ob, [&](const int *q) { return expect(q); }, out_tol);
+  const Buffer<double> tiles = tr.attention_tiles("gqa_tiles", xp, C12, H4, drop, {}, {}, KV).out.realize({C12, rows});
+  check_ref("gqa tiles out", tiles, [&](const int *q) { return expect(q); }, out_tol);
+  auto g = tr.attention_grad("dgqa", xp, wrap(ob, "out"), wrap(lse, "lse"), wrap(dout, "dout"), C12, H4, drop, KV);
+  Buffer<double> dx = g.dqkv.realize({W, rows});
+  check_fd("gqa dqkv fd", x, dx, [&] { return objective(out, dout); }, {1e-9, 0});
+  const Buffer<double> edx = gref.dqkv(dout);
+  check_ref("gqa dqkv", dx, [&](const int *q) { return edx(q); }, dqkv_tol);
+}
+
+// The causal mask with RoPE before the attention (D = 4: RoPE turns pairs of features).
+BOOST_FIXTURE_TEST_CASE(rope_attention_causal_mask, Fixture) {
+  const int T = 4, N = 2, rows = N * T, H = 2, D = 4, C = H * D;
+  Transformer tr{L, T};
+  Buffer<double> qkv = random({3 * C, rows}, -1.5, 1.5);
+  ImageParam qkvp = param(qkv, "qkv");
+  Func rotated = tr.rope("rot", qkvp, H, H, D);
+  for (Func out : {tr.attention("attn", rotated, C, H).out, tr.attention_tiles("tiles", rotated, C, H).out})
+    expect_causal(out, qkv, C, T, rows);
 }
 
 BOOST_FIXTURE_TEST_CASE(attention_dropout_backward, AttentionFixture) {

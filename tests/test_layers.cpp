@@ -117,6 +117,59 @@ BOOST_FIXTURE_TEST_CASE(layer_norm, Fixture) {
   check_ref("layer_norm dbeta", dbeta, [&](const int *p) { double s = 0; for (int b = 0; b < B; ++b) s += R(p[0], b); return s; }, exact);
 }
 
+// Odd shapes (rows 5, width 7).
+BOOST_FIXTURE_TEST_CASE(rms_norm, Fixture) {
+  const int B = 5, C = 7;
+  Buffer<double> x = random({C, B}), gamma = random({C}, 0.5, 1.5), R = random({C, B});
+  ImageParam xp = param(x, "x"), gp = param(gamma, "gamma");
+  auto stats = L.rms_norm_stats("rstd", xp, C);
+  Func y = L.rms_norm("y", xp, stats.rstd, gp);
+  auto rstd_of = [&](int b) {  // textbook: 1 / sqrt(mean of squares + eps)
+    double ms = 0;
+    for (int c = 0; c < C; ++c) ms += x(c, b) * x(c, b) / C;
+    return 1 / std::sqrt(ms + Layers::rms_norm_eps);
+  };
+  const Buffer<double> rstd = stats.rstd.realize({B}), yb = y.realize({C, B});
+  check_ref("rms_norm rstd", rstd, [&](const int *p) { return rstd_of(p[0]); }, {1e-15, 0});  // seen 1.2e-16
+  check_ref("rms_norm y", yb, [&](const int *p) { return x(p) * rstd_of(p[1]) * gamma(p[0]); }, {1e-15, 0});  // seen 2.3e-16
+  Func dy = wrap(R, "dy");
+  auto g = L.rms_norm_grad("s", "dx", xp, stats.rstd, gp, dy, C, B);
+  Buffer<double> dx = g.dx.realize({C, B}), dgamma = g.dgamma.realize({C});
+  auto J = [&] { return objective(y, R); };
+  check_fd("rms_norm dx fd", x, dx, J, {1e-9, 0});             // seen 4.9e-10
+  check_fd("rms_norm dgamma fd", gamma, dgamma, J, {5e-10, 0});  // seen 3.2e-10
+  check_ref("rms_norm dx", dx, [&](const int *p) {  // d/dx of x_c r g_c with r = (mean x^2 + eps)^-1/2
+    const int b = p[1];
+    const double r = rstd_of(b);
+    double sum = 0;  // sum_c R_c g_c x_c
+    for (int c = 0; c < C; ++c) sum += R(c, b) * gamma(c) * x(c, b);
+    return R(p) * gamma(p[0]) * r - x(p) * r * r * r * sum / C;
+  }, {2e-15, 0});  // seen 2.0e-16
+  check_ref("rms_norm dgamma", dgamma, [&](const int *p) {
+    double s = 0;
+    for (int b = 0; b < B; ++b) s += R(p[0], b) * x(p[0], b) * rstd_of(b);
+    return s;
+  }, {1e-15, 0});  // seen 1.5e-16
+}
+
+// SwiGLU on 2H = 2 x 5 features: [a | b] -> silu(a) * b.
+BOOST_FIXTURE_TEST_CASE(swiglu, Fixture) {
+  const int B = 4, H = 5;
+  Buffer<double> x = random({2 * H, B}, -3, 3), R = random({H, B});
+  ImageParam xp = param(x, "x");
+  Func y = L.swiglu("y", xp, H);
+  auto silu = [](double a) { return a / (1 + std::exp(-a)); };
+  const Buffer<double> yb = y.realize({H, B});
+  check_ref("swiglu y", yb, [&](const int *p) { return silu(x(p[0], p[1])) * x(p[0] + H, p[1]); }, {1e-15, 0});  // seen 1.2e-16
+  Buffer<double> dx = L.swiglu_grad("dx", xp, wrap(R, "dy"), H).realize({2 * H, B});
+  check_fd("swiglu dx fd", x, dx, [&] { return objective(y, R); }, {2e-9, 0});  // seen 3.2e-10
+  check_ref("swiglu dx", dx, [&](const int *p) {
+    const int c = p[0] % H, b = p[1];
+    const double a = x(c, b), up = x(c + H, b), s = 1 / (1 + std::exp(-a));
+    return p[0] < H ? R(c, b) * up * (s + a * s * (1 - s)) : R(c, b) * silu(a);
+  }, {2e-15, 0});  // seen 8.3e-17
+}
+
 BOOST_FIXTURE_TEST_CASE(gelu_and_relu, Fixture) {
   const int B = 4, C = 7;
   // ReLU is not differentiable at 0: keep inputs away from it by more than the FD step.

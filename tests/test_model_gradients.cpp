@@ -34,6 +34,10 @@ import mlp;
 import mlp.kernels;
 import gpt;
 import gpt.kernels;
+import zoo_rows;
+import zoo_rows.kernels;
+import zoo_gated;
+import zoo_gated.kernels;
 
 #include "model_run.h"
 
@@ -68,8 +72,10 @@ Layer linear_layer(int in, int out) { return {Op::linear, in, out}; }
 Layer layer_norm_layer(int c) { return {Op::layer_norm, c, c}; }
 Layer gelu_layer(int c) { return {Op::gelu, c, c}; }
 Layer dropout_layer(int c) { return {Op::dropout, c, c}; }
-Layer attention_layer(int c, int heads, int T) { return {Op::attention, 3 * c, c, heads, 0, T}; }
-Layer embedding_layer(int vocab, int c, int T) { return {Op::embedding, 1, c, 0, vocab, T}; }
+Layer attention_layer(int c, int heads, int T) {
+  return {.op = Op::attention, .in = 3 * c, .out = c, .heads = heads, .kv_heads = heads, .block_size = T};
+}
+Layer embedding_layer(int vocab, int c, int T) { return {.op = Op::embedding, .in = 1, .out = c, .vocab = vocab, .block_size = T}; }
 
 Rows plus(Rows a, const Rows &b) {
   for (std::size_t e = 0; e < a.size(); ++e) a[e] += b[e];
@@ -92,6 +98,7 @@ struct Reference {
   void put_grad(const std::string &name, Rows g) { duplicate_grads += !grads.emplace(name, std::move(g)).second; }
   // Everything a layer's backward needs.
   struct Saved { Rows in, out; std::vector<double> mean, rstd; std::vector<double> prob; std::vector<std::int32_t> tokens; };
+  std::string grad_name(const Site &s, const char *which) const { return name(s, "g", which); }
 
   std::string name(const Site &s, const char *kind, const char *which) const {
     return s.prefix + kind + std::to_string(s.k) + "_" + which;
@@ -102,15 +109,20 @@ struct Reference {
     return testing::keep_ref(seed, step, s.rng + s.k, element, dropout) ? scale : 0.0;
   }
 
-  // Causal softmax of row b's scaled scores for head h over positions 0..t (x is [R, 3C] qkv).
+  // Columns of a qkv row [q (H heads) | k (KV heads) | v (KV heads)] of layer l: query head h's
+  // feature e, and the feature e of the key and value head that query head h reads.
+  static int q_col(const Layer &l, int h, int e) { return h * (l.out / l.heads) + e; }
+  static int k_col(const Layer &l, int h, int e) { return l.out + h / (l.heads / l.kv_heads) * (l.out / l.heads) + e; }
+  static int v_col(const Layer &l, int h, int e) { return k_col(l, h, e) + l.kv_heads * (l.out / l.heads); }
+  // Causal softmax of row b's scaled scores for head h over positions 0..t (x is [R, l.in] qkv).
   static std::vector<double> softmax_row(const Rows &x, long b, int h, const Layer &l) {
-    const int C = l.out, D = C / l.heads, T = l.block_size;
+    const int W = l.in, D = l.out / l.heads, T = l.block_size;
     const long n = b / T, t = b % T;
     std::vector<double> p(t + 1);
     double mx = -INFINITY, z = 0;
     for (long j = 0; j <= t; ++j) {
       double d = 0;
-      for (int e = 0; e < D; ++e) d += x[b * 3 * C + h * D + e] * x[(n * T + j) * 3 * C + C + h * D + e];
+      for (int e = 0; e < D; ++e) d += x[b * W + q_col(l, h, e)] * x[(n * T + j) * W + k_col(l, h, e)];
       p[j] = d / std::sqrt(double(D));
       mx = std::max(mx, p[j]);
     }
@@ -119,176 +131,8 @@ struct Reference {
     return p;
   }
 
-  Rows layer_forward(const Layer &l, const Site &site, const Rows &x, Saved &s) {
-    const long R = rows;
-    const int I = l.in, O = l.out;
-    Rows y(std::size_t(R) * O);
-    s.in = x;
-    switch (l.op) {
-    case Op::linear: {
-      auto w = param(name(site, "p", "w")), bias = param(name(site, "p", "b"));
-      for (long b = 0; b < R; ++b)
-        for (int o = 0; o < O; ++o) {
-          double acc = bias[o];
-          for (int i = 0; i < I; ++i) acc += x[b * I + i] * w[i * O + o];
-          y[b * O + o] = acc;
-        }
-      break;
-    }
-    case Op::layer_norm: {
-      auto g = param(name(site, "p", "w")), be = param(name(site, "p", "b"));
-      for (long b = 0; b < R; ++b) {
-        double mean = 0, var = 0;
-        for (int i = 0; i < I; ++i) mean += x[b * I + i] / I;
-        for (int i = 0; i < I; ++i) var += (x[b * I + i] - mean) * (x[b * I + i] - mean) / I;
-        const double rstd = 1 / std::sqrt(var + 1e-5);
-        s.mean.push_back(mean);
-        s.rstd.push_back(rstd);
-        for (int i = 0; i < I; ++i) y[b * I + i] = (x[b * I + i] - mean) * rstd * g[i] + be[i];
-      }
-      break;
-    }
-    case Op::embedding: {
-      auto wte = param(name(site, "p", "w")), wpe = param(name(site, "p", "b"));
-      auto tokens = ex.tensor<std::int32_t>("inputs");
-      s.tokens.assign(tokens.begin(), tokens.end());
-      for (long b = 0; b < R; ++b)
-        for (int c = 0; c < O; ++c) y[b * O + c] = wte[s.tokens[b] * O + c] + wpe[(b % l.block_size) * O + c];
-      break;
-    }
-    case Op::dropout:
-      for (long b = 0; b < R; ++b)
-        for (int c = 0; c < O; ++c) y[b * O + c] = x[b * O + c] * keep(site, std::uint64_t(c) + std::uint64_t(O) * b);
-      break;
-    case Op::attention: {  // P = softmax of scaled causal scores; out = drop(P) v
-      const int C = O, H = l.heads, D = C / H, T = l.block_size;
-      s.prob.assign(std::size_t(R) * H * T, 0.0);
-      for (long b = 0; b < R; ++b)
-        for (int h = 0; h < H; ++h) {
-          const long n = b / T, t = b % T;
-          const std::vector<double> p = softmax_row(x, b, h, l);
-          for (long j = 0; j <= t; ++j) {
-            const std::uint64_t element = ((std::uint64_t(n) * H + h) * T + t) * T + j;
-            s.prob[(b * H + h) * T + j] = p[j] * keep(site, element);
-          }
-          for (int e = 0; e < D; ++e) {
-            double acc = 0;
-            for (long j = 0; j <= t; ++j) acc += s.prob[(b * H + h) * T + j] * x[(n * T + j) * 3 * C + 2 * C + h * D + e];
-            y[b * C + h * D + e] = acc;
-          }
-        }
-      break;
-    }
-    default:
-      for (std::size_t e = 0; e < y.size(); ++e) {
-        const double a = x[e];
-        y[e] = l.op == Op::relu ? std::max(a, 0.0)
-                                : 0.5 * a * (1 + std::tanh(0.7978845608028654 * (a + 0.044715 * a * a * a)));
-      }
-    }
-    s.out = y;
-    return y;
-  }
-
-  Rows layer_backward(const Layer &l, const Site &site, const Saved &s, const Rows &dy) {
-    const long R = rows;
-    const int I = l.in, O = l.out;
-    const Rows &x = s.in;
-    Rows dx(std::size_t(R) * I, 0.0);
-    const std::string gw = name(site, "g", "w"), gb = name(site, "g", "b");
-    switch (l.op) {
-    case Op::linear: {
-      auto w = param(name(site, "p", "w"));
-      Rows dw(std::size_t(I) * O, 0.0), db(O, 0.0);
-      for (long b = 0; b < R; ++b)
-        for (int o = 0; o < O; ++o) {
-          db[o] += dy[b * O + o];
-          for (int i = 0; i < I; ++i) {
-            dw[i * O + o] += x[b * I + i] * dy[b * O + o];
-            dx[b * I + i] += dy[b * O + o] * w[i * O + o];
-          }
-        }
-      put_grad(gw, dw);
-      put_grad(gb, db);
-      break;
-    }
-    case Op::layer_norm: {
-      auto g = param(name(site, "p", "w"));
-      Rows dg(I, 0.0), dbeta(I, 0.0);
-      for (long b = 0; b < R; ++b) {
-        double s1 = 0, s2 = 0;
-        for (int i = 0; i < I; ++i) {
-          const double u = (x[b * I + i] - s.mean[b]) * s.rstd[b], du = dy[b * I + i] * g[i];
-          s1 += du;
-          s2 += du * u;
-          dg[i] += dy[b * I + i] * u;
-          dbeta[i] += dy[b * I + i];
-        }
-        for (int i = 0; i < I; ++i) {
-          const double u = (x[b * I + i] - s.mean[b]) * s.rstd[b];
-          dx[b * I + i] = s.rstd[b] * (dy[b * I + i] * g[i] - s1 / I - u * s2 / I);
-        }
-      }
-      put_grad(gw, dg);
-      put_grad(gb, dbeta);
-      break;
-    }
-    case Op::embedding: {
-      Rows dwte(std::size_t(l.vocab) * O, 0.0), dwpe(std::size_t(l.block_size) * O, 0.0);
-      for (long b = 0; b < R; ++b)
-        for (int c = 0; c < O; ++c) {
-          dwte[s.tokens[b] * O + c] += dy[b * O + c];
-          dwpe[(b % l.block_size) * O + c] += dy[b * O + c];
-        }
-      put_grad(gw, dwte);
-      put_grad(gb, dwpe);
-      break;
-    }
-    case Op::dropout:
-      for (long b = 0; b < R; ++b)
-        for (int c = 0; c < O; ++c) dx[b * O + c] = dy[b * O + c] * keep(site, std::uint64_t(c) + std::uint64_t(O) * b);
-      break;
-    case Op::attention: {  // textbook softmax Jacobian on the undropped probabilities
-      const int C = O, H = l.heads, D = C / H, T = l.block_size;
-      for (long b = 0; b < R; ++b)
-        for (int h = 0; h < H; ++h) {
-          const long n = b / T, t = b % T;
-          std::vector<double> p, kp(t + 1), dp(t + 1);
-          double dot = 0;
-          for (long j = 0; j <= t; ++j) {
-            const std::uint64_t element = ((std::uint64_t(n) * H + h) * T + t) * T + j;
-            const double k = keep(site, element);
-            kp[j] = s.prob[(b * H + h) * T + j];
-            double g = 0;
-            for (int e = 0; e < D; ++e) g += dy[b * C + h * D + e] * x[(n * T + j) * 3 * C + 2 * C + h * D + e];
-            dp[j] = g * k;
-            for (int e = 0; e < D; ++e) dx[(n * T + j) * 3 * C + 2 * C + h * D + e] += kp[j] * dy[b * C + h * D + e];
-          }
-          p = softmax_row(x, b, h, l);  // the undropped probabilities
-          for (long j = 0; j <= t; ++j) dot += p[j] * dp[j];
-          for (long j = 0; j <= t; ++j) {
-            const double ds = p[j] * (dp[j] - dot) / std::sqrt(double(D));
-            for (int e = 0; e < D; ++e) {
-              dx[b * 3 * C + h * D + e] += ds * x[(n * T + j) * 3 * C + C + h * D + e];
-              dx[(n * T + j) * 3 * C + C + h * D + e] += ds * x[b * 3 * C + h * D + e];
-            }
-          }
-        }
-      break;
-    }
-    default:
-      for (std::size_t e = 0; e < dx.size(); ++e) {
-        const double a = x[e];
-        if (l.op == Op::relu) {
-          dx[e] = a > 0 ? dy[e] : 0;
-        } else {
-          const double k0 = 0.7978845608028654, k1 = 0.044715, t = std::tanh(k0 * (a + k1 * a * a * a));
-          dx[e] = dy[e] * (0.5 * (1 + t) + 0.5 * a * (1 - t * t) * k0 * (1 + 3 * k1 * a * a));
-        }
-      }
-    }
-    return dx;
-  }
+  Rows layer_forward(const Layer &l, const Site &site, const Rows &x, Saved &s);
+  Rows layer_backward(const Layer &l, const Site &site, const Saved &s, const Rows &dy);
 
   // Layers applied one after another (a stem, a head, one residual branch); backward runs them
   // in reverse and returns the gradient of the chain's input.
@@ -320,6 +164,319 @@ struct Reference {
     return d;
   }
 };
+
+// ---- one float64 reference per layer kind: forward (keeping what its backward needs) and
+// backward (the gradient of its input; parameter gradients into Reference::grads) ----
+namespace kind_reference {
+using Saved = Reference::Saved;
+
+struct Linear {  // y = x w (+ b), w [K, O] row-major
+  static Rows forward(Reference &r, const Layer &l, const Site &site, const Rows &x, Saved &) {
+    const int I = l.in, O = l.out;
+    auto w = r.param(r.name(site, "p", "w"));
+    const std::vector<double> bias = l.bias ? r.param(r.name(site, "p", "b")) : std::vector<double>(O, 0.0);
+    Rows y(std::size_t(r.rows) * O);
+    for (long b = 0; b < r.rows; ++b)
+      for (int o = 0; o < O; ++o) {
+        double acc = bias[o];
+        for (int i = 0; i < I; ++i) acc += x[b * I + i] * w[i * O + o];
+        y[b * O + o] = acc;
+      }
+    return y;
+  }
+  static Rows backward(Reference &r, const Layer &l, const Site &site, const Saved &s, const Rows &dy) {
+    const int I = l.in, O = l.out;
+    auto w = r.param(r.name(site, "p", "w"));
+    Rows dx(std::size_t(r.rows) * I, 0.0), dw(std::size_t(I) * O, 0.0), db(O, 0.0);
+    for (long b = 0; b < r.rows; ++b)
+      for (int o = 0; o < O; ++o) {
+        db[o] += dy[b * O + o];
+        for (int i = 0; i < I; ++i) {
+          dw[i * O + o] += s.in[b * I + i] * dy[b * O + o];
+          dx[b * I + i] += dy[b * O + o] * w[i * O + o];
+        }
+      }
+    r.put_grad(r.grad_name(site, "w"), dw);
+    if (l.bias) r.put_grad(r.grad_name(site, "b"), db);
+    return dx;
+  }
+};
+
+struct LayerNorm {  // (x - mean) * rstd * gamma + beta over each row
+  static Rows forward(Reference &r, const Layer &l, const Site &site, const Rows &x, Saved &s) {
+    const int I = l.in;
+    auto g = r.param(r.name(site, "p", "w")), be = r.param(r.name(site, "p", "b"));
+    Rows y(x.size());
+    for (long b = 0; b < r.rows; ++b) {
+      double mean = 0, var = 0;
+      for (int i = 0; i < I; ++i) mean += x[b * I + i] / I;
+      for (int i = 0; i < I; ++i) var += (x[b * I + i] - mean) * (x[b * I + i] - mean) / I;
+      const double rstd = 1 / std::sqrt(var + 1e-5);
+      s.mean.push_back(mean);
+      s.rstd.push_back(rstd);
+      for (int i = 0; i < I; ++i) y[b * I + i] = (x[b * I + i] - mean) * rstd * g[i] + be[i];
+    }
+    return y;
+  }
+  static Rows backward(Reference &r, const Layer &l, const Site &site, const Saved &s, const Rows &dy) {
+    const int I = l.in;
+    const Rows &x = s.in;
+    auto g = r.param(r.name(site, "p", "w"));
+    Rows dx(x.size()), dg(I, 0.0), dbeta(I, 0.0);
+    for (long b = 0; b < r.rows; ++b) {
+      double s1 = 0, s2 = 0;
+      for (int i = 0; i < I; ++i) {
+        const double u = (x[b * I + i] - s.mean[b]) * s.rstd[b], du = dy[b * I + i] * g[i];
+        s1 += du;
+        s2 += du * u;
+        dg[i] += dy[b * I + i] * u;
+        dbeta[i] += dy[b * I + i];
+      }
+      for (int i = 0; i < I; ++i) {
+        const double u = (x[b * I + i] - s.mean[b]) * s.rstd[b];
+        dx[b * I + i] = s.rstd[b] * (dy[b * I + i] * g[i] - s1 / I - u * s2 / I);
+      }
+    }
+    r.put_grad(r.grad_name(site, "w"), dg);
+    r.put_grad(r.grad_name(site, "b"), dbeta);
+    return dx;
+  }
+};
+
+struct RmsNorm {  // x / sqrt(mean x^2 + 1e-6) * gamma over each row
+  static Rows forward(Reference &r, const Layer &l, const Site &site, const Rows &x, Saved &s) {
+    const int I = l.in;
+    auto g = r.param(r.name(site, "p", "w"));
+    Rows y(x.size());
+    for (long b = 0; b < r.rows; ++b) {
+      double ms = 0;
+      for (int i = 0; i < I; ++i) ms += x[b * I + i] * x[b * I + i] / I;
+      s.rstd.push_back(1 / std::sqrt(ms + 1e-6));
+      for (int i = 0; i < I; ++i) y[b * I + i] = x[b * I + i] * s.rstd[b] * g[i];
+    }
+    return y;
+  }
+  // dx_i = rstd g_i dy_i - x_i rstd^3 / I sum_c dy_c g_c x_c; dgamma = sum_b dy x rstd
+  static Rows backward(Reference &r, const Layer &l, const Site &site, const Saved &s, const Rows &dy) {
+    const int I = l.in;
+    const Rows &x = s.in;
+    auto g = r.param(r.name(site, "p", "w"));
+    Rows dx(x.size()), dg(I, 0.0);
+    for (long b = 0; b < r.rows; ++b) {
+      const double rs = s.rstd[b];
+      double sum = 0;
+      for (int i = 0; i < I; ++i) {
+        sum += dy[b * I + i] * g[i] * x[b * I + i];
+        dg[i] += dy[b * I + i] * x[b * I + i] * rs;
+      }
+      for (int i = 0; i < I; ++i) dx[b * I + i] = rs * g[i] * dy[b * I + i] - x[b * I + i] * rs * rs * rs * sum / I;
+    }
+    r.put_grad(r.grad_name(site, "w"), dg);
+    return dx;
+  }
+};
+
+struct Gelu {  // tanh form, as GPT-2
+  static constexpr double k0 = 0.7978845608028654, k1 = 0.044715;
+  static Rows forward(Reference &, const Layer &, const Site &, const Rows &x, Saved &) {
+    Rows y(x.size());
+    for (std::size_t e = 0; e < y.size(); ++e) y[e] = 0.5 * x[e] * (1 + std::tanh(k0 * (x[e] + k1 * x[e] * x[e] * x[e])));
+    return y;
+  }
+  static Rows backward(Reference &, const Layer &, const Site &, const Saved &s, const Rows &dy) {
+    Rows dx(dy.size());
+    for (std::size_t e = 0; e < dx.size(); ++e) {
+      const double a = s.in[e], t = std::tanh(k0 * (a + k1 * a * a * a));
+      dx[e] = dy[e] * (0.5 * (1 + t) + 0.5 * a * (1 - t * t) * k0 * (1 + 3 * k1 * a * a));
+    }
+    return dx;
+  }
+};
+
+struct Relu {
+  static Rows forward(Reference &, const Layer &, const Site &, const Rows &x, Saved &) {
+    Rows y(x.size());
+    for (std::size_t e = 0; e < y.size(); ++e) y[e] = std::max(x[e], 0.0);
+    return y;
+  }
+  static Rows backward(Reference &, const Layer &, const Site &, const Saved &s, const Rows &dy) {
+    Rows dx(dy.size());
+    for (std::size_t e = 0; e < dx.size(); ++e) dx[e] = s.in[e] > 0 ? dy[e] : 0;
+    return dx;
+  }
+};
+
+struct Swiglu {  // [a | b] (2H) -> a sigmoid(a) b (H)
+  static double sigmoid(double a) { return 1 / (1 + std::exp(-a)); }
+  static Rows forward(Reference &r, const Layer &l, const Site &, const Rows &x, Saved &) {
+    const int H = l.out;
+    Rows y(std::size_t(r.rows) * H);
+    for (long b = 0; b < r.rows; ++b)
+      for (int c = 0; c < H; ++c) {
+        const double a = x[b * 2 * H + c];
+        y[b * H + c] = a * sigmoid(a) * x[b * 2 * H + H + c];
+      }
+    return y;
+  }
+  static Rows backward(Reference &r, const Layer &l, const Site &, const Saved &s, const Rows &dy) {
+    const int H = l.out;
+    Rows dx(std::size_t(r.rows) * 2 * H);
+    for (long b = 0; b < r.rows; ++b)
+      for (int c = 0; c < H; ++c) {
+        const double a = s.in[b * 2 * H + c], up = s.in[b * 2 * H + H + c], sg = sigmoid(a);
+        dx[b * 2 * H + c] = dy[b * H + c] * up * (sg + a * sg * (1 - sg));
+        dx[b * 2 * H + H + c] = dy[b * H + c] * a * sg;
+      }
+    return dx;
+  }
+};
+
+struct Dropout {  // the kernels' counter-hash mask, element c + O b
+  static Rows apply(Reference &r, const Layer &l, const Site &site, const Rows &x) {
+    const int O = l.out;
+    Rows y(x.size());
+    for (long b = 0; b < r.rows; ++b)
+      for (int c = 0; c < O; ++c) y[b * O + c] = x[b * O + c] * r.keep(site, std::uint64_t(c) + std::uint64_t(O) * b);
+    return y;
+  }
+  static Rows forward(Reference &r, const Layer &l, const Site &site, const Rows &x, Saved &) { return apply(r, l, site, x); }
+  static Rows backward(Reference &r, const Layer &l, const Site &site, const Saved &, const Rows &dy) {
+    return apply(r, l, site, dy);
+  }
+};
+
+struct Rope {  // the rotate-half rotation of each q and k head by t 10000^(-2i/D); v passes
+  static Rows rotate(Reference &r, const Layer &l, const Rows &x, double direction) {
+    const int W = l.out, D = W / (l.heads + 2 * l.kv_heads), half = D / 2, rotated = (l.heads + l.kv_heads) * D;
+    Rows y = x;
+    for (long b = 0; b < r.rows; ++b)
+      for (int c = 0; c < rotated; c += D)
+        for (int i = 0; i < half; ++i) {
+          const double angle = direction * double(b % l.block_size) * std::pow(10000.0, -2.0 * i / D);
+          const double lo = x[b * W + c + i], hi = x[b * W + c + i + half];
+          y[b * W + c + i] = lo * std::cos(angle) - hi * std::sin(angle);
+          y[b * W + c + i + half] = hi * std::cos(angle) + lo * std::sin(angle);
+        }
+    return y;
+  }
+  static Rows forward(Reference &r, const Layer &l, const Site &, const Rows &x, Saved &) { return rotate(r, l, x, 1); }
+  static Rows backward(Reference &r, const Layer &l, const Site &, const Saved &, const Rows &dy) { return rotate(r, l, dy, -1); }
+};
+
+struct Attention {  // P = softmax of scaled causal scores; out = drop(P) v
+  static Rows forward(Reference &r, const Layer &l, const Site &site, const Rows &x, Saved &s) {
+    const long R = r.rows;
+    const int C = l.out, H = l.heads, D = C / H, T = l.block_size;
+    Rows y(std::size_t(R) * C);
+    s.prob.assign(std::size_t(R) * H * T, 0.0);
+    for (long b = 0; b < R; ++b)
+      for (int h = 0; h < H; ++h) {
+        const long n = b / T, t = b % T;
+        const std::vector<double> p = Reference::softmax_row(x, b, h, l);
+        for (long j = 0; j <= t; ++j) {
+          const std::uint64_t element = ((std::uint64_t(n) * H + h) * T + t) * T + j;
+          s.prob[(b * H + h) * T + j] = p[j] * r.keep(site, element);
+        }
+        for (int e = 0; e < D; ++e) {
+          double acc = 0;
+          for (long j = 0; j <= t; ++j) acc += s.prob[(b * H + h) * T + j] * x[(n * T + j) * l.in + Reference::v_col(l, h, e)];
+          y[b * C + h * D + e] = acc;
+        }
+      }
+    return y;
+  }
+  // the textbook softmax Jacobian on the undropped probabilities
+  static Rows backward(Reference &r, const Layer &l, const Site &site, const Saved &s, const Rows &dy) {
+    const long R = r.rows;
+    const int C = l.out, H = l.heads, D = C / H, T = l.block_size;
+    const Rows &x = s.in;
+    const int W = l.in;
+    auto q_col = [&](int h, int e) { return Reference::q_col(l, h, e); };
+    auto k_col = [&](int h, int e) { return Reference::k_col(l, h, e); };
+    auto v_col = [&](int h, int e) { return Reference::v_col(l, h, e); };
+    Rows dx(std::size_t(R) * W, 0.0);
+    for (long b = 0; b < R; ++b)
+      for (int h = 0; h < H; ++h) {
+        const long n = b / T, t = b % T;
+        std::vector<double> p, kp(t + 1), dp(t + 1);
+        double dot = 0;
+        for (long j = 0; j <= t; ++j) {
+          const std::uint64_t element = ((std::uint64_t(n) * H + h) * T + t) * T + j;
+          const double k = r.keep(site, element);
+          kp[j] = s.prob[(b * H + h) * T + j];
+          double g = 0;
+          for (int e = 0; e < D; ++e) g += dy[b * C + h * D + e] * x[(n * T + j) * W + v_col(h, e)];
+          dp[j] = g * k;
+          for (int e = 0; e < D; ++e) dx[(n * T + j) * W + v_col(h, e)] += kp[j] * dy[b * C + h * D + e];
+        }
+        p = Reference::softmax_row(x, b, h, l);  // the undropped probabilities
+        for (long j = 0; j <= t; ++j) dot += p[j] * dp[j];
+        for (long j = 0; j <= t; ++j) {
+          const double ds = p[j] * (dp[j] - dot) / std::sqrt(double(D));
+          for (int e = 0; e < D; ++e) {
+            dx[b * W + q_col(h, e)] += ds * x[(n * T + j) * W + k_col(h, e)];
+            dx[(n * T + j) * W + k_col(h, e)] += ds * x[b * W + q_col(h, e)];
+          }
+        }
+      }
+    return dx;
+  }
+};
+
+struct Embedding {  // token table + position table (none under rope); reads the token ids, no input gradient
+  static Rows forward(Reference &r, const Layer &l, const Site &site, const Rows &, Saved &s) {
+    const int O = l.out;
+    auto wte = r.param(r.name(site, "p", "w"));
+    const std::vector<double> wpe = l.bias ? r.param(r.name(site, "p", "b")) : std::vector<double>(std::size_t(l.block_size) * O, 0.0);
+    auto tokens = r.ex.tensor<std::int32_t>("inputs");
+    s.tokens.assign(tokens.begin(), tokens.end());
+    Rows y(std::size_t(r.rows) * O);
+    for (long b = 0; b < r.rows; ++b)
+      for (int c = 0; c < O; ++c) y[b * O + c] = wte[s.tokens[b] * O + c] + wpe[(b % l.block_size) * O + c];
+    return y;
+  }
+  static Rows backward(Reference &r, const Layer &l, const Site &site, const Saved &s, const Rows &dy) {
+    const int O = l.out;
+    Rows dwte(std::size_t(l.vocab) * O, 0.0), dwpe(std::size_t(l.block_size) * O, 0.0);
+    for (long b = 0; b < r.rows; ++b)
+      for (int c = 0; c < O; ++c) {
+        dwte[s.tokens[b] * O + c] += dy[b * O + c];
+        dwpe[(b % l.block_size) * O + c] += dy[b * O + c];
+      }
+    r.put_grad(r.grad_name(site, "w"), dwte);
+    if (l.bias) r.put_grad(r.grad_name(site, "b"), dwpe);
+    return {};
+  }
+};
+
+struct Entry {
+  Op op;
+  Rows (*forward)(Reference &, const Layer &, const Site &, const Rows &, Saved &) = nullptr;
+  Rows (*backward)(Reference &, const Layer &, const Site &, const Saved &, const Rows &) = nullptr;
+};
+template <class K> constexpr Entry entry(Op op) { return {op, K::forward, K::backward}; }
+// by Op; the residual markers are wiring (the model descriptions, zoo_reference), not layers
+constexpr std::array<Entry, n_ops> table = {
+    entry<Linear>(Op::linear),       entry<LayerNorm>(Op::layer_norm), entry<RmsNorm>(Op::rms_norm),
+    entry<Gelu>(Op::gelu),           entry<Relu>(Op::relu),            entry<Swiglu>(Op::swiglu),
+    entry<Dropout>(Op::dropout),     entry<Rope>(Op::rope),            entry<Attention>(Op::attention),
+    entry<Embedding>(Op::embedding),
+    Entry{Op::residual_begin},       Entry{Op::residual_end}};
+static_assert([] {
+  for (int i = 0; i < n_ops; ++i)
+    if (table[i].op != Op(i)) return false;
+  return true;
+}());
+}  // namespace kind_reference
+
+Rows Reference::layer_forward(const Layer &l, const Site &site, const Rows &x, Saved &s) {
+  s.in = x;
+  s.out = kind_reference::table[std::size_t(l.op)].forward(*this, l, site, x, s);
+  return s.out;
+}
+Rows Reference::layer_backward(const Layer &l, const Site &site, const Saved &s, const Rows &dy) {
+  return kind_reference::table[std::size_t(l.op)].backward(*this, l, site, s, dy);
+}
 
 // ---- the examples, described by hand ----
 // k is the position of a layer in its stage's layer list, residual markers counted (as the plan
@@ -421,6 +578,53 @@ void gpt_reference(Reference &r) {
   r.backward(stem, d);
 }
 
+// Any model, wired from its layer list with a tape of its own (not the DSL's source and skip
+// helpers): residual( keeps the running value, )residual adds it back; backward replays the tape
+// in reverse, the sum's gradient going to the branch and, at the matching residual(, to the skip.
+void zoo_reference(Reference &r, const Model &m) {
+  struct Event {
+    enum class What { layer, open, close } what;
+    Layer layer{};
+    Site site{};
+    Reference::Saved saved{};
+  };
+  std::vector<Event> tape;
+  Rows x;
+  if (!m.token_input()) {
+    const std::vector<float> inputs = r.ex.values("inputs");
+    x.assign(inputs.begin(), inputs.end());
+  }
+  std::vector<Rows> skips;
+  for (int s = 0, unit = 0; s < m.n_stages; ++s)
+    for (int b = 0; b < m.stages[s].repeat; ++b, ++unit)
+      for (int k = 0; k < m.stages[s].n_layers; ++k) {
+        const Layer &l = m.stages[s].layers[k];
+        if (l.op == Op::residual_begin) {
+          skips.push_back(x);
+          tape.push_back({Event::What::open});
+        } else if (l.op == Op::residual_end) {
+          x = plus(x, skips.back());
+          skips.pop_back();
+          tape.push_back({Event::What::close});
+        } else {
+          tape.push_back({Event::What::layer, l, site(s, b, unit, k)});
+          x = r.layer_forward(l, tape.back().site, x, tape.back().saved);
+        }
+      }
+  Rows d = r.cross_entropy(x, m.classes());
+  std::vector<Rows> skip_grads;
+  for (auto e = tape.rbegin(); e != tape.rend(); ++e) {
+    if (e->what == Event::What::close) {
+      skip_grads.push_back(d);
+    } else if (e->what == Event::What::open) {
+      d = plus(d, skip_grads.back());
+      skip_grads.pop_back();
+    } else {
+      d = r.layer_backward(e->layer, e->site, e->saved, d);
+    }
+  }
+}
+
 // ---- kernels against the reference ----
 // The per-layer gradient tensors of a plan (views into the flat "grads" buffer).
 std::vector<std::string> grad_tensors(const Plan &plan) {
@@ -494,6 +698,16 @@ constexpr Limits mlp_bf16{.loss = {1e-2, 0}, .grads = {5e-2, 0}};
 //   row losses 5e-3 (observed 1.6e-3).
 constexpr Limits gpt_bf16{.loss = {5e-3, 0}, .grads = {3e-2, 0}};
 
+//   Zoo fp32: gradients 4e-6 (observed 5.2e-7 zoo_rows, 9.6e-7 zoo_gated; 1.7e-6 when its second
+//   stage had a ReLU); row losses 5e-7 (observed 7.5e-8, 9.7e-8).
+constexpr Limits zoo_fp32{.loss = {5e-7, 0}, .grads = {4e-6, 0}};
+//   Zoo bf16, 4x the rows: gradients 5e-2 (observed 2.9e-2 zoo_rows, 2.5e-2 zoo_gated); row
+//   losses 1e-2 (observed 2.3e-3, 5.2e-3). A ReLU makes this comparison ill-conditioned: pre-activations within bf16
+//   rounding of 0 switch their gradient term on or off (zoo_gated with a ReLU where its GELU is
+//   showed 0.16 of scale in a bias gradient), so zoo_gated's bf16 check has GELUs only; the
+//   float32 check above pins the rules, ReLU's included.
+constexpr Limits zoo_bf16{.loss = {1e-2, 0}, .grads = {5e-2, 0}};
+
 // The MLP's float32 kernels against the reference (limits mlp_fp32), and the description of
 // the MLP against the model.
 BOOST_AUTO_TEST_CASE(kernels_match_the_float64_reference) {
@@ -522,6 +736,25 @@ BOOST_AUTO_TEST_CASE(bf16_kernels_match_the_float64_reference) {
   for (Policy p : {none, selective, full}) {
     Run run(gpt::model, "gpt", gpt_kernels::table, p, 2, 0.1, true, Device::cpu, Precision::bf16);
     check_against_reference(run, gpt_reference, 0.1, gpt_bf16, "gpt bf16 " + std::string(policy_name(p).view()));
+  }
+}
+
+// The model zoo (tests/models/zoo_*.cppm: ReLU, SwiGLU, RMSNorm, linears without bias, blocks
+// without a residual, dropout after activations and GEMMs, 5 heads of 2) against the float64
+// reference wired from each model's own layer list, dropout 0.1, fp32 under none and selective
+// and bf16 under none (limits zoo_fp32, zoo_bf16).
+BOOST_AUTO_TEST_CASE(zoo_kernels_match_the_float64_reference) {
+  struct Zoo { const Model *model; const char *name; std::span<const runtime::Kernel> table; Wiring wiring; int samples; };
+  const Zoo zoo[] = {{&zoo_rows::model, "zoo_rows", zoo_rows_kernels::table, [](Reference &r) { zoo_reference(r, zoo_rows::model); }, 9},
+                     {&zoo_gated::model, "zoo_gated", zoo_gated_kernels::table,
+                      [](Reference &r) { zoo_reference(r, zoo_gated::model); }, 3}};
+  for (const Zoo &z : zoo) {
+    for (Policy p : {none, selective}) {
+      Run run(*z.model, z.name, z.table, p, z.samples, 0.1);
+      check_against_reference(run, z.wiring, 0.1, zoo_fp32, std::string(z.name) + " fp32 " + std::string(policy_name(p).view()));
+    }
+    Run run(*z.model, z.name, z.table, none, 4 * z.samples, 0.1, true, Device::cpu, Precision::bf16);
+    check_against_reference(run, z.wiring, 0.1, zoo_bf16, std::string(z.name) + " bf16");
   }
 }
 

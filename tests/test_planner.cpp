@@ -276,7 +276,7 @@ BOOST_AUTO_TEST_CASE(more_mistakes_are_named) {
              "remat: stage 0: repeat(3, ...) needs a block that keeps its width, but it maps 4 features to 8");
   BOOST_TEST(error(make_model(tokens(16, 4), embedding(16, 6), linear(6, 18), causal_self_attention(2),
                               softmax_cross_entropy())) ==
-             "remat: stage 0 layer 2 (causal_self_attention): attention cannot end a block (its backward reads its output)");
+             "remat: stage 0 layer 2 (causal_self_attention): cannot end a block (its backward reads its output)");
   BOOST_TEST(error(make_model(tokens(16, 0), embedding(16, 6), softmax_cross_entropy())) ==
              "remat: tokens(vocab, block_size) needs vocab >= 1 and block_size >= 1");
   BOOST_TEST(error(make_model(input(4), linear(4, 9), causal_self_attention(3), softmax_cross_entropy())) ==

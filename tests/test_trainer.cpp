@@ -194,11 +194,12 @@ BOOST_AUTO_TEST_CASE(bad_datasets_are_one_line_errors) {
   expect_one_line_error("--max-steps 1 --data-dir " + bad_gzip, "gzip");
 }
 
-// The GPT with dropout: every policy, selective included, gives the same gradients.
-BOOST_AUTO_TEST_CASE(gpt_policies_agree_with_dropout) {
+// One step of `program` under every policy with `args`: each keeps measured == planned, no heap
+// allocation, a finite loss; all give the gradients of `none`. Returns the runs by policy.
+std::map<std::string, nlohmann::json> expect_policies_agree(const std::string &program, const std::string &args) {
   std::map<std::string, nlohmann::json> runs;
   for (std::string policy : {"none", "full", "every_n_layers=2", "sqrt_n", "selective"}) {
-    const Result r = train_gpt("--max-steps 1 --json --eval-samples 0 --dropout 0.1 --checkpoint-policy " + policy);
+    const Result r = run(program, args + " --checkpoint-policy " + policy);
     BOOST_TEST_REQUIRE(r.exit_code == 0, r.err);
     runs[policy] = summary(r);
     BOOST_TEST(runs[policy]["measured_peak_bytes"] == runs[policy]["planned_peak_bytes"], policy);
@@ -210,10 +211,22 @@ BOOST_AUTO_TEST_CASE(gpt_policies_agree_with_dropout) {
   }
   for (const auto &[policy, j] : runs)
     BOOST_TEST(j["grad_digest"] == runs["none"]["grad_digest"], policy << " changes the gradients");
+  return runs;
+}
+
+// The Llama-style example (RMSNorm, RoPE, grouped-query attention, SwiGLU, no biases) with
+// attention dropout: every policy gives the same gradients.
+BOOST_AUTO_TEST_CASE(llama_policies_agree_with_dropout) {
+  expect_policies_agree(TRAIN_LLAMA, "--max-steps 1 --json --eval-samples 0 --batch-size 4 --dropout 0.1");
+}
+
+// The GPT with dropout: every policy, selective included, gives the same gradients.
+BOOST_AUTO_TEST_CASE(gpt_policies_agree_with_dropout) {
+  const auto runs = expect_policies_agree(TRAIN_GPT, "--max-steps 1 --json --eval-samples 0 --dropout 0.1");
   // dropout changes the gradients (the mask is applied), and only through the mask
   const Result no_dropout = train_gpt("--max-steps 1 --json --eval-samples 0 --checkpoint-policy selective");
   BOOST_TEST_REQUIRE(no_dropout.exit_code == 0, no_dropout.err);
-  BOOST_TEST(summary(no_dropout)["grad_digest"] != runs["none"]["grad_digest"]);
+  BOOST_TEST(summary(no_dropout)["grad_digest"] != runs.at("none")["grad_digest"]);
 }
 
 // --bf16 as a user runs it: both examples train (the MLP's images go to the arena as bf16), every

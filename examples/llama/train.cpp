@@ -1,0 +1,23 @@
+// Trains the Llama-style character model of llama.cppm on the fortune cookie corpus (Debian's
+// `fortunes`) with the shared remat trainer, then prints a generated sample.
+import remat.runtime;
+import llama;
+import llama.kernels;
+
+int main(int argc, char **argv) {
+  return remat::runtime::train_main(argc, argv,
+                                    {.name = "llama",
+                                     .model = llama::model,
+                                     .default_policy = llama::policy,
+                                     .kernels = llama_kernels::table,
+                                     .cuda_kernels = llama_kernels::cuda_table,
+                                     .data = remat::runtime::text_corpus,
+                                     .default_data_dir = "/usr/share/games/fortunes",
+                                     .default_batch = llama::default_batch,
+                                     .default_max_steps = 1500,
+                                     .default_learning_rate = 2e-3,
+                                     .default_warmup_steps = 100,
+                                     .default_eval_samples = 256,
+                                     .default_eval_steps = 250,
+                                     .sample_length = 400});
+}
