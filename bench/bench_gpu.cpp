@@ -43,10 +43,10 @@ nlohmann::json run_policy(Policy p, int batch, int steps, Precision precision, d
     fmt::print("{:<18} skipped: {}\n", policy_name(p).view(), why);
     return {{"policy", std::string(policy_name(p).view())}, {"skipped", why}};
   }
-  runtime::Arena arena(arena_bytes, runtime::Device::cuda);
-  arena.fill_canary();
-  runtime::Scalars scalars;
-  Executor ex(plan, "gpt2s", gpt2s_kernels::cuda_table, arena, scalars);
+  runtime::Engine engine(plan, "gpt2s", gpt2s_kernels::cuda_table, {.device = runtime::Device::cuda});
+  runtime::Arena &arena = engine.arena;
+  runtime::Scalars &scalars = engine.scalars;
+  Executor &ex = engine.executor;
   std::mt19937_64 rng(1);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
   // everything zero first (the alignment padding between parameters, and their gradients, stays

@@ -35,10 +35,11 @@ struct Config {
 
 struct Case {
   Config config;
-  Plan plan;
-  std::unique_ptr<runtime::Arena> arena;
-  runtime::Scalars scalars;
-  std::unique_ptr<Executor> ex;
+  std::unique_ptr<runtime::Engine> engine;
+  const Plan *plan = nullptr;
+  runtime::Arena *arena = nullptr;
+  runtime::Scalars *scalars = nullptr;
+  Executor *ex = nullptr;
   std::vector<double> ms;
   std::size_t measured_peak = 0;
 };
@@ -51,23 +52,25 @@ void bench(const char *title, const char *name, const Model &model, std::span<co
   for (const Config &config : configs) {
     auto c = std::make_unique<Case>();
     c->config = config;
-    c->plan = make_plan(model, config.policy, batch, config.precision, runtime::gemms_of(runtime::Device::cpu, config.precision));
-    c->arena = std::make_unique<runtime::Arena>(std::max(c->plan.peak_bytes, c->plan.eval_peak_bytes));
-    c->arena->fill_canary();
-    c->ex = std::make_unique<Executor>(c->plan, name, kernels, *c->arena, c->scalars);
+    c->engine = std::make_unique<runtime::Engine>(
+        make_plan(model, config.policy, batch, config.precision, runtime::gemms_of(runtime::Device::cpu, config.precision)), name, kernels);
+    c->plan = &c->engine->plan;
+    c->arena = &c->engine->arena;
+    c->scalars = &c->engine->scalars;
+    c->ex = &c->engine->executor;
     for (auto root : {"params", "adam_m", "adam_v"})
       for (float &x : c->ex->tensor<float>(root)) x = 0.01f * u(rng);
     std::ranges::fill(c->ex->tensor<float>("grads"), 0.f);  // the padding between parameters stays 0
     if (model.token_input())
       for (auto &t : c->ex->tensor<std::int32_t>("inputs")) t = int(rng() % model.input.vocab);
     else {
-      std::vector<float> images(c->plan.tensors[c->plan.find("inputs")].bytes() / c->ex->element_size("inputs"));
+      std::vector<float> images(c->plan->tensors[c->plan->find("inputs")].bytes() / c->ex->element_size("inputs"));
       for (float &x : images) x = u(rng);
       c->ex->set_values("inputs", images);
     }
     for (auto &l : c->ex->tensor<std::int32_t>("labels")) l = int(rng() % model.classes());
-    c->scalars.grad_scale = 1.f / float(c->plan.rows);
-    c->scalars.lr = 1e-4f;
+    c->scalars->grad_scale = 1.f / float(c->plan->rows);
+    c->scalars->lr = 1e-4f;
     cases.push_back(std::move(c));
   }
   for (int r = 0; r <= rounds; ++r)
@@ -80,26 +83,26 @@ void bench(const char *title, const char *name, const Model &model, std::span<co
       else c->ms.push_back(ms);
     }
   auto median = [](std::vector<double> v) { std::ranges::sort(v); return v[v.size() / 2]; };
-  const double base_ms = median(cases[0]->ms), base_act = double(cases[0]->plan.activation_bytes);
+  const double base_ms = median(cases[0]->ms), base_act = double(cases[0]->plan->activation_bytes);
   fmt::print("{}, batch {} ({} rows); median of {} interleaved steps (forward, backward, AdamW)\n", title, batch,
-             cases[0]->plan.rows, rounds);
+             cases[0]->plan->rows, rounds);
   fmt::print("{:<22} {:>9} {:>10} {:>14} {:>14} {:>12} {:>10} {:>9}\n", "policy", "step ms", "rows/s", "activations",
              "planned peak", "measured", "step/none", "act/none");
   for (auto &c : cases) {
     const double ms = median(c->ms);
     fmt::print("{:<22} {:>9.1f} {:>10.0f} {:>10.1f} MiB {:>10.1f} MiB {:>8.1f} MiB {:>10.2f} {:>9.3f}\n",
-               c->config.name(), ms, c->plan.rows * 1000.0 / ms, c->plan.activation_bytes / 1048576.0,
-               c->plan.peak_bytes / 1048576.0, c->measured_peak / 1048576.0, ms / base_ms,
-               c->plan.activation_bytes / base_act);
+               c->config.name(), ms, c->plan->rows * 1000.0 / ms, c->plan->activation_bytes / 1048576.0,
+               c->plan->peak_bytes / 1048576.0, c->measured_peak / 1048576.0, ms / base_ms,
+               c->plan->activation_bytes / base_act);
   }
   for (auto &c : cases)
     if (c->config.policy == full || c->config.policy == selective || c->config.precision == Precision::bf16)
       fmt::print("ratio step({})/step(none) = {:.2f}\n", c->config.name(), median(c->ms) / base_ms);
   fmt::print("\n");
   for (auto &c : cases)
-    if (c->measured_peak != c->plan.peak_bytes)
+    if (c->measured_peak != c->plan->peak_bytes)
       throw std::runtime_error(fmt::format("{} {}: measured peak {} B, planned {} B", name, c->config.name(), c->measured_peak,
-                                           c->plan.peak_bytes));
+                                           c->plan->peak_bytes));
 }
 
 }  // namespace

@@ -93,6 +93,17 @@ constexpr std::uint16_t canary = 0x7FA5u;
 constexpr std::size_t canary_units(std::size_t bytes) { return (bytes + 1) / 2; }
 }  // namespace
 
+namespace {
+Arena &with_canary(Arena &arena, bool canary) {
+  if (canary) arena.fill_canary();
+  return arena;
+}
+}  // namespace
+
+Engine::Engine(Plan p, std::string_view model_name, std::span<const Kernel> kernels, Options options)
+    : plan(std::move(p)), arena(std::max(plan.peak_bytes, plan.eval_peak_bytes), options.device),
+      executor(plan, model_name, kernels, with_canary(arena, options.canary), scalars, options.checks) {}
+
 Arena::Arena(std::size_t size, Device device) : bytes(size), where(device) {
   const std::size_t total = detail::align_up(size + guard_bytes);
   host = static_cast<std::byte *>(std::aligned_alloc(arena_alignment, total));

@@ -179,6 +179,30 @@ private:
   std::unique_ptr<Transfers> transfers;
 };
 
+// What runs one plan: the plan, an arena sized for its training and evaluation peaks (filled
+// with the canary pattern unless asked not to: a kernel reading memory nothing wrote then shows
+// NaN), the kernels' scalars and the executor that walks the plan. The trainer, the sampler, the
+// tests and the benchmarks run models through it.
+class Engine {
+public:
+  struct Options {
+    Device device = Device::cpu;
+    bool canary = true;
+    ExecutorChecks checks = {};
+  };
+  Engine(Plan plan, std::string_view model_name, std::span<const Kernel> kernels, Options options);
+  Engine(Plan plan, std::string_view model_name, std::span<const Kernel> kernels)
+      : Engine(std::move(plan), model_name, kernels, Options{}) {}
+  void train() { executor.run(Executor::Phase::train); }        // one micro-batch: forward, loss, backward
+  void optimize() { executor.run(Executor::Phase::optimize); }  // AdamW on the accumulated gradients
+  void evaluate() { executor.run(Executor::Phase::eval); }      // forward-discard and the loss
+
+  const Plan plan;
+  Arena arena;
+  Scalars scalars;
+  Executor executor;
+};
+
 // Fashion-MNIST style idx files (gzip or plain): images scaled to [0, 1], labels 0..classes-1.
 struct Dataset {
   int rows = 0, width = 0;

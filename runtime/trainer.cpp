@@ -151,10 +151,9 @@ std::string generate(const ModelInfo &info, Device device, Precision precision, 
   const Model &model = info.model;
   const int T = model.input.block_size, V = model.classes();
   const int samples = (min_batch_rows + T - 1) / T;  // the sequence is sample 0; the rest pad the batch
-  const Plan plan = make_plan(model, none, samples, precision, gemms_of(device, precision));
-  Arena arena(std::max(plan.peak_bytes, plan.eval_peak_bytes), device);
-  Scalars scalars;
-  Executor ex(plan, info.name, device == Device::cuda ? info.cuda_kernels : info.kernels, arena, scalars);
+  Engine engine(make_plan(model, none, samples, precision, gemms_of(device, precision)), info.name,
+                device == Device::cuda ? info.cuda_kernels : info.kernels, {.device = device, .canary = false});
+  Executor &ex = engine.executor;
   trained.download("params");
   std::ranges::copy(trained.tensor<float>("params"), ex.tensor<float>("params").begin());
   ex.upload("params");
@@ -341,10 +340,10 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     const long eval_samples = o.eval_samples < 0 ? data->eval_samples() : o.eval_samples;
 
     if (o.save_steps && o.save_snapshot.empty()) throw InputError("--save-steps needs --save-snapshot FILE");
-    Arena arena(arena_bytes, device);
-    arena.fill_canary();
-    Scalars scalars;
-    Executor ex(plan, info.name, device == Device::cuda ? info.cuda_kernels : info.kernels, arena, scalars);
+    Engine engine(plan, info.name, device == Device::cuda ? info.cuda_kernels : info.kernels, {.device = device});
+    Arena &arena = engine.arena;
+    Scalars &scalars = engine.scalars;
+    Executor &ex = engine.executor;
     init_params(plan, ex, o.seed);
     // everything that shapes the sequence of steps; a resume must use the same
     const std::string run_flags = fmt::format(

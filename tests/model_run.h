@@ -14,20 +14,22 @@
 
 struct Run {
   const remat::Model &model;
-  remat::Plan plan;
-  remat::runtime::Arena arena;
-  remat::runtime::Scalars scalars;
-  remat::runtime::Executor ex;
+  remat::runtime::Engine engine;
+  const remat::Plan &plan;
+  remat::runtime::Arena &arena;
+  remat::runtime::Scalars &scalars;
+  remat::runtime::Executor &ex;
   // canary: the arena starts filled with the canary (NaN) pattern, so a kernel reading a tensor
   // that nothing wrote shows in the gradients
   Run(const remat::Model &m, std::string_view name, std::span<const remat::runtime::Kernel> kernels, remat::Policy p,
       int samples, double dropout = 0, bool canary = false,
       remat::runtime::Device device = remat::runtime::Device::cpu,
       remat::Precision precision = remat::Precision::fp32)
-      : model(m), plan(remat::make_plan(m, p, samples, precision, remat::runtime::gemms_of(device, precision))), arena(std::max(plan.peak_bytes, plan.eval_peak_bytes), device),
-        ex(plan, name, kernels, arena, scalars) {
+      : model(m),
+        engine(remat::make_plan(m, p, samples, precision, remat::runtime::gemms_of(device, precision)), name, kernels,
+               {.device = device, .canary = canary}),
+        plan(engine.plan), arena(engine.arena), scalars(engine.scalars), ex(engine.executor) {
     using namespace remat;
-    if (canary) arena.fill_canary();
     // parameters, their gradients (the alignment padding between parameters is never written by
     // a kernel) and the AdamW moments start at zero, as the trainer's do
     for (auto root : {"params", "grads", "adam_m", "adam_v"}) std::ranges::fill(ex.tensor<float>(root), 0.f);
