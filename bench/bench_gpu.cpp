@@ -47,17 +47,11 @@ nlohmann::json run_policy(Policy p, int batch, int steps, Precision precision, d
   runtime::Arena &arena = engine.arena;
   runtime::Scalars &scalars = engine.scalars;
   Executor &ex = engine.executor;
+  engine.init_params(1);  // as the trainer starts them
   std::mt19937_64 rng(1);
-  std::uniform_real_distribution<float> u(-1.f, 1.f);
-  // everything zero first (the alignment padding between parameters, and their gradients, stays
-  // 0, as the trainer's init_params leaves it), then each parameter's values
-  for (auto root : {"params", "grads", "adam_m", "adam_v"}) std::ranges::fill(ex.tensor<float>(root), 0.f);
-  for (const Tensor &t : plan.tensors)
-    if (t.role == Role::params && t.view_of >= 0 && t.name.view().find('.') != std::string_view::npos)
-      for (float &x : ex.tensor<float>(t.name.view())) x = 0.02f * u(rng);
   for (auto &t : ex.tensor<std::int32_t>("inputs")) t = int(rng() % gpt2s::vocab);
   for (auto &l : ex.tensor<std::int32_t>("labels")) l = int(rng() % gpt2s::vocab);
-  for (auto name : {"params", "grads", "adam_m", "adam_v", "inputs", "labels"}) ex.upload(name);
+  for (auto name : {"inputs", "labels"}) ex.upload(name);
   scalars.grad_scale = 1.f / float(plan.rows);
   scalars.lr = 1e-4f;
   scalars.step = 1;

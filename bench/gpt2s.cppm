@@ -1,7 +1,7 @@
 // The GPT of examples/gpt at GPT-2-small shape, for the GPU benchmark: 12 blocks, 768 wide, 12
 // heads, T = 1024, GPT-2's vocabulary padded to 50304 (a multiple of 64, as nanoGPT does).
 export module gpt2s;
-import remat;
+import remat.language;
 
 export namespace gpt2s {
 inline constexpr int vocab = 50304, block_size = 1024;

@@ -1,7 +1,8 @@
 # remat_add_model(<name> MODULE <file.cppm>)
 #
 # <file.cppm> declares `export module <name>;` with `<name>::model` (a checked remat::Model) and
-# `<name>::policy` (its default checkpoint policy). This builds the model compiler for it, runs it
+# `<name>::policy` (its default checkpoint policy), importing remat.language only (what the
+# kernels depend on: facts about plans belong in the trainer, which imports remat). This builds the model compiler for it, runs it
 # at build time and yields the library <name>_kernels, whose C++ module `<name>.kernels` exports
 # the kernel tables (`table` for the CPU, `cuda_table` for CUDA); trainers link it and `import <name>.kernels;`.
 # OPENCL: also generate the GPU schedules for OpenCL (table `opencl_table`), for the tests that
@@ -14,7 +15,7 @@ function(remat_add_model name)
   endif()
   add_library(${name}_model STATIC)
   target_sources(${name}_model PUBLIC FILE_SET CXX_MODULES FILES ${ARG_MODULE})
-  target_link_libraries(${name}_model PUBLIC remat_dsl)
+  target_link_libraries(${name}_model PUBLIC remat_language)
 
   set(main ${CMAKE_CURRENT_BINARY_DIR}/${name}_modelc_main.cpp)
   file(CONFIGURE OUTPUT ${main} CONTENT

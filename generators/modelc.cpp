@@ -15,11 +15,12 @@ module;
 #include <functional>
 #include <map>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
 module remat.modelc;
-import remat;
+import remat.tensors;
 
 namespace remat::modelc {
 namespace {
@@ -43,31 +44,51 @@ Func widened(Func f) {
   return w;
 }
 
-// Buffers with static feature widths and a dynamic batch; every kernel argument of one pipeline.
-// Tensors are fp32 unless the precision makes them narrower (element_bytes, as the planner).
+Type halide_type(Element e) {
+  switch (e) {
+  case Element::f32: return Float(32);
+  case Element::bf16: return UInt(16);  // the bits
+  case Element::i32: return Int(32);
+  case Element::u64: return UInt(64);
+  case Element::boolean: return Bool();
+  }
+  return Float(32);
+}
+
+// A kernel's Halide arguments, declared from its signature (remat::signature) in its order:
+// scalars and input buffers here, output buffers checked and ordered by outputs(). Buffers have
+// static feature widths and a dynamic row count (the outermost dimension).
 class Arguments {
 public:
-  explicit Arguments(Precision precision) : precision(precision) {}
-  ImageParam tensor(const LocalTensor &lt) {
-    return tensor(str(lt.name), lt.dims, lt.extent, element_bytes(lt, precision) == 2 ? UInt(16) : Float(32));
-  }
-  // The tensor as float values (a bf16 tensor is widened where it is read).
-  Func read(const LocalTensor &lt) { return widened(tensor(lt)); }
-  ImageParam tensor(const std::string &name, int dims, std::array<int, 2> extent,
-                    std::optional<Type> type = {}) {
-    if (auto it = images.find(name); it != images.end()) return it->second;
-    ImageParam ip(type.value_or(Float(32)), dims, name);
-    constrain(ip, dims, extent);
-    images.emplace(name, ip);
-    order.push_back(ip);
-    return ip;
-  }
-  Param<bool> &flag(const std::string &name) {
-    if (!flags.count(name)) {
-      flags.emplace(name, Param<bool>(name));
-      order.push_back(flags.at(name));
+  Arguments(std::vector<KernelArg> signature, Precision precision)
+      : signature(std::move(signature)), precision(precision) {
+    for (const KernelArg &a : this->signature) {
+      if (a.access == Access::write) continue;
+      const std::string name = str(a.tensor.name);
+      if (a.is_scalar()) {
+        Parameter p(halide_type(a.element), false, 0, name);
+        scalars.emplace(a.scalar, Internal::Variable::make(p.type(), name, p));
+        order.push_back(Argument(name, Argument::InputScalar, p.type(), 0, p.get_argument_estimates()));
+        parameters.push_back(p);
+      } else {
+        ImageParam ip(halide_type(a.element), a.tensor.dims, name);
+        constrain(ip, a.tensor.dims, a.tensor.extent);
+        images.emplace(name, ip);
+        order.push_back(ip);
+      }
     }
-    return flags.at(name);
+  }
+  // An input buffer of the signature.
+  ImageParam tensor(const std::string &name) const {
+    if (auto it = images.find(name); it != images.end()) return it->second;
+    throw std::runtime_error("the kernel reads " + name + ", which its signature does not list");
+  }
+  ImageParam tensor(const LocalTensor &lt) const { return tensor(str(lt.name)); }
+  // The tensor as float values (a bf16 tensor is widened where it is read).
+  Func read(const LocalTensor &lt) const { return widened(tensor(lt)); }
+  Expr scalar(Scalar s) const {
+    if (auto it = scalars.find(s); it != scalars.end()) return it->second;
+    throw std::runtime_error("the kernel reads the scalar " + std::string(info(s).name) + ", which its signature does not list");
   }
   template <class P> static void constrain(P &&p, int dims, std::array<int, 2> extent) {
     long long stride = 1;
@@ -81,11 +102,52 @@ public:
       }
     }
   }
+  // The pipeline's outputs in the signature's order, with its layouts and element types: every
+  // output buffer of the signature written by exactly one of `written`, and nothing else.
+  std::vector<Func> outputs(const std::vector<Func> &written) const {
+    std::map<std::string, Func> by_name;
+    for (const Func &f : written) {
+      const std::string name = f.name().substr(0, f.name().find('$'));  // Halide may add $<n> to a reused name
+      if (!by_name.emplace(name, f).second) throw std::runtime_error("the kernel writes " + name + " twice");
+    }
+    std::vector<Func> out;
+    for (std::size_t i = 0; i < signature.size(); ++i) {
+      const KernelArg &a = signature[i];
+      if (a.access != Access::write) continue;
+      std::string name = str(a.tensor.name);
+      const std::size_t dot = name.find('.');  // a Tuple's element (adamw.0): the Func's name
+      const bool element = dot != std::string::npos;
+      if (element && name.substr(dot + 1) != "0") continue;  // written with its first element
+      if (element) name = name.substr(0, dot);
+      auto it = by_name.find(name);
+      if (it == by_name.end())
+        throw std::runtime_error("the signature lists the output " + name + ", which the kernel does not write");
+      const Func f = it->second;
+      by_name.erase(it);
+      for (std::size_t k = 0; k < f.output_buffers().size(); ++k) {
+        const KernelArg &ak = signature[i + k];
+        if (f.types()[k] != halide_type(ak.element))
+          throw std::runtime_error("the kernel writes " + name + " as " + type_name(f.types()[k]) + ", its signature says " +
+                                   type_name(halide_type(ak.element)));
+      }
+      constrain(f.output_buffers()[0], a.tensor.dims, a.tensor.extent);  // a Tuple's others follow the first
+      out.push_back(f);
+    }
+    if (!by_name.empty()) throw std::runtime_error("the kernel writes " + by_name.begin()->first + ", which its signature does not list");
+    return out;
+  }
+  static std::string type_name(Type t) {
+    std::ostringstream o;
+    o << t;
+    return o.str();
+  }
 
+  std::vector<KernelArg> signature;
   Precision precision;
   std::map<std::string, ImageParam> images;
-  std::map<std::string, Param<bool>> flags;
-  std::vector<Argument> order;
+  std::map<Scalar, Expr> scalars;
+  std::vector<Parameter> parameters;
+  std::vector<Argument> order;  // the scalars and inputs, for compile_to_module
 };
 
 // A linear whose output only feeds a dropout / residual chain: the chain is applied in the
@@ -144,47 +206,36 @@ const KindRules &rules_of(Op op);
 
 class StageKernels {
 public:
-  StageKernels(const Model &model, int stage, const Target &target, Precision precision)
+  // The kernel of stage `stage` of this variant, for a target (whose kind sets the GEMMs).
+  StageKernels(const Model &model, int stage, Variant variant, const Target &target, Precision precision)
       : blk(model.stages[stage]), stage(stage), needs_dx(needs_input_grad(model, stage)),
-        token_input(model.token_input()), precision(precision),
-        gemms(target.has_gpu_feature() || precision == Precision::fp32 ? Gemms::library : Gemms::halide),  // runtime::gemms_of
+        token_input(model.token_input()), precision(precision), variant(variant),
+        gemms(gemms_for(target.has_gpu_feature(), precision)),
         extern_device(target.has_feature(Target::CUDA)     ? DeviceAPI::CUDA
                       : target.has_feature(Target::OpenCL) ? DeviceAPI::OpenCL
                                                            : DeviceAPI::Host),
-        args(precision),
+        args(signature(model, stage, variant, precision, gemms), precision),
         L(Float(32), v, precision == Precision::bf16), tr(L, model.rows_per_sample()),
         sched(target, v) {
     for (int k = 0; k < blk.n_layers; ++k)
       if (kind(blk.layers[k].op).draws_masks) {
-        Param<uint64_t> seed("seed"), threshold("drop_threshold");
-        Param<int> step("step"), site("rng_block");
-        Param<float> scale("drop_scale");
-        for (Argument a : {seed.operator Argument(), step.operator Argument(), site.operator Argument(),
-                           threshold.operator Argument(), scale.operator Argument()})
-          args.order.push_back(a);
-        drop = gen::Dropout(seed, step, site, threshold, scale);
+        drop = gen::Dropout(args.scalar(Scalar::seed), args.scalar(Scalar::step), args.scalar(Scalar::rng_block),
+                            args.scalar(Scalar::drop_threshold), args.scalar(Scalar::drop_scale));
         break;
       }
   }
 
-  Pipeline forward(Keep keep) {
-    const KernelTensors tensors = forward_tensors(blk, keep, gemms, precision);
+  Pipeline build() {
+    const bool backward = is_backward(variant);
+    const KernelTensors tensors = backward ? backward_tensors(blk, keep_of(variant), needs_dx, gemms, precision)
+                                           : forward_tensors(blk, keep_of(variant), gemms, precision);
     std::vector<Func> outs;
-    begin(tensors, false, outs);
+    begin(tensors, backward, outs);
     write_weight_copies();
     build_forward();
-    outs.insert(outs.begin(), f.y);
-    return Pipeline(outs);
-  }
-
-  Pipeline backward(Keep keep) {
-    const KernelTensors tensors = backward_tensors(blk, keep, needs_dx, gemms, precision);
-    std::vector<Func> outs;
-    begin(tensors, true, outs);
-    write_weight_copies();
-    build_forward();
-    build_backward();
-    return Pipeline(outs);
+    if (backward) build_backward();
+    else outs.push_back(f.y);
+    return Pipeline(args.outputs(outs));
   }
 
   std::vector<Argument> arguments() const { return args.order; }
@@ -200,11 +251,7 @@ public:
   void add_grad(int j, Contribution c) {
     if (flows(j)) grads[j].push_back(std::move(c));
   }
-  Func param(int k, const char *which) {
-    for (const LocalTensor &lt : params(blk))
-      if (lt.name == cat("p", k, "_", which)) return args.tensor(lt);
-    throw std::runtime_error("no parameter");
-  }
+  Func param(int k, const char *which) { return args.tensor(str(cat("p", k, "_", which))); }
   std::pair<std::string, LocalTensor> grad_of(int k, const char *which) {
     for (const LocalTensor &lt : params(blk))
       if (lt.name == cat("p", k, "_", which)) return {str(grad_name(lt.name)), lt};
@@ -212,8 +259,8 @@ public:
   }
   // Accumulating parameter gradient: g = (accumulate ? g_prev : 0) + new.
   Expr accumulated(const std::string &grad, const LocalTensor &lt, Expr value, std::vector<Expr> at) {
-    ImageParam prev = args.tensor(grad + "_prev", lt.dims, lt.extent);
-    return select(args.flag("accumulate"), prev(at), L.constant(0)) + value;
+    ImageParam prev = args.tensor(grad + "_prev");
+    return select(args.scalar(Scalar::accumulate), prev(at), L.constant(0)) + value;
   }
   // Writes a 1-D parameter gradient made of a column sum over rows (`sum`, scheduled here).
   void write_column_sum_grad(int k, const char *which, Func sum, int width) {
@@ -224,11 +271,8 @@ public:
     output(g, spec);
   }
   gen::Dropout dropout_at(int k) const { return drop.enabled ? drop.at(drop.block + k) : drop; }
-  // Output buffers get the same layout constraints as inputs.
-  void output(Func fn, const LocalTensor &lt) {
-    Arguments::constrain(fn.output_buffer(), lt.dims, lt.extent);
-    outputs->push_back(fn);
-  }
+  // An output of the kernel (its layout comes from the signature, which must list it).
+  void output(Func fn, const LocalTensor &) { outputs->push_back(fn); }
   // Whether the plan saved a tensor of this kernel (then a backward kernel reads it).
   bool saved(const Name &name) const { return building_backward && listed(kt->saved, name); }
   static bool listed(const std::vector<LocalTensor> &list, const Name &name) {
@@ -308,6 +352,7 @@ public:
   int stage;
   bool needs_dx, token_input;
   Precision precision;
+  Variant variant;
   Gemms gemms;
   DeviceAPI extern_device;     // the device of a library GEMM's buffers (host, CUDA, or OpenCL for the tests)
   std::map<std::string, Func> copies;  // bf16 parameter copies, by name
@@ -332,8 +377,7 @@ private:
     outputs = &outs;
   }
   Func x_stored() {
-    if (token_input && stage == 0) return args.tensor("x", 1, {-1, 0}, Int(32));
-    return args.tensor(rows("x", blk.in()));
+    return args.tensor("x");
   }
   // Every parameter copy the plan gives the kernel is written, used or not (the plan counts it).
   void write_weight_copies() {
@@ -394,7 +438,6 @@ private:
       if (b.pending) continue;
       if (last) {
         if (!b.scheduled) sched.pointwise(b.out);
-        Arguments::constrain(b.out.output_buffer(), 2, {l.out, -1});
         f.y = b.out;
       } else {
         f.stored[j] = b.out;
@@ -465,9 +508,9 @@ private:
   }
 
   void build_backward() {
-    Func dy_stored = args.tensor(rows("dy", blk.out()));
-    batch = (token_input && stage == 0) ? args.tensor("x", 1, {-1, 0}, Int(32)).dim(0).extent()
-                                        : args.tensor(rows("x", blk.in())).dim(1).extent();
+    Func dy_stored = args.tensor("dy");
+    const ImageParam x = args.tensor("x");
+    batch = x.dim(x.dimensions() - 1).extent();
     grads.clear();
     for (int k = blk.n_layers - 1; k >= 0; --k) {
       const Layer &l = blk.layers[k];
@@ -495,37 +538,25 @@ namespace {
 
 // Cross-entropy over the classes of each row. row_max and row_lse are small per-row outputs so
 // that the kernel allocates nothing of its own.
-Pipeline loss_kernel(int classes, Arguments &args, const Target &target) {
+Pipeline loss_kernel(int classes, const Arguments &args, const Target &target) {
   gen::Vars v;
   Layers L(Float(32), v, args.precision == Precision::bf16);
   Scheduler sched(target, v);
-  Func logits = args.read(rows("logits", classes));
-  ImageParam labels = args.tensor("labels", 1, {-1, 0}, Int(32));
-  Param<float> scale("grad_scale");
-  args.order.push_back(scale);
-  auto ce = L.cross_entropy(logits, labels, classes, scale);
+  auto ce = L.cross_entropy(args.read(rows("logits", classes)), args.tensor("labels"), classes,
+                            args.scalar(Scalar::grad_scale));
   sched.cross_entropy(ce);
-  std::vector<Func> outs = {ce.dlogits, ce.row_loss, ce.row_correct, ce.row_max, ce.row_lse};
-  Arguments::constrain(ce.dlogits.output_buffer(), 2, {classes, -1});
-  for (size_t i = 1; i < outs.size(); ++i) Arguments::constrain(outs[i].output_buffer(), 1, {-1, 0});
-  return Pipeline(outs);
+  return Pipeline(args.outputs({ce.dlogits, ce.row_loss, ce.row_correct, ce.row_max, ce.row_lse}));
 }
 
 // AdamW over a flat range, in place: p, m, v are read and written at the same element.
-Pipeline adamw_kernel(Arguments &args, const Target &target) {
+Pipeline adamw_kernel(const Arguments &args, const Target &target) {
   gen::Vars v;
   Layers L(Float(32), v);
-  ImageParam p = args.tensor("p", 1, {-1, 0}), g = args.tensor("g", 1, {-1, 0}),
-             m = args.tensor("m", 1, {-1, 0}), var = args.tensor("v", 1, {-1, 0});
-  std::vector<Param<float>> s;
-  for (const char *name : {"lr", "beta1", "beta2", "eps", "weight_decay", "bias1", "bias2"}) {
-    s.emplace_back(name);
-    args.order.push_back(s.back());
-  }
-  Func upd = L.adamw(p, g, m, var, s[0], s[1], s[2], s[3], s[4], s[5], s[6]);
+  auto s = [&](Scalar x) { return args.scalar(x); };
+  Func upd = L.adamw(args.tensor("p"), args.tensor("g"), args.tensor("m"), args.tensor("v"), s(Scalar::lr), s(Scalar::beta1),
+                     s(Scalar::beta2), s(Scalar::eps), s(Scalar::weight_decay), s(Scalar::bias1), s(Scalar::bias2));
   Scheduler(target, v).flat(upd);
-  Arguments::constrain(upd.output_buffers()[0], 1, {-1, 0});  // the others follow the first
-  return Pipeline(upd);
+  return Pipeline(args.outputs({upd}));
 }
 
 // Writes `text` only when it differs, so that Ninja skips whatever depends on an unchanged file.
@@ -574,8 +605,12 @@ struct Emitter {
       suffixes.push_back(t.has_feature(Target::AVX512) ? "avx512" : "avx2");
     }
     compile_multitarget(symbol, files, no_runtime, suffixes, [&](const std::string &fn, const Target &t) {
-      auto [pipeline, args] = build(t);
-      return pipeline.compile_to_module(args, fn, t);
+      try {
+        auto [pipeline, args] = build(t);
+        return pipeline.compile_to_module(args, fn, t);
+      } catch (const std::runtime_error &e) {
+        throw std::runtime_error(name + ": " + e.what());
+      }
     });
     if (targets.size() == 1) {
       objects.push_back(prefix + ".o");
@@ -598,23 +633,21 @@ struct Emitter {
             if (!checkpointable && (keep == Keep::selective || (backward && keep == Keep::nothing))) continue;
             const Variant variant = backward ? backward_variant(keep) : forward_variant(keep);
             emit(str(kernel_name(name, s, variant, precision)), targets, [&](const Target &t) {
-              StageKernels k(model, s, t, precision);
-              Pipeline p = backward ? k.backward(keep) : k.forward(keep);
+              StageKernels k(model, s, variant, t, precision);
+              Pipeline p = k.build();
               return std::pair{p, k.arguments()};
             });
           }
         }
       }
       emit(str(kernel_name(name, 0, Variant::loss, precision)), targets, [&](const Target &t) {
-        Arguments args(precision);
-        Pipeline p = loss_kernel(model.classes(), args, t);
-        return std::pair{p, args.order};
+        const Arguments args(signature(model, -1, Variant::loss, precision, gemms_for(t.has_gpu_feature(), precision)), precision);
+        return std::pair{loss_kernel(model.classes(), args, t), args.order};
       });
     }
     emit(str(kernel_name(name, 0, Variant::adamw)), targets, [&](const Target &t) {
-      Arguments args(Precision::fp32);
-      Pipeline p = adamw_kernel(args, t);
-      return std::pair{p, args.order};
+      const Arguments args(signature(model, -1, Variant::adamw, Precision::fp32, Gemms::library), Precision::fp32);
+      return std::pair{adamw_kernel(args, t), args.order};
     });
   }
 };

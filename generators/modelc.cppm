@@ -5,7 +5,7 @@
 module;
 #include <string_view>
 export module remat.modelc;
-import remat;
+import remat.language;
 
 export namespace remat::modelc {
 // Command line: <exe> --out DIR --cpu-target TARGET. Returns the process exit code.

@@ -11,7 +11,7 @@ module;
 #include <sstream>
 #include <string>
 #include <vector>
-module remat.runtime;
+module remat.trainer;
 import remat;
 
 namespace remat::runtime {

@@ -93,19 +93,8 @@ constexpr std::uint16_t canary = 0x7FA5u;
 constexpr std::size_t canary_units(std::size_t bytes) { return (bytes + 1) / 2; }
 }  // namespace
 
-namespace {
-Arena &with_canary(Arena &arena, bool canary) {
-  if (canary) arena.fill_canary();
-  return arena;
-}
-}  // namespace
-
-Engine::Engine(Plan p, std::string_view model_name, std::span<const Kernel> kernels, Options options)
-    : plan(std::move(p)), arena(std::max(plan.peak_bytes, plan.eval_peak_bytes), options.device),
-      executor(plan, model_name, kernels, with_canary(arena, options.canary), scalars, options.checks) {}
-
 Arena::Arena(std::size_t size, Device device) : bytes(size), where(device) {
-  const std::size_t total = detail::align_up(size + guard_bytes);
+  const std::size_t total = align_up(size + guard_bytes);
   host = static_cast<std::byte *>(std::aligned_alloc(arena_alignment, total));
   if (!host) throw std::runtime_error(fmt::format("cannot allocate an arena of {} bytes", size));
   if (device == Device::cuda) {
@@ -207,16 +196,24 @@ const Kernel &find_kernel(std::span<const Kernel> kernels, const Name &name) {
   throw std::runtime_error(fmt::format("kernel {} is not in the generated kernel table", name.view()));
 }
 
-void *scalar_field(Scalars &s, std::string_view name) {
-  const std::pair<std::string_view, void *> fields[] = {
-      {"accumulate", &s.accumulate}, {"grad_scale", &s.grad_scale}, {"lr", &s.lr},
-      {"beta1", &s.beta1},           {"beta2", &s.beta2},           {"eps", &s.eps},
-      {"weight_decay", &s.weight_decay}, {"bias1", &s.bias1},       {"bias2", &s.bias2},
-      {"seed", &s.seed},             {"step", &s.step},             {"drop_threshold", &s.drop_threshold},
-      {"drop_scale", &s.drop_scale}};
-  for (auto [n, p] : fields)
-    if (n == name) return p;
-  throw std::runtime_error(fmt::format("no value for the scalar kernel argument {}", name));
+void *scalar_field(Scalars &s, Scalar which) {
+  switch (which) {
+  case Scalar::accumulate: return &s.accumulate;
+  case Scalar::grad_scale: return &s.grad_scale;
+  case Scalar::lr: return &s.lr;
+  case Scalar::beta1: return &s.beta1;
+  case Scalar::beta2: return &s.beta2;
+  case Scalar::eps: return &s.eps;
+  case Scalar::weight_decay: return &s.weight_decay;
+  case Scalar::bias1: return &s.bias1;
+  case Scalar::bias2: return &s.bias2;
+  case Scalar::seed: return &s.seed;
+  case Scalar::step: return &s.step;
+  case Scalar::drop_threshold: return &s.drop_threshold;
+  case Scalar::drop_scale: return &s.drop_scale;
+  case Scalar::rng_block: break;  // per call: the executor's
+  }
+  return nullptr;
 }
 }  // namespace
 
@@ -314,31 +311,34 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
     b->rng_block = st.rng_block;
     b->flops = st.flops;
     b->kernel = &find_kernel(kernels, kernel_name(model_name, st.stage, st.variant, plan.precision));
+    // The kernel's arguments are the step's, position by position (its signature's order:
+    // scalars, then buffers read, then buffers written); the metadata only confirms it.
     const halide_filter_metadata_t *md = b->kernel->metadata();
-    std::vector<bool> bound(st.args.size());  // which plan arguments a kernel argument took
+    const int n_scalars = int(st.scalars.size());
+    if (md->num_arguments != n_scalars + int(st.args.size()))
+      throw std::runtime_error(fmt::format("{}: the kernel has {} arguments, the plan's step {} (a stale build?)", b->kernel->name,
+                                           md->num_arguments, n_scalars + st.args.size()));
     b->buffers.resize(md->num_arguments);
     b->shapes.resize(md->num_arguments);
     b->argv.resize(md->num_arguments);
     for (int a = 0; a < md->num_arguments; ++a) {
       const halide_filter_argument_t &arg = md->arguments[a];
-      if (arg.kind == halide_argument_kind_input_scalar) {
-        const std::string_view scalar = arg.name;
-        b->argv[a] = scalar == "rng_block"                             ? &b->rng_block
-                     : scalar == "weight_decay" && !st.weight_decay ? &b->no_weight_decay
-                                                                    : scalar_field(scalars, arg.name);
+      if (a < n_scalars) {
+        const Scalar which = st.scalars[a];
+        const ScalarInfo &expected = info(which);
+        if (arg.kind != halide_argument_kind_input_scalar || arg.type.bytes() != element_bytes(expected.element))
+          throw std::runtime_error(fmt::format("{}: argument {} ({}) is not the scalar {} of the signature", b->kernel->name, a,
+                                               arg.name, expected.name));
+        b->argv[a] = which == Scalar::rng_block                            ? &b->rng_block
+                     : which == Scalar::weight_decay && !st.weight_decay ? &b->no_weight_decay
+                                                                        : scalar_field(scalars, which);
         continue;
       }
-      const std::string arg_name = plan_argument_name(arg.name);
-      auto it = std::find_if(st.args.begin(), st.args.end(),
-                             [&](const Arg &x) { return x.name.view() == arg_name; });
-      if (it == st.args.end())
-        throw std::runtime_error(fmt::format("{}: the plan binds no tensor to argument {}",
-                                             b->kernel->name, arg.name));
-      bound[it - st.args.begin()] = true;
+      const Arg *it = &st.args[a - n_scalars];
       const bool written = arg.kind == halide_argument_kind_output_buffer;
-      if (written != (it->access == Access::write))
-        throw std::runtime_error(fmt::format("{}: the plan says argument {} is {}, the kernel {} it", b->kernel->name,
-                                             arg.name, written ? "read" : "written", written ? "writes" : "reads"));
+      if (arg.kind == halide_argument_kind_input_scalar || written != (it->access == Access::write))
+        throw std::runtime_error(fmt::format("{}: argument {} ({}) is not the {} buffer {} of the plan", b->kernel->name, a,
+                                             arg.name, it->access == Access::write ? "written" : "read", it->name.view()));
       const Tensor &t = plan.tensors[it->tensor];
       b->bytes += t.bytes();
       if (t.dims != arg.dimensions || t.elem_bytes != arg.type.bytes())
@@ -370,13 +370,6 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
       (arg.kind == halide_argument_kind_output_buffer ? b->outputs : b->inputs).push_back(a);
       b->argv[a] = &buf;
     }
-    // A tensor the plan says this step writes must be an output of the kernel (the planner's
-    // replay counts it as written). Reads may go unused: every backward is handed all of its
-    // block's parameters, and some kernels do not need them all (a bias, say).
-    for (std::size_t i = 0; i < st.args.size(); ++i)
-      if (!bound[i] && st.args[i].access == Access::write)
-        throw std::runtime_error(fmt::format("{}: the kernel has no output {} that the plan writes to {}", b->kernel->name,
-                                             st.args[i].name.view(), plan.tensors[st.args[i].tensor].name.view()));
     return b;
   };
   if (kernels.empty())
@@ -669,38 +662,6 @@ void Scalars::set_dropout(double p) {
 }
 
 // ---- small helpers -----------------------------------------------------------------------------
-std::string plan_argument_name(std::string_view halide_name) {
-  std::string name(halide_name);
-  if (const auto dollar = name.find('$'); dollar != std::string::npos) {
-    auto end = dollar + 1;
-    while (end < name.size() && std::isdigit((unsigned char)name[end])) ++end;
-    name.erase(dollar, end - dollar);
-  }
-  return name;
-}
-
-Policy parse_policy(std::string_view text) {
-  if (text == "none") return none;
-  if (text == "full") return full;
-  if (text == "sqrt_n") return sqrt_n;
-  if (text == "selective") return selective;
-  constexpr std::string_view every = "every_n_layers=";
-  if (text.starts_with(every)) {
-    const auto digits = text.substr(every.size());
-    int n = 0;
-    bool ok = !digits.empty() && digits.size() < 9;
-    for (char c : digits) {
-      ok = ok && c >= '0' && c <= '9';
-      n = n * 10 + (c - '0');
-    }
-    if (!ok || n < 1)
-      throw InputError(fmt::format("--checkpoint-policy {}: every_n_layers needs a whole number N >= 1", text));
-    return {Policy::Kind::every_n_layers, n};
-  }
-  throw InputError(fmt::format(
-      "--checkpoint-policy {}: unknown policy (use none, full, every_n_layers=N, sqrt_n or selective)", text));
-}
-
 std::string digest(std::span<const std::byte> bytes) {
   std::uint64_t h = 1469598103934665603ull;
   for (std::byte b : bytes) {

@@ -1,5 +1,7 @@
 // module remat.runtime: runs a plan. One arena sized by the plan, an executor that walks the
-// plan's steps calling generated Halide kernels, data sources and the shared trainer loop.
+// plan's steps calling generated Halide kernels, and the Engine that holds them with the
+// parameter init and snapshots. No CLI, report or data code (module remat.trainer has those):
+// what another project links to run a model.
 module;
 #include <HalideRuntime.h>
 
@@ -8,6 +10,7 @@ module;
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <iosfwd>
 #include <map>
 #include <memory>
@@ -74,12 +77,10 @@ using remat::float_to_bf16;
 // opencl: the GPU schedules run through OpenCL from host memory (Halide copies each input to the
 // device and the executor copies each output back), so tests check them on PoCL without a GPU.
 enum class Device { cpu, cuda, opencl };
-// Which GEMMs a device's kernels run (plans must agree with the model compiler, generators/modelc.cpp):
-// a library everywhere (MKL on the CPU, cuBLASLt on CUDA), but Halide's on the CPU in bf16, where
+// Which GEMMs a device's kernels run (remat::gemms_for, which the model compiler uses too): a
+// library everywhere (MKL on the CPU, cuBLASLt on CUDA), but Halide's on the CPU in bf16, where
 // MKL's bf16 GEMM on CPUs without native bf16 converts whole operands in buffers of their size.
-constexpr Gemms gemms_of(Device d, Precision p) {
-  return d == Device::cpu && p == Precision::bf16 ? Gemms::halide : Gemms::library;
-}
+constexpr Gemms gemms_of(Device d, Precision p) { return gemms_for(d != Device::cpu, p); }
 
 // The arena: one allocation of the plan's size, in host memory (CPU) or device memory (CUDA,
 // one cudaMalloc; a host mirror of the same size holds what the trainer reads and writes, moved
@@ -179,6 +180,16 @@ private:
   std::unique_ptr<Transfers> transfers;
 };
 
+// Snapshots: parameters, AdamW moments, the step, the seed, the run's shaping flags and the data
+// stream's state, so that a run resumed with the same flags repeats the uninterrupted one exactly
+// (a resume with other flags is refused).
+struct SnapshotState {
+  long step = 0;
+  std::uint64_t seed = 0;
+  std::string run;   // the flags that shape the run (steps, batch, schedule...); must match on resume
+  std::string data;  // DataSource::state()
+};
+
 // What runs one plan: the plan, an arena sized for its training and evaluation peaks (filled
 // with the canary pattern unless asked not to: a kernel reading memory nothing wrote then shows
 // NaN), the kernels' scalars and the executor that walks the plan. The trainer, the sampler, the
@@ -196,107 +207,25 @@ public:
   void train() { executor.run(Executor::Phase::train); }        // one micro-batch: forward, loss, backward
   void optimize() { executor.run(Executor::Phase::optimize); }  // AdamW on the accumulated gradients
   void evaluate() { executor.run(Executor::Phase::eval); }      // forward-discard and the loss
+  // Every parameter as its kind's Init says (uniform_fan_in: U(-1/sqrt(fan in), 1/sqrt(fan in))
+  // from a 64-bit Mersenne Twister seeded with `seed`, in plan order; ones; zeros), gradients and
+  // AdamW moments zero (the alignment padding between parameters too), uploaded.
+  void init_params(std::uint64_t seed);
+  // A snapshot (the parameters, the AdamW moments and `state`) to `path`, written to <path>.tmp
+  // and renamed; load() checks that it is one of this model, with as many parameters, and whole.
+  void save(const std::string &path, const SnapshotState &state);
+  SnapshotState load(const std::string &path);
 
+  const std::string model_name;
   const Plan plan;
   Arena arena;
   Scalars scalars;
   Executor executor;
 };
 
-// Fashion-MNIST style idx files (gzip or plain): images scaled to [0, 1], labels 0..classes-1.
-struct Dataset {
-  int rows = 0, width = 0;
-  std::vector<float> images;
-  std::vector<std::int32_t> labels;
-};
-Dataset load_idx(const std::string &images_path, const std::string &labels_path, int classes);
-
-// A text corpus as byte tokens (bytes >= vocab become '?'), split into train and validation.
-struct Corpus {
-  std::vector<std::int32_t> train, val;
-  std::size_t files = 0;
-};
-// Every regular file of `dir` (sorted; fortune's .dat/.u8 index files skipped), concatenated.
-Corpus load_corpus(const std::string &dir, int vocab, double val_fraction);
-
-// Where a trainer's batches come from. A sample is one image or one sequence of block_size
-// tokens (then every row is a next-token prediction).
-class DataSource {
-public:
-  virtual ~DataSource() = default;
-  virtual std::string describe() const = 0;
-  virtual long train_samples() const = 0;  // one epoch
-  virtual void next_train_batch(Executor &ex) = 0;
-  virtual long eval_samples() const = 0;
-  // Samples [first, first + batch) of the evaluation split; past its end, the batch is padded.
-  virtual void load_eval_batch(Executor &ex, long first) = 0;
-  // Where the training stream stands (shuffle order, RNG), for snapshots.
-  virtual std::string state() const = 0;
-  virtual void restore(const std::string &state) = 0;
-};
-
-struct DataOptions {
-  std::string dir;
-  int batch = 0;
-  std::uint64_t seed = 0;
-};
-std::unique_ptr<DataSource> fashion_mnist(const Model &model, const DataOptions &o);
-std::unique_ptr<DataSource> text_corpus(const Model &model, const DataOptions &o);
-
-// What a trainer example passes to the shared trainer loop.
-struct ModelInfo {
-  std::string_view name;
-  const Model &model;
-  Policy default_policy;
-  std::span<const Kernel> kernels;       // CPU
-  std::span<const Kernel> cuda_kernels;  // CUDA (empty when the build made none)
-  std::unique_ptr<DataSource> (*data)(const Model &, const DataOptions &);
-  std::string_view default_data_dir;
-  // Trainer defaults for this example (flags override them).
-  int default_batch = 128;
-  int default_epochs = 3;
-  long default_max_steps = 0;  // 0: default_epochs worth
-  double default_learning_rate = 1e-3;
-  int default_warmup_steps = 0;
-  int default_eval_samples = -1;  // -1: the whole evaluation split
-  int default_eval_steps = 0;     // 0: evaluate only at the end
-  int sample_length = 0;          // token models: characters to generate at the end
-};
-
-// Snapshots: parameters, AdamW moments, the step, the seed, the run's shaping flags and the data
-// stream's state, so that a run resumed with the same flags repeats the uninterrupted one exactly
-// (a resume with other flags is refused).
-struct SnapshotState {
-  long step = 0;
-  std::uint64_t seed = 0;
-  std::string run;   // the flags that shape the run (steps, batch, schedule...); must match on resume
-  std::string data;  // DataSource::state()
-};
-void save_snapshot(const std::string &path, std::string_view model_name, const Plan &plan, Executor &ex,
-                   const SnapshotState &state);
-SnapshotState load_snapshot(const std::string &path, std::string_view model_name, const Plan &plan, Executor &ex);
-
-// --save-initial: a safetensors file with every parameter under its plan name
-// (s<stage>.b<block>.p<layer>_w / _b; shapes [rows, contiguous]: a linear weight is [in, out]
-// with y = x w + b, an embedding's _w is the token table [V, C] and its _b the position table
-// [T, C], a LayerNorm's _w / _b are gamma / beta), the current batch as "inputs" (token ids
-// int32 [B, T], or pixels fp32 [B, W]) and "labels" (int32 [B, T] or [B]), and `metadata` as the
-// header's __metadata__. Written to <path>.tmp and renamed.
-void save_initial(const std::string &path, const Model &model, const Plan &plan, Executor &ex,
-                  const std::map<std::string, std::string> &metadata);
-
-// The trainer shared by every example: flags, data, training, evaluation, JSON summary.
-int train_main(int argc, char **argv, const ModelInfo &info);
-
-// Prints every tensor the policy saves for backward (block, name, shape, bytes, why) and totals.
-void print_plan_report(std::FILE *out, const Model &model, const Plan &plan);
-
-// Policy from its flag spelling: none | full | every_n_layers=N | sqrt_n | selective.
-Policy parse_policy(std::string_view text);
-
-// The plan's name of a kernel argument: Halide makes Func names unique per process ("y$2",
-// "adamw$1.0"); the plan's name is the name without the "$<digits>".
-std::string plan_argument_name(std::string_view halide_name);
+// Runs write(out) on <path>.tmp, then renames it to path, so that no file is ever half-written;
+// errors are one line (InputError) starting with `what` and the path.
+void write_atomically(const std::string &path, std::string_view what, const std::function<void(std::ostream &)> &write);
 
 // FNV-1a over bytes, as 16 hex digits.
 std::string digest(std::span<const std::byte> bytes);

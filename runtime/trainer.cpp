@@ -20,7 +20,7 @@ module;
 #include <random>
 #include <string>
 #include <vector>
-module remat.runtime;
+module remat.trainer;
 import remat;
 
 namespace remat::runtime {
@@ -72,30 +72,6 @@ const CLI::Validator non_negative = number([](double v) { return v >= 0; }, "a n
 const CLI::Validator probability = number([](double v) { return v >= 0 && v < 1; }, "a probability in [0, 1)");
 
 // Deterministic uniform in [-1, 1) from a 64-bit generator (the same on every platform).
-float uniform(std::mt19937_64 &rng) { return float(double(rng() >> 11) * 0x1.0p-53 * 2.0 - 1.0); }
-
-void init_params(const Plan &plan, Executor &ex, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  // zero everything first: the alignment padding between parameters (and their gradients) stays 0
-  for (auto name : {"params", "grads"}) std::ranges::fill(ex.tensor<float>(name), 0.f);
-  for (const Tensor &t : plan.tensors) {
-    if (t.role != Role::params || t.view_of < 0 || t.name.view().find('.') == std::string_view::npos)
-      continue;
-    auto values = ex.tensor<float>(t.name.view());
-    switch (t.init) {
-    case Init::uniform_fan_in: {
-      const float bound = 1.f / std::sqrt(float(t.extent[1]));
-      for (float &v : values) v = bound * uniform(rng);
-      break;
-    }
-    case Init::ones: std::ranges::fill(values, 1.f); break;
-    case Init::zeros: std::ranges::fill(values, 0.f); break;
-    }
-  }
-  for (auto name : {"adam_m", "adam_v"}) std::ranges::fill(ex.tensor<float>(name), 0.f);
-  for (auto name : {"params", "grads", "adam_m", "adam_v"}) ex.upload(name);
-}
-
 double learning_rate(const Options &o, long step, long max_steps) {  // step counts from 1
   if (step <= o.warmup_steps) return o.learning_rate * step / std::max(1, o.warmup_steps);
   if (o.lr_scheduler_type == "constant") return o.learning_rate;
@@ -222,7 +198,7 @@ void print_plan_report(std::FILE *out, const Model &model, const Plan &plan) {
       if (!read_by_backward) continue;
       const Block &blk = model.stages[x.stage];
       std::string why;
-      if (x.name.view().ends_with(".y")) {  // the input of the next block
+      if (x.role == Role::block_input) {  // a block's output: the input of the next block
         const bool last_of_stage = x.block + 1 == blk.repeat;
         const int stage = last_of_stage ? x.stage + 1 : x.stage, block = last_of_stage ? 0 : x.block + 1;
         bool checkpoint = false;
@@ -232,23 +208,15 @@ void print_plan_report(std::FILE *out, const Model &model, const Plan &plan) {
                          : fmt::format("input of s{}.b{}, read by its backward", stage, block);
       } else if (x.layer >= 0) {
         const Layer &l = blk.layers[x.layer];
-        const std::string_view local = x.name.view().substr(x.name.view().rfind('.') + 1);
-        if (!local.starts_with("h")) {
+        if (x.kind == LocalTensor::Kind::statistic)
           why = fmt::format("{} row statistics, read by its backward", op_name(l.op));
-        } else {
-          int reader = x.layer;  // an attention output is read by its own backward too
-          for (int k = x.layer + 1; k < blk.n_layers && !kind(l.op).reads_output; ++k)
-            if (blk.source(k) == x.layer && kind(blk.layers[k].op).reads_input) {
-              reader = k;
-              break;
-            }
+        else
           why = fmt::format("{} output, read by the backward of {} (layer {})", op_name(l.op),
-                            op_name(blk.layers[reader].op), reader);
-        }
+                            op_name(blk.layers[x.read_by].op), x.read_by);
       }
       const std::string shape = x.dims == 1 ? fmt::format("[{}]", x.extent[0]) : fmt::format("[{}, {}]", x.extent[1], x.extent[0]);
       fmt::print(out, "s{}.b{:<4} {:<22} {:>16} {:>12}  {}\n", x.stage, x.block,
-                 x.name.view().substr(x.name.view().find('.', 3) + 1), shape, x.bytes(), why);
+                 x.local.view(), shape, x.bytes(), why);
       total += x.bytes();
     }
   fmt::print(out, "total saved {} B ({}); peak activations {} B; planned arena peak {} B; {} kernel launches ({} recompute)\n",
@@ -344,7 +312,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     Arena &arena = engine.arena;
     Scalars &scalars = engine.scalars;
     Executor &ex = engine.executor;
-    init_params(plan, ex, o.seed);
+    engine.init_params(o.seed);
     // everything that shapes the sequence of steps; a resume must use the same
     const std::string run_flags = fmt::format(
         "--max-steps {} --batch-size {} --gradient-accumulation-steps {} --learning-rate {} --warmup-steps {} "
@@ -358,7 +326,13 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     }
     long first_step = 1;
     if (!o.resume_from_snapshot.empty()) {
-      const SnapshotState snap = load_snapshot(o.resume_from_snapshot, info.name, plan, ex);
+      const SnapshotState snap = [&] {
+        try {
+          return engine.load(o.resume_from_snapshot);
+        } catch (const InputError &e) {
+          throw InputError(fmt::format("--resume-from-snapshot: {}", e.what()));
+        }
+      }();
       if (snap.seed != o.seed)
         throw InputError(fmt::format("--resume-from-snapshot: the snapshot was made with --seed {}, not {}", snap.seed, o.seed));
       if (snap.run != run_flags)
@@ -371,7 +345,11 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     // the final snapshot goes to FILE, the ones every --save-steps to FILE.step<N>
     auto save = [&](long step) {
       const std::string path = step == max_steps ? o.save_snapshot : fmt::format("{}.step{}", o.save_snapshot, step);
-      save_snapshot(path, info.name, plan, ex, {step, o.seed, run_flags, data->state()});
+      try {
+        engine.save(path, {step, o.seed, run_flags, data->state()});
+      } catch (const InputError &e) {
+        throw InputError(fmt::format("--save-snapshot: {}", e.what()));
+      }
     };
     reset_halide_heap_peak();
     reset_step_heap();
@@ -533,6 +511,28 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     std::fprintf(stderr, "%s: error: %s\n", program.c_str(), e.what());
     return 1;
   }
+}
+
+Policy parse_policy(std::string_view text) {
+  if (text == "none") return none;
+  if (text == "full") return full;
+  if (text == "sqrt_n") return sqrt_n;
+  if (text == "selective") return selective;
+  constexpr std::string_view every = "every_n_layers=";
+  if (text.starts_with(every)) {
+    const auto digits = text.substr(every.size());
+    int n = 0;
+    bool ok = !digits.empty() && digits.size() < 9;
+    for (char c : digits) {
+      ok = ok && c >= '0' && c <= '9';
+      n = n * 10 + (c - '0');
+    }
+    if (!ok || n < 1)
+      throw InputError(fmt::format("--checkpoint-policy {}: every_n_layers needs a whole number N >= 1", text));
+    return {Policy::Kind::every_n_layers, n};
+  }
+  throw InputError(fmt::format(
+      "--checkpoint-policy {}: unknown policy (use none, full, every_n_layers=N, sqrt_n or selective)", text));
 }
 
 }  // namespace remat::runtime

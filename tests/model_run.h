@@ -36,7 +36,7 @@ struct Run {
     std::mt19937_64 rng(7);
     std::uniform_real_distribution<float> u(-1.f, 1.f);
     for (const Tensor &t : plan.tensors)
-      if (t.role == Role::params && t.view_of >= 0 && t.name.view().find('.') != std::string_view::npos) {
+      if (t.role == Role::params && t.layer >= 0) {
         // random biases and gains around their trained start, so that every term of a rule shows
         const float scale = t.init == Init::uniform_fan_in ? 1.f / std::sqrt(float(t.extent[1])) : 0.2f;
         for (float &x : ex.tensor<float>(t.name.view())) x = scale * u(rng) + (t.init == Init::ones ? 1.f : 0.f);

@@ -58,13 +58,9 @@ inline std::vector<remat::runtime::Kernel> with_fault(std::span<const remat::run
   return out;
 }
 
-// Position of the kernel argument the plan calls `arg`.
-inline int argument_index(const remat::runtime::Kernel &k, std::string_view arg) {
-  const halide_filter_metadata_t *md = k.metadata();
-  for (int a = 0; a < md->num_arguments; ++a)
-    if (remat::runtime::plan_argument_name(md->arguments[a].name) == arg) return a;
-  return -1;
-}
+// Position of a step's buffer argument among its kernel's arguments (the signature's order:
+// the step's scalars come first).
+inline int argument_index(const Step &st, const Arg &arg) { return int(st.scalars.size() + (&arg - st.args.data())); }
 
 // Where 2 bytes written just past a tensor that a train step writes land: in the guard (the
 // tensor ends at the plan's peak), in free memory, in a live tensor the step does not write, or
@@ -77,6 +73,7 @@ struct Site {
   const Arg *arg = nullptr;  // into the plan's steps
   std::string kernel;        // the kernel that step calls
   int call = 0;              // which of that kernel's calls in the train phase it is (0: the first)
+  int argument = -1;         // the argument's position among the kernel's
   std::string neighbour;     // what the overrun lands in, if a tensor
 };
 inline Site overrun_site(const Plan &plan, Landing landing, std::string_view model) {
@@ -84,7 +81,7 @@ inline Site overrun_site(const Plan &plan, Landing landing, std::string_view mod
   auto site = [&](int i, const Arg &a, std::string_view neighbour) {
     int call = 0;
     for (int j = 0; j < i; ++j) call += kernel(j) == kernel(i);
-    return Site{i, &a, std::string(kernel(i).view()), call, std::string(neighbour)};
+    return Site{i, &a, std::string(kernel(i).view()), call, argument_index(plan.train[i], a), std::string(neighbour)};
   };
   std::vector<int> live;
   for (int t = 0; t < int(plan.tensors.size()); ++t)
@@ -128,8 +125,8 @@ inline std::vector<runtime::Kernel> with_overrun(std::span<const runtime::Kernel
   BOOST_TEST_REQUIRE((real != table.end()), "no kernel " << site.kernel);
   Planted fault;
   fault.on_call = site.call;
-  fault.argument = argument_index(*real, site.arg->name.view());
-  BOOST_TEST_REQUIRE(fault.argument >= 0, site.kernel << " has no argument " << site.arg->name.view());
+  fault.argument = site.argument;
+  BOOST_TEST_REQUIRE(site.argument < real->metadata()->num_arguments, site.kernel << " has no argument " << site.arg->name.view());
   fault.overrun = overrun;
   return with_fault(table, site.kernel, fault);
 }

@@ -1,8 +1,15 @@
 // Trains the character-level GPT of gpt.cppm on the fortune cookie corpus (Debian's `fortunes`)
 // with the shared remat trainer, then prints a generated sample.
-import remat.runtime;
+import remat.trainer;
 import gpt;
 import gpt.kernels;
+import remat;
+
+// Known at compile time: selective saves less than none, full less than selective.
+static_assert(remat::make_plan(gpt::model, remat::selective, gpt::default_batch).activation_bytes <
+              remat::make_plan(gpt::model, remat::none, gpt::default_batch).activation_bytes);
+static_assert(remat::make_plan(gpt::model, remat::full, gpt::default_batch).activation_bytes <
+              remat::make_plan(gpt::model, remat::selective, gpt::default_batch).activation_bytes);
 
 int main(int argc, char **argv) {
   return remat::runtime::train_main(argc, argv,

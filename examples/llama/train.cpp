@@ -1,8 +1,15 @@
 // Trains the Llama-style character model of llama.cppm on the fortune cookie corpus (Debian's
 // `fortunes`) with the shared remat trainer, then prints a generated sample.
-import remat.runtime;
+import remat.trainer;
 import llama;
 import llama.kernels;
+import remat;
+
+// Known at compile time: selective saves less than none, full less than selective.
+static_assert(remat::make_plan(llama::model, remat::selective, llama::default_batch).activation_bytes <
+              remat::make_plan(llama::model, remat::none, llama::default_batch).activation_bytes);
+static_assert(remat::make_plan(llama::model, remat::full, llama::default_batch).activation_bytes <
+              remat::make_plan(llama::model, remat::selective, llama::default_batch).activation_bytes);
 
 int main(int argc, char **argv) {
   return remat::runtime::train_main(argc, argv,

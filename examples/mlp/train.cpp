@@ -1,7 +1,12 @@
 // Trains the residual MLP of mlp.cppm on Fashion-MNIST with the shared remat trainer.
-import remat.runtime;
+import remat.trainer;
 import mlp;
 import mlp.kernels;
+import remat;
+
+// The plan is known at compile time: activation memory under this policy at the default batch.
+static_assert(remat::make_plan(mlp::model, mlp::policy, mlp::default_batch).activation_bytes <
+              remat::make_plan(mlp::model, remat::none, mlp::default_batch).activation_bytes / 4);
 
 int main(int argc, char **argv) {
   return remat::runtime::train_main(argc, argv,

@@ -27,7 +27,7 @@ void linear_backward(StageKernels &k, int j, Func d_stored, Func d) {
   auto [gw_name, gw_spec] = k.grad_of(j, "w");
   if (k.gemms == Gemms::library) {
     Func gw = k.library_gemm(gw_name, k.stored(src), l.in, true, d_stored, l.out, false, std::nullopt, k.batch,
-                             k.args.flag("accumulate"), Float(32));
+                             k.args.scalar(Scalar::accumulate), Float(32));
     k.output(gw, gw_spec);
   } else {
     MatMul gw = k.L.linear_weight_grad(gw_name, k.value(src), d, k.batch, [&](Expr sum) {

@@ -5,7 +5,7 @@
 // without a LayerNorm first, a loose attention whose q/k/v tensor is also a residual's skip (its
 // gradient has two terms: the CPU kernels then take the row form), a head of 13 classes.
 export module unusual;
-import remat;
+import remat.language;
 
 export namespace unusual {
 inline constexpr int vocab = 13, block_size = 6, width = 12, heads = 3, hidden = 20;

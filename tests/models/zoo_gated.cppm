@@ -5,7 +5,7 @@
 // 28, 14, 18); a second repeat stage of another kind (LayerNorm, GELU, dropout after the
 // activation and after the GEMM); an RMSNorm head without bias.
 export module zoo_gated;
-import remat;
+import remat.language;
 
 export namespace zoo_gated {
 inline constexpr int vocab = 11, block_size = 5, width = 12, heads = 6, kv_heads = 2, hidden = 14;

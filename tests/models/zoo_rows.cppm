@@ -3,7 +3,7 @@
 // activation and after a GEMM, so the block ends in dropout); a second repeat stage of another
 // kind (pre-LayerNorm residual, GELU then dropout); widths no multiple of 8 (10, 14, 22, 18).
 export module zoo_rows;
-import remat;
+import remat.language;
 
 export namespace zoo_rows {
 inline constexpr int features = 10, width = 14, hidden = 22, classes = 5;

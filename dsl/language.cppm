@@ -1,0 +1,525 @@
+// module remat.language: what a model is written in. Layers and their kinds (the constexpr traits
+// table), blocks, stacks and models, shape inference and checking, checkpoint policies. Model
+// modules import this and nothing else, so that the kernels generated for them depend on it alone.
+//
+// Letter legend used in shape comments: B batch rows, C features of a tensor, K inner width of a
+// Linear, O output width of a Linear.
+module;
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+#include <vector>
+export module remat.language;
+
+export namespace remat {
+
+// ---------------------------------------------------------------------------------------------
+// Names: short fixed strings usable in constant expressions (kernel argument names, messages).
+// ---------------------------------------------------------------------------------------------
+template <std::size_t Capacity> struct Text {
+  std::array<char, Capacity> chars{};
+  int length = 0;
+
+  constexpr Text() = default;
+  constexpr Text(const char *s) { append(s); }
+  constexpr Text &append(std::string_view s) {
+    for (char c : s)
+      if (length + 1 < int(chars.size())) chars[length++] = c;
+    return *this;
+  }
+  constexpr Text &append(long long v) {
+    if (v < 0) { append("-"); v = -v; }
+    char digits[24]{};
+    int n = 0;
+    do { digits[n++] = char('0' + v % 10); v /= 10; } while (v > 0);
+    while (n > 0) append(std::string_view(&digits[--n], 1));
+    return *this;
+  }
+  constexpr Text &append(int v) { return append((long long)v); }
+  template <std::size_t M> constexpr Text &append(const Text<M> &t) { return append(t.view()); }
+  constexpr std::string_view view() const { return {chars.data(), std::size_t(length)}; }
+  constexpr const char *data() const { return chars.data(); }
+  constexpr int size() const { return length; }
+  constexpr bool operator==(const Text &o) const { return view() == o.view(); }
+  constexpr bool operator==(std::string_view o) const { return view() == o; }
+};
+
+using Name = Text<40>;      // tensor and kernel names
+using Message = Text<200>;  // diagnostics
+
+template <class Out = Name, class... Parts> constexpr Out cat(Parts... parts) {
+  Out n;
+  (n.append(parts), ...);
+  return n;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layers and their kinds
+// ---------------------------------------------------------------------------------------------
+enum class Op : std::uint8_t {
+  linear, layer_norm, rms_norm, gelu, relu, swiglu, dropout, rope, attention, embedding, residual_begin, residual_end
+};
+inline constexpr int n_ops = 12;
+
+// A layer maps C_in features to C_out features per row. 0 means "inferred from the stack".
+struct Layer {
+  Op op{};
+  int in = 0;
+  int out = 0;
+  int heads = 0;       // attention, rope: query heads
+  int kv_heads = 0;    // attention, rope: key / value heads (a divisor of heads; fewer: grouped-query)
+  int vocab = 0;       // embedding
+  int block_size = 0;  // attention, embedding: T, the rows of one sequence (from the input)
+  bool bias = true;    // linear: y = x w + b (false: y = x w); embedding: a position table
+};
+
+// The dimensions of a layer's tensors, in terms of the layer.
+enum class Dim : std::uint8_t { none, rows, in, out, vocab, block_size, heads };
+constexpr long long dim_of(const Layer &l, Dim d) {
+  switch (d) {
+  case Dim::none: return 0;
+  case Dim::rows: return -1;
+  case Dim::in: return l.in;
+  case Dim::out: return l.out;
+  case Dim::vocab: return l.vocab;
+  case Dim::block_size: return l.block_size;
+  case Dim::heads: return l.heads;
+  }
+  return 0;
+}
+// How a parameter starts. uniform_fan_in: U(-1/sqrt(n), 1/sqrt(n)) with n its extent[1] (a
+// linear's input width, as PyTorch; an embedding table's rows).
+enum class Init : std::uint8_t { zeros, ones, uniform_fan_in };
+// When a tensor of a kind exists.
+enum class When : std::uint8_t { always, with_bias, with_input_grad };
+
+// One tensor of a kind, named <stem><layer index><suffix> (p3_w, mean2, att4_lse).
+struct TensorRule {
+  std::string_view stem, suffix;  // empty stem: no tensor
+  int dims = 1;
+  std::array<Dim, 2> extent{};    // extent[0] is the innermost (contiguous) dimension
+  Init init = Init::zeros;        // parameters
+  bool decay = false;             // parameters: AdamW weight decay applies
+  When when = When::always;
+};
+using TensorRules = std::array<TensorRule, 2>;
+
+// What shape inference gives a kind: the stack's width before the layer, whether it is the
+// model's first layer, and the input (token models: vocab, block_size).
+struct ShapeContext {
+  int width = 0;
+  bool first = false;
+  int vocab = 0, block_size = 0;  // 0: feature rows
+};
+
+// Everything the planner, the model compiler, the executor, the trainer, the plan report and the
+// tests know about a kind of layer, in one entry (the kernels' rules live in generators/: one
+// unit per kind, dispatched by Op).
+struct Kind {
+  Op op{};
+  std::string_view name;
+  // Resolves l.in / l.out (and what else the layer takes from the model) from the stack, or says
+  // what is wrong (the caller prefixes the layer's position).
+  Message (*infer)(Layer &l, const ShapeContext &c) = nullptr;
+  bool reads_input = false;   // its backward reads its input
+  bool reads_output = false;  // ... and its own output (so it cannot end a block)
+  // Its output is a buffer of its own where it is computed (GEMM, GELU, attention); otherwise it
+  // is rebuilt elementwise where it is read (unless the planner buffers it for a GEMM).
+  bool buffered = false;
+  bool recomputed_by_selective = false;  // what Megatron-style selective recomputes in backward
+  bool gemm = false;        // y = x w (+ b): GEMM weight copies, starts an epilogue chain
+  bool chain_link = false;  // elementwise on its source, continues an epilogue chain (dropout, residual sum)
+  bool draws_masks = false; // reads the dropout counters (seed, step, block)
+  bool repeatable = true;
+  TensorRules params{};     // parameters, their gradients g<k>_<suffix>
+  TensorRules stats{};      // row statistics forward writes and backward reads
+  TensorRules workspace{};  // backward's own short-lived buffers
+  // Forward arithmetic per row, multiply-adds counted as two: GEMMs and attention products
+  // (what REMAT_PROFILE divides by time; elementwise work is left out). nullptr: none.
+  double (*flops)(const Layer &l) = nullptr;
+  double backward_flops = 0;  // backward's arithmetic per forward flop
+};
+
+namespace kinds {
+constexpr Message keeps_width(Layer &l, const ShapeContext &c) {
+  if (l.in != 0 && l.in != c.width) return cat<Message>("declared for width ", l.in, " but the stack carries ", c.width);
+  l.in = l.out = c.width;
+  return {};
+}
+constexpr Message linear_shape(Layer &l, const ShapeContext &c) {
+  if (l.in <= 0 || l.out <= 0) return cat<Message>("linear(", l.in, ", ", l.out, ") needs positive widths");
+  if (l.in != c.width) return cat<Message>("expects ", l.in, " input features but the stack carries ", c.width);
+  return {};
+}
+constexpr Message halves_width(Layer &l, const ShapeContext &c) {
+  if (c.width % 2 != 0) return cat<Message>("expects [gate | up] (2H features) but the stack carries ", c.width);
+  l.in = c.width;
+  l.out = c.width / 2;
+  return {};
+}
+constexpr Message rope_shape(Layer &l, const ShapeContext &c) {
+  if (c.block_size == 0) return "rope needs sequences: tokens(vocab, block_size)";
+  if (l.heads < 1 || l.kv_heads < 1 || l.heads % l.kv_heads != 0)
+    return cat<Message>("rope(", l.heads, ", ", l.kv_heads, ") needs heads >= 1 and kv_heads dividing them");
+  const int parts = l.heads + 2 * l.kv_heads;
+  if (c.width % parts != 0 || (c.width / parts) % 2 != 0)
+    return cat<Message>("expects [q | k | v] of ", l.heads, " + 2 x ", l.kv_heads, " heads of an even width but the stack carries ",
+                        c.width);
+  l.in = l.out = c.width;
+  l.block_size = c.block_size;
+  return {};
+}
+constexpr Message embedding_shape(Layer &l, const ShapeContext &c) {
+  if (!c.first || c.block_size == 0) return "an embedding must be the first layer, after tokens(vocab, block_size)";
+  if (l.vocab != c.vocab) return cat<Message>("embedding(", l.vocab, ", ...) but tokens(", c.vocab, ", ...)");
+  if (l.out <= 0) return "needs a positive width";
+  l.block_size = c.block_size;
+  return {};
+}
+constexpr Message attention_shape(Layer &l, const ShapeContext &c) {
+  if (c.block_size == 0) return "attention needs sequences: tokens(vocab, block_size)";
+  if (l.kv_heads == l.heads) {  // multi-head: [q | k | v] of C each
+    if (c.width % 3 != 0) return cat<Message>("expects fused q, k, v (3C features) but the stack carries ", c.width);
+    if (l.heads < 1 || (c.width / 3) % l.heads != 0)
+      return cat<Message>(l.heads, " heads do not divide the width ", c.width / 3);
+  } else {  // grouped-query: q of heads x D, k and v of kv_heads x D each
+    if (l.kv_heads < 1 || l.heads % l.kv_heads != 0)
+      return cat<Message>(l.kv_heads, " kv_heads do not divide the ", l.heads, " heads");
+    if (c.width % (l.heads + 2 * l.kv_heads) != 0)
+      return cat<Message>("expects fused q, k, v of ", l.heads, " + 2 x ", l.kv_heads, " heads but the stack carries ", c.width);
+  }
+  l.in = c.width;
+  l.out = c.width / (l.heads + 2 * l.kv_heads) * l.heads;
+  l.block_size = c.block_size;
+  return {};
+}
+constexpr double gemm_flops(const Layer &l) { return 2.0 * l.in * l.out; }
+// causal: q k^T and p v over (T + 1) / 2 keys on average
+constexpr double attention_flops(const Layer &l) { return 2.0 * (l.block_size + 1) * l.out; }
+
+constexpr TensorRule row_statistic(std::string_view stem, std::string_view suffix = {}, When when = When::always) {
+  return {stem, suffix, 1, {Dim::rows, Dim::none}, Init::zeros, false, when};
+}
+constexpr TensorRule head_statistic(std::string_view stem, std::string_view suffix) {
+  return {stem, suffix, 2, {Dim::heads, Dim::rows}};
+}
+
+inline constexpr std::array<Kind, n_ops> table = {{
+    {.op = Op::linear, .name = "linear", .infer = linear_shape, .reads_input = true, .buffered = true, .gemm = true,
+     // w [K, O] row-major (y = x w + b), b [O]
+     .params = {{{"p", "_w", 2, {Dim::out, Dim::in}, Init::uniform_fan_in, true},
+                 {"p", "_b", 1, {Dim::out, Dim::none}, Init::zeros, false, When::with_bias}}},
+     .flops = gemm_flops, .backward_flops = 2},  // dx and dW
+    {.op = Op::layer_norm, .name = "layer_norm", .infer = keeps_width, .reads_input = true,
+     .params = {{{"p", "_w", 1, {Dim::out, Dim::none}, Init::ones}, {"p", "_b", 1, {Dim::out, Dim::none}, Init::zeros}}},
+     .stats = {{row_statistic("mean"), row_statistic("rstd")}},
+     .workspace = {{row_statistic("s", "_1", When::with_input_grad), row_statistic("s", "_2", When::with_input_grad)}}},
+    {.op = Op::rms_norm, .name = "rms_norm", .infer = keeps_width, .reads_input = true,
+     .params = {{{"p", "_w", 1, {Dim::out, Dim::none}, Init::ones}}},
+     .stats = {{row_statistic("rstd")}},
+     .workspace = {{row_statistic("s", "_1", When::with_input_grad)}}},
+    {.op = Op::gelu, .name = "gelu", .infer = keeps_width, .reads_input = true, .buffered = true,
+     .recomputed_by_selective = true},
+    {.op = Op::relu, .name = "relu", .infer = keeps_width, .reads_input = true},
+    {.op = Op::swiglu, .name = "swiglu", .infer = halves_width, .reads_input = true, .buffered = true,
+     .recomputed_by_selective = true},
+    // Inverted dropout: the mask is a counter-based hash of (seed, step, block, element), so a
+    // recompute draws the same mask without saving it.
+    {.op = Op::dropout, .name = "dropout", .infer = keeps_width, .chain_link = true, .draws_masks = true},
+    // Rotary position embedding on the q and k heads of a fused [q | k | v] row; v passes. Its
+    // backward (the inverse rotation) reads nothing; its output is buffered, and the attention
+    // after it reads that.
+    {.op = Op::rope, .name = "rope", .infer = rope_shape, .buffered = true},
+    {.op = Op::attention, .name = "causal_self_attention", .infer = attention_shape, .reads_input = true,
+     .reads_output = true, .buffered = true, .recomputed_by_selective = true, .draws_masks = true,
+     .stats = {{head_statistic("att", "_lse")}}, .workspace = {{head_statistic("att", "_delta")}},
+     // backward rebuilds p and forms dp, dv, dq and dk: 5 products of the forward's 2
+     .flops = attention_flops, .backward_flops = 2.5},
+    // token table [V, C], positions [T, C]
+    {.op = Op::embedding, .name = "embedding", .infer = embedding_shape, .repeatable = false,
+     .params = {{{"p", "_w", 2, {Dim::out, Dim::vocab}, Init::uniform_fan_in},
+                 {"p", "_b", 2, {Dim::out, Dim::block_size}, Init::uniform_fan_in, false, When::with_bias}}}},
+    {.op = Op::residual_begin, .name = "residual(", .infer = keeps_width},
+    {.op = Op::residual_end, .name = "residual sum", .infer = keeps_width, .chain_link = true},
+}};
+static_assert([] {
+  for (int i = 0; i < n_ops; ++i)
+    if (int(table[i].op) != i) return false;
+  return true;
+}(), "remat: the kinds table is indexed by Op");
+}  // namespace kinds
+
+constexpr const Kind &kind(Op op) { return kinds::table[std::size_t(op)]; }
+constexpr std::string_view op_name(Op op) { return kind(op).name; }
+// Whether a tensor rule applies to layer l (a bias only when the linear has one).
+constexpr bool present(const TensorRule &r, const Layer &l, bool input_grad = true) {
+  if (r.stem.empty()) return false;
+  return r.when == When::always || (r.when == When::with_bias && l.bias) || (r.when == When::with_input_grad && input_grad);
+}
+
+constexpr Layer linear(int in, int out) { return {Op::linear, in, out}; }
+// A linear without bias (y = x w), as in Llama-style models.
+struct NoBias {};
+inline constexpr NoBias no_bias{};
+constexpr Layer linear(int in, int out, NoBias) { return {.op = Op::linear, .in = in, .out = out, .bias = false}; }
+constexpr Layer layer_norm(int width = 0) { return {Op::layer_norm, width, width}; }
+// RMSNorm (Llama): x / sqrt(mean(x^2) + 1e-6) * gamma, no bias.
+constexpr Layer rms_norm(int width = 0) { return {Op::rms_norm, width, width}; }
+constexpr Layer gelu() { return {Op::gelu}; }
+constexpr Layer relu() { return {Op::relu}; }
+// The gate of a gated MLP: [a | b] (2H features) in, silu(a) * b (H) out, as in
+// linear(C, 2H) -> swiglu -> linear(H, C).
+constexpr Layer swiglu() { return {Op::swiglu}; }
+// Inverted dropout; the probability is a run-time value (--dropout).
+constexpr Layer dropout() { return {Op::dropout}; }
+// Causal multi-head self-attention core on fused [q | k | v] features (3C in, C out). With
+// kv_heads < heads, grouped-query attention: [q | k | v] of (heads + 2 kv_heads) D features in,
+// heads D out, query head h reading key / value head h / (heads / kv_heads).
+constexpr Layer causal_self_attention(int heads, int kv_heads = 0) {
+  return {.op = Op::attention, .heads = heads, .kv_heads = kv_heads == 0 ? heads : kv_heads};
+}
+// Token + position embedding: token ids in, `width` features out.
+constexpr Layer embedding(int vocab, int width) { return {Op::embedding, 1, width, 0, 0, vocab}; }
+// Token embedding only (positions come from rope inside the blocks, as in Llama).
+constexpr Layer token_embedding(int vocab, int width) {
+  return {.op = Op::embedding, .in = 1, .out = width, .vocab = vocab, .bias = false};
+}
+// Rotary position embedding (the rotate-half form of Llama and GPT-NeoX, base 10000) of the
+// queries and keys in a fused [q | k | v] row of heads + 2 kv_heads heads: put it between the
+// q/k/v projection and the attention.
+constexpr Layer rope(int heads, int kv_heads = 0) {
+  return {.op = Op::rope, .heads = heads, .kv_heads = kv_heads == 0 ? heads : kv_heads};
+}
+
+inline constexpr int max_block_layers = 16;
+
+// A block: the repeated unit of a stack. Stages made of loose layers are blocks too (repeat 1),
+// but only blocks of a `repeat` stage are counted by checkpoint policies.
+struct Block {
+  std::array<Layer, max_block_layers> layers{};
+  int n_layers = 0;
+  int repeat = 1;
+  bool checkpointable = false;  // true for repeat(n, ...) stages
+  bool loose = false;           // made of loose layers given to make_model
+  int overflow = 0;             // layers past max_block_layers, reported by check()
+
+  constexpr int in() const { return layers[0].in; }
+  constexpr int out() const { return layers[n_layers - 1].out; }
+  constexpr void push(const Layer &l) {
+    if (n_layers == max_block_layers) ++overflow;
+    else layers[n_layers++] = l;
+  }
+  // The layer whose output is layer k's input; -1: the block input. residual( is transparent.
+  constexpr int source(int k) const {
+    int j = k - 1;
+    while (j >= 0 && layers[j].op == Op::residual_begin) --j;
+    return j;
+  }
+  // For a )residual at k: the source of its matching residual(, added back to the branch.
+  constexpr int skip_source(int k) const {
+    int depth = 0;
+    for (int j = k - 1; j >= 0; --j) {
+      if (layers[j].op == Op::residual_end) ++depth;
+      if (layers[j].op == Op::residual_begin && depth-- == 0) return source(j);
+    }
+    return -1;
+  }
+  constexpr bool produces(int k) const { return layers[k].op != Op::residual_begin; }
+};
+
+constexpr Block chain_one(Block acc, const Block &b) {
+  for (int k = 0; k < b.n_layers; ++k) acc.push(b.layers[k]);
+  acc.overflow += b.overflow;
+  return acc;
+}
+constexpr Block chain_one(Block acc, const Layer &l) {
+  acc.push(l);
+  return acc;
+}
+// residual(f...) computes x + f(x).
+template <class... L> constexpr Block residual(L... layers) {
+  Block b;
+  b.push({Op::residual_begin});
+  (b.push(layers), ...);
+  b.push({Op::residual_end});
+  return b;
+}
+// Blocks and layers one after the other, as one block (e.g. a transformer block: two residual
+// branches; or plain layers, a block without a residual).
+template <class... B> constexpr Block chain(B... blocks) {
+  Block out;
+  ((out = chain_one(out, blocks)), ...);
+  return out;
+}
+constexpr Block repeat(int n, Block b) {
+  b.repeat = n;
+  b.checkpointable = true;
+  return b;
+}
+
+// Model inputs: feature rows, or token ids with `block_size` rows per sequence.
+struct Input { int width = 0; int vocab = 0; int block_size = 0; };
+constexpr Input input(int width) { return {width}; }
+constexpr Input tokens(int vocab, int block_size) { return {1, vocab == 0 ? -1 : vocab, block_size}; }
+
+struct Loss { int classes = 0; };
+constexpr Loss softmax_cross_entropy(int classes = 0) { return {classes}; }
+
+inline constexpr int max_stages = 6;
+
+struct Model {
+  Input input{};
+  std::array<Block, max_stages> stages{};
+  int n_stages = 0;
+  Loss loss{};
+  int stage_overflow = 0;  // stages past max_stages, reported by check()
+
+  constexpr int n_blocks() const {  // checkpointable blocks
+    int n = 0;
+    for (int s = 0; s < n_stages; ++s)
+      if (stages[s].checkpointable) n += stages[s].repeat;
+    return n;
+  }
+  constexpr int classes() const { return stages[n_stages - 1].out(); }
+  constexpr bool token_input() const { return input.block_size > 0; }
+  constexpr int rows_per_sample() const { return token_input() ? input.block_size : 1; }
+};
+
+}  // namespace remat
+
+// Not exported: how make_model folds its parts.
+namespace remat::detail {
+constexpr void add(Model &m, Input in) { m.input = in; }
+constexpr void add(Model &m, Loss l) { m.loss = l; }
+constexpr void add(Model &m, Block b) {
+  if (m.n_stages == max_stages) { ++m.stage_overflow; return; }
+  m.stages[m.n_stages++] = b;
+}
+constexpr void add(Model &m, Layer l) {  // consecutive loose layers form one stage
+  if (m.n_stages == 0 || !m.stages[m.n_stages - 1].loose) {
+    Block b;
+    b.loose = true;
+    add(m, b);
+    if (m.stage_overflow) return;
+  }
+  m.stages[m.n_stages - 1].push(l);
+}
+}  // namespace remat::detail
+
+export namespace remat {
+
+template <class... Parts> constexpr Model make_model(Parts... parts) {
+  Model m;
+  (detail::add(m, parts), ...);
+  return m;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shape inference and checking. check() resolves inferred widths or names the first problem.
+// ---------------------------------------------------------------------------------------------
+struct Checked {
+  Model model;
+  Message error;  // empty when the model is well formed
+  constexpr bool ok() const { return error.size() == 0; }
+};
+
+constexpr Checked check(Model m) {
+  auto fail = [&](const Message &why) { return Checked{m, cat<Message>("remat: ", why.view())}; };
+  if (m.input.width <= 0) return fail("the model needs input(width) or tokens(vocab, block_size)");
+  if (m.input.vocab != 0 && (m.input.vocab <= 0 || m.input.block_size <= 0))
+    return fail("tokens(vocab, block_size) needs vocab >= 1 and block_size >= 1");
+  if (m.stage_overflow > 0) return fail(cat<Message>("a model holds at most ", max_stages, " stages"));
+  if (m.n_stages == 0) return fail("the model has no layers");
+  int width = m.input.width;
+  for (int s = 0; s < m.n_stages; ++s) {
+    Block &b = m.stages[s];
+    if (b.overflow > 0) return fail(cat<Message>("stage ", s, " has more than ", max_block_layers, " layers"));
+    if (b.repeat < 1) return fail(cat<Message>("stage ", s, ": repeat(n, ...) needs n >= 1, got ", b.repeat));
+    if (b.n_layers == 0) return fail(cat<Message>("stage ", s, " has no layers"));
+    const int block_in = width;
+    int open[max_block_layers]{}, depth = 0, written = 0;  // messages count the layers as written
+    for (int k = 0; k < b.n_layers; ++k) {
+      Layer &l = b.layers[k];
+      const bool marker = l.op == Op::residual_begin || l.op == Op::residual_end;
+      const auto where = cat<Message>("stage ", s, " layer ", written, " (", op_name(l.op), ")");
+      written += !marker;
+      const bool first = s == 0 && k == 0;
+      const Kind &kd = kind(l.op);
+      if (l.op == Op::residual_begin) {
+        open[depth++] = width;
+      } else if (l.op == Op::residual_end && open[--depth] != width) {
+        return fail(cat<Message>("stage ", s, ": residual block maps ", open[depth], " features to ", width,
+                                 "; a residual block must keep its width"));
+      }
+      const Message wrong = kd.infer(l, {width, first, m.input.vocab, m.input.block_size});
+      if (wrong.size() > 0) return fail(cat<Message>(where, ": ", wrong));
+      if (m.token_input() && first && l.op != Op::embedding)
+        return fail("a token model starts with embedding(vocab, width)");
+      if (!kd.repeatable && b.repeat > 1)
+        return fail(cat<Message>(where, ": cannot be repeated"));
+      if (kd.reads_output && k + 1 == b.n_layers)
+        return fail(cat<Message>(where, ": cannot end a block (its backward reads its output)"));
+      width = l.out;
+    }
+    if (b.repeat > 1 && width != block_in)
+      return fail(cat<Message>("stage ", s, ": repeat(", b.repeat, ", ...) needs a block that keeps its width, but it maps ",
+                               block_in, " features to ", width));
+  }
+  if (m.loss.classes == 0) m.loss.classes = width;
+  if (m.loss.classes != width)
+    return fail(cat<Message>("softmax_cross_entropy(", m.loss.classes, ") follows a stack of width ", width));
+  return {m, {}};
+}
+
+// A model that failed check() does not compile; the message names the layer and the widths.
+template <Model M> consteval Model checked() {
+  constexpr Checked c = check(M);
+  static_assert(c.ok(), c.error);
+  return c.model;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checkpoint policies
+// ---------------------------------------------------------------------------------------------
+struct Policy {
+  enum class Kind : std::uint8_t { none, full, every_n_layers, sqrt_n, selective } kind = Kind::none;
+  int n = 0;  // for every_n_layers
+  // The checkpoints (inputs kept by segments that recompute) wait in pinned host memory between
+  // their forward and backward: copied out after the block's forward, brought back one block
+  // ahead of the backward that reads them.
+  bool offload = false;
+  constexpr bool operator==(const Policy &) const = default;
+};
+constexpr Policy with_offload(Policy p) {
+  p.offload = true;
+  return p;
+}
+
+inline constexpr Policy none{Policy::Kind::none};
+inline constexpr Policy full{Policy::Kind::full};
+inline constexpr Policy sqrt_n{Policy::Kind::sqrt_n};
+// Megatron-style: every block saves what its backward reads except the attention core, the GELU
+// and cheap elementwise values, which its backward kernel recomputes.
+inline constexpr Policy selective{Policy::Kind::selective};
+
+// Blocks 0, n, 2n... are checkpointed, the others keep their internals (as in HF Transformers).
+consteval Policy every_n_layers(int n) {
+  if (n < 1) throw "remat: every_n_layers(n) needs n >= 1";
+  return {Policy::Kind::every_n_layers, n};
+}
+
+constexpr Name policy_name(Policy p) {
+  const std::string_view offload = p.offload ? "+offload" : "";
+  switch (p.kind) {
+  case Policy::Kind::none: return cat("none", offload);
+  case Policy::Kind::full: return cat("full", offload);
+  case Policy::Kind::every_n_layers: return cat("every_n_layers=", p.n, offload);
+  case Policy::Kind::sqrt_n: return cat("sqrt_n", offload);
+  case Policy::Kind::selective: return cat("selective", offload);
+  }
+  return "?";
+}
+
+}  // namespace remat

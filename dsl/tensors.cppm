@@ -1,0 +1,503 @@
+// module remat.tensors: the tensor rules. What each block kernel keeps, rebuilds and needs as
+// workspace under a Keep, the element type of each tensor under a precision, and every kernel's
+// typed signature (its ordered arguments). The model compiler imports this (and the language it
+// re-exports), not the planner: editing the planner regenerates no kernels.
+module;
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+#include <vector>
+export module remat.tensors;
+export import remat.language;
+
+export namespace remat {
+
+// Whether a stage's backward computes the gradient of its block input: every stage but the
+// model's first, and the first too when it is repeated (its later blocks feed each other).
+constexpr bool needs_input_grad(const Model &m, int stage) { return stage > 0 || m.stages[0].repeat > 1; }
+
+
+// What a block's forward keeps for its backward.
+enum class Keep : std::uint8_t {
+  all,        // everything backward reads
+  selective,  // all but what recomputed_by_selective() rebuilds
+  nothing,    // only the block input is kept elsewhere; backward recomputes everything
+};
+
+// ---------------------------------------------------------------------------------------------
+// Tensors of one block, by local name. The generators name kernel arguments the same way; the
+// planner binds each local name to a tensor of the arena. R = rows (B samples x rows per sample).
+//   x [R, C_in]  block input (token ids [R] for an embedding)     y [R, C_out] block output
+//   h<k> [R, C]  output of layer k (k < last)
+//   mean<k>, rstd<k> [R] LayerNorm row statistics;   att<k>_lse [R, H] attention log-sum-exp
+//   p<k>_w, p<k>_b  parameters of layer k (linear: w [K, O] row-major so y = x w + b;
+//                   layer_norm: gamma, beta [C]; embedding: token table [V, C], positions [T, C])
+//   g<k>_w, g<k>_b  their gradients
+// Backward workspace: dh<k> [R, C] gradient of h<k>; s<k>_1, s<k>_2 [R] LayerNorm row sums;
+//   p<k>_wt [O, K] transposed weight for the input gradient of a linear; att<k>_delta [R, H].
+// ---------------------------------------------------------------------------------------------
+struct LocalTensor {
+  // activation: values and gradients of the data flowing through the layers (bf16 in a bf16
+  // plan); statistic: per-row sums, LayerNorm and attention statistics; parameter: weights and
+  // their gradients. Statistics and parameters are always fp32. index: token ids, class labels
+  // and per-row correctness (int32).
+  enum class Kind : std::uint8_t { activation, statistic, parameter, index };
+  Name name;
+  int dims = 2;                 // extent[0] is the innermost (contiguous) dimension
+  std::array<int, 2> extent{};  // -1: the row count R
+  int layer = -1;               // the layer that produces it (-1: none)
+  bool decay = false;           // parameters: AdamW weight decay applies
+  Kind kind = Kind::activation;
+  Init init = Init::zeros;      // parameters: how the trainer starts them
+  constexpr long long elements(long long rows) const {
+    long long n = 1;
+    for (int d = 0; d < dims; ++d) n *= extent[d] < 0 ? rows : extent[d];
+    return n;
+  }
+};
+
+constexpr LocalTensor rows(Name name, int width, int layer = -1) { return {name, 2, {width, -1}, layer}; }
+constexpr LocalTensor row_stat(Name name, int layer = -1) {
+  return {name, 1, {-1, 0}, layer, false, LocalTensor::Kind::statistic};
+}
+// Attention statistics [R, H] (log-sum-exp, and delta in backward).
+constexpr LocalTensor head_stat(Name name, int heads, int layer = -1) {
+  return {name, 2, {heads, -1}, layer, false, LocalTensor::Kind::statistic};
+}
+
+// Precision of a plan and its kernels. bf16: activations, their gradients and GEMM operands are
+// bf16 (every layer output is rounded to bf16 where it is computed, so a recompute rounds the
+// same way); GEMMs and reductions accumulate in fp32; parameters, their gradients, the AdamW
+// moments and all statistics stay fp32.
+enum class Precision : std::uint8_t { fp32, bf16 };
+constexpr std::string_view precision_name(Precision p) { return p == Precision::bf16 ? "bf16" : "fp32"; }
+// The element type of a tensor in a kernel (bf16 values are stored as their 16 bits).
+enum class Element : std::uint8_t { f32, bf16, i32, u64, boolean };
+constexpr Element element_of(const LocalTensor &lt, Precision p) {
+  if (lt.kind == LocalTensor::Kind::index) return Element::i32;
+  return p == Precision::bf16 && lt.kind == LocalTensor::Kind::activation ? Element::bf16 : Element::f32;
+}
+constexpr int element_bytes(Element e) {
+  switch (e) {
+  case Element::bf16: return 2;
+  case Element::u64: return 8;
+  case Element::boolean: return 1;
+  case Element::f32:
+  case Element::i32: return 4;
+  }
+  return 4;
+}
+constexpr int element_bytes(const LocalTensor &lt, Precision p) { return element_bytes(element_of(lt, p)); }
+
+constexpr LocalTensor output_of(const Block &b, int k) { return rows(cat("h", k), b.layers[k].out, k); }
+
+// The tensor a kind's rule describes, for layer k of block b.
+constexpr LocalTensor tensor_of(const TensorRule &r, const Block &b, int k, LocalTensor::Kind kind) {
+  const Layer &l = b.layers[k];
+  LocalTensor t{cat(r.stem, k, r.suffix), r.dims, {}, k, r.decay, kind, r.init};
+  for (int d = 0; d < r.dims; ++d) t.extent[d] = int(dim_of(l, r.extent[d]));
+  return t;
+}
+constexpr void add_tensors(std::vector<LocalTensor> &to, const TensorRules &rules, const Block &b, int k,
+                           LocalTensor::Kind kind, bool input_grad = true) {
+  for (const TensorRule &r : rules)
+    if (present(r, b.layers[k], input_grad)) to.push_back(tensor_of(r, b, k, kind));
+}
+
+constexpr std::vector<LocalTensor> stats_of(const Block &b, int k) {
+  std::vector<LocalTensor> out;
+  add_tensors(out, kind(b.layers[k].op).stats, b, k, LocalTensor::Kind::statistic);
+  return out;
+}
+
+// Outputs of layers before the last (the last one's output is y).
+constexpr bool is_internal(const Block &b, int k) { return k + 1 < b.n_layers && b.produces(k); }
+
+// How many layers read output j (as their input, or as the skip of a residual).
+constexpr int consumers(const Block &b, int j) {
+  int n = 0;
+  for (int k = j + 1; k < b.n_layers; ++k)
+    n += (b.produces(k) && b.source(k) == j) + (b.layers[k].op == Op::residual_end && b.skip_source(k) == j);
+  return n;
+}
+
+// Backward reads output j: a later layer's rule reads its input j, or j's own rule reads its
+// output (attention).
+constexpr int reader_of(const Block &b, int j);
+constexpr bool read_by_backward(const Block &b, int j) { return is_internal(b, j) && reader_of(b, j) >= 0; }
+
+// The layer whose backward reads output j (j's own, when its kind reads its output; -1: none).
+constexpr int reader_of(const Block &b, int j) {
+  if (kind(b.layers[j].op).reads_output) return j;
+  for (int k = j + 1; k < b.n_layers; ++k)
+    if (b.source(k) == j && kind(b.layers[k].op).reads_input) return k;
+  return -1;
+}
+
+// Where the GEMMs of linear layers run. halide: Halide GEMMs inside the kernels, with fused
+// epilogues and operands computed per tile (the CPU's bf16 kernels). library: extern stages
+// calling a GEMM library (MKL on the CPU in fp32, cuBLASLt on CUDA, a host GEMM for the OpenCL
+// test build), whose operands and results are buffers and whose only epilogue is the bias. The
+// plans differ: a library plan buffers every linear input and output.
+enum class Gemms : std::uint8_t { halide, library };
+
+// An epilogue chain: linear -> dropout / residual sum -> ..., each element computed once from
+// the linear's output. Output j continues such a chain when it starts or continues one, nothing
+// reads it but the next layer of the chain, and backward does not read it. With Halide GEMMs the
+// chain runs in the GEMM's epilogue and j is fused into it (never a buffer of its own); library
+// GEMMs fuse nothing, their chain runs elementwise from the GEMM's buffer.
+constexpr bool continues_chain(const Block &b, int j) {
+  if (!is_internal(b, j) || read_by_backward(b, j) || consumers(b, j) != 1) return false;
+  if (!kind(b.layers[j + 1].op).chain_link || b.source(j + 1) != j) return false;
+  const Kind &k = kind(b.layers[j].op);
+  if (k.gemm) return true;
+  return k.chain_link && b.source(j) >= 0 && continues_chain(b, b.source(j));
+}
+constexpr bool fused(const Block &b, int j, Gemms g = Gemms::halide) {
+  return g == Gemms::halide && continues_chain(b, j);
+}
+
+constexpr bool feeds_linear(const Block &b, int j) {
+  for (int k = j + 1; k < b.n_layers; ++k)
+    if (b.source(k) == j && kind(b.layers[k].op).gemm) return true;
+  return false;
+}
+
+// Output j has a buffer of its own whenever it exists outside registers: GEMM, GELU and
+// attention outputs (not fused into a following epilogue) and the end of an epilogue chain (its
+// dropout masks are hashed once, not by each reader); with library GEMMs also every linear
+// input. Everything else (LayerNorm output, ReLU, dropout and residual sums of buffered values)
+// is rebuilt elementwise where it is used.
+constexpr bool materialized(const Block &b, int j, Gemms g = Gemms::halide) {
+  if (!b.produces(j) || fused(b, j, g)) return false;
+  const Kind &k = kind(b.layers[j].op);
+  if (k.buffered) return true;
+  if (g == Gemms::library && feeds_linear(b, j)) return true;
+  return k.chain_link && b.source(j) >= 0 && continues_chain(b, b.source(j)) && !continues_chain(b, j);
+}
+
+constexpr bool saved(const Block &b, int j, Keep keep, Gemms g = Gemms::halide) {
+  switch (keep) {
+  case Keep::all: return read_by_backward(b, j);
+  case Keep::selective:
+    return read_by_backward(b, j) && materialized(b, j, g) && !kind(b.layers[j].op).recomputed_by_selective;
+  case Keep::nothing: return false;
+  }
+  return false;
+}
+
+// bf16 GEMMs read a bf16 copy of the linear's weight, made once per kernel call into its own
+// workspace (the master weights stay fp32); library GEMMs a bf16 copy of its bias too (cuBLASLt's
+// bias epilogue takes the output's element type).
+constexpr bool weight_copy(Precision p) { return p == Precision::bf16; }
+constexpr bool bias_copy(Gemms g, Precision p) { return g == Gemms::library && p == Precision::bf16; }
+constexpr LocalTensor weight_copy_of(const Block &b, int k) {
+  return {cat("p", k, "_w16"), 2, {b.layers[k].out, b.layers[k].in}, k};
+}
+constexpr LocalTensor bias_copy_of(const Block &b, int k) { return {cat("p", k, "_b16"), 1, {b.layers[k].out, 0}, k}; }
+constexpr void add_parameter_copies(std::vector<LocalTensor> &to, const Block &b, int k, Gemms g, Precision p) {
+  if (!kind(b.layers[k].op).gemm) return;
+  if (weight_copy(p)) to.push_back(weight_copy_of(b, k));
+  if (bias_copy(g, p) && b.layers[k].bias) to.push_back(bias_copy_of(b, k));
+}
+
+// A kernel's tensors besides x, y, dy, dx and parameters.
+struct KernelTensors {
+  std::vector<LocalTensor> saved;      // written by forward and kept; read by backward
+  std::vector<LocalTensor> scratch;    // internals written and dropped within the kernel call
+  std::vector<LocalTensor> workspace;  // the kernel's own short-lived buffers (gradients, weight copies)
+};
+
+// Forward: what the policy keeps is written out; outputs that cannot be rebuilt in registers
+// (GEMM, GELU, attention, statistics) go to scratch; cheap ones stay in registers.
+constexpr KernelTensors forward_tensors(const Block &b, Keep keep, Gemms g = Gemms::halide,
+                                        Precision p = Precision::fp32) {
+  KernelTensors t;
+  for (int j = 0; j < b.n_layers; ++j) {
+    if (is_internal(b, j)) {
+      if (saved(b, j, keep, g)) t.saved.push_back(output_of(b, j));
+      else if (materialized(b, j, g)) t.scratch.push_back(output_of(b, j));
+    }
+    for (const LocalTensor &st : stats_of(b, j)) (keep == Keep::nothing ? t.scratch : t.saved).push_back(st);
+    add_parameter_copies(t.workspace, b, j, g, p);
+  }
+  return t;
+}
+
+// Backward: reads the saved tensors; rebuilds what it reads but was not saved, with the
+// outputs those depend on (materialized unless cheap); and its own workspace.
+// Library GEMMs: the input gradient of linear k is written by the GEMM into its own buffer dp<k>
+// when the linear's input also gets gradient from elsewhere (then the sum is formed after, and
+// rounded once: dp<k> stays fp32, like a statistic).
+constexpr bool product_buffer(const Block &b, int k, Gemms g) {
+  return g == Gemms::library && kind(b.layers[k].op).gemm && consumers(b, b.source(k)) > 1;
+}
+constexpr LocalTensor product_of(const Block &b, int k) {
+  return {cat("dp", k), 2, {b.layers[k].in, -1}, k, false, LocalTensor::Kind::statistic};
+}
+
+constexpr KernelTensors backward_tensors(const Block &b, Keep keep, bool needs_input_grad, Gemms g = Gemms::halide,
+                                         Precision p = Precision::fp32) {
+  KernelTensors t;
+  std::array<bool, max_block_layers> needed{};
+  for (int j = 0; j < b.n_layers; ++j) needed[j] = read_by_backward(b, j) && !saved(b, j, keep, g);
+  for (int j = b.n_layers - 1; j >= 0; --j) {  // inputs of what is rebuilt are needed too
+    if (!needed[j]) continue;
+    for (int i : {b.source(j), b.layers[j].op == Op::residual_end ? b.skip_source(j) : -1})
+      if (i >= 0 && !saved(b, i, keep, g)) needed[i] = true;
+  }
+  for (int j = 0; j < b.n_layers; ++j) {
+    if (is_internal(b, j) && saved(b, j, keep, g)) t.saved.push_back(output_of(b, j));
+    // A rebuilt value that a linear's weight gradient reads is buffered even when cheap: the
+    // gradient GEMM reads each element once per output tile.
+    if (is_internal(b, j) && needed[j] && (materialized(b, j, g) || feeds_linear(b, j)))
+      t.scratch.push_back(output_of(b, j));
+    for (const LocalTensor &st : stats_of(b, j)) (keep == Keep::nothing ? t.scratch : t.saved).push_back(st);
+  }
+  for (int j = 0; j < b.n_layers; ++j) {  // workspace
+    const Layer &l = b.layers[j];
+    const bool grad_in = b.source(j) >= 0 || needs_input_grad;
+    if (is_internal(b, j)) t.workspace.push_back(rows(cat("dh", j), l.out, j));
+    add_tensors(t.workspace, kind(l.op).workspace, b, j, LocalTensor::Kind::statistic, grad_in);
+    add_parameter_copies(t.workspace, b, j, g, p);
+    if (kind(l.op).gemm && grad_in && g == Gemms::halide) t.workspace.push_back({cat("p", j, "_wt"), 2, {l.in, l.out}, j});
+    if (product_buffer(b, j, g) && grad_in) t.workspace.push_back(product_of(b, j));
+  }
+  return t;
+}
+
+constexpr std::vector<LocalTensor> params(const Block &b) {
+  std::vector<LocalTensor> out;
+  for (int k = 0; k < b.n_layers; ++k) add_tensors(out, kind(b.layers[k].op).params, b, k, LocalTensor::Kind::parameter);
+  return out;
+}
+
+constexpr Name grad_name(const Name &param) {  // p3_w -> g3_w
+  Name g = param;
+  g.chars[0] = 'g';
+  return g;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernels and the plan
+// ---------------------------------------------------------------------------------------------
+enum class Variant : std::uint8_t {
+  forward_save,        // writes the block output and every internal backward reads
+  forward_selective,   // ... except what the selective policy recomputes
+  forward_discard,     // writes the block output; internals only as short-lived scratch
+  backward_saved,      // backward from saved internals
+  backward_selective,  // backward recomputing the attention core and GELU inside the kernel
+  backward_recompute,  // backward with the whole forward recompute fused in; takes the block input
+  loss,                // softmax cross-entropy: per-row loss, correctness and logits gradient
+  adamw,               // optimizer update over a flat range of parameters
+};
+
+// The arithmetic of one call of a block's kernel over `rows` rows: its kinds' flops (GEMMs and
+// attention products), backward's multiple of them, and the forward work a variant recomputes.
+constexpr double kernel_flops(const Block &b, Variant v, long long rows) {
+  double forward = 0, backward = 0, rebuilt_by_selective = 0;
+  for (int j = 0; j < b.n_layers; ++j) {
+    const Kind &k = kind(b.layers[j].op);
+    if (!k.flops) continue;
+    const double f = double(rows) * k.flops(b.layers[j]);
+    forward += f;
+    backward += k.backward_flops * f;
+    if (k.recomputed_by_selective) rebuilt_by_selective += f;
+  }
+  switch (v) {
+  case Variant::forward_save:
+  case Variant::forward_selective:
+  case Variant::forward_discard: return forward;
+  case Variant::backward_saved: return backward;
+  case Variant::backward_selective: return backward + rebuilt_by_selective;
+  case Variant::backward_recompute: return backward + forward;
+  case Variant::loss:
+  case Variant::adamw: return 0;
+  }
+  return 0;
+}
+
+constexpr std::string_view variant_name(Variant v) {
+  switch (v) {
+  case Variant::forward_save: return "forward_save";
+  case Variant::forward_selective: return "forward_selective";
+  case Variant::forward_discard: return "forward_discard";
+  case Variant::backward_saved: return "backward_saved";
+  case Variant::backward_selective: return "backward_selective";
+  case Variant::backward_recompute: return "backward_recompute";
+  case Variant::loss: return "loss";
+  case Variant::adamw: return "adamw";
+  }
+  return "?";
+}
+
+constexpr Variant forward_variant(Keep k) {
+  return k == Keep::all ? Variant::forward_save : k == Keep::selective ? Variant::forward_selective : Variant::forward_discard;
+}
+constexpr Variant backward_variant(Keep k) {
+  return k == Keep::all ? Variant::backward_saved : k == Keep::selective ? Variant::backward_selective : Variant::backward_recompute;
+}
+
+// Kernel symbol: <model>_s<stage>_<variant>, <model>_loss, <model>_adamw, with a _bf16 suffix
+// for bf16 kernels (AdamW works on fp32 only and is shared).
+constexpr Name kernel_name(std::string_view model, int stage, Variant v, Precision p = Precision::fp32) {
+  const std::string_view suffix = p == Precision::bf16 && v != Variant::adamw ? "_bf16" : "";
+  if (v == Variant::loss || v == Variant::adamw) return cat(model, "_", variant_name(v), suffix);
+  return cat(model, "_s", stage, "_", variant_name(v), suffix);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernel signatures: the ordered, typed arguments of every kernel. The model compiler declares its
+// Halide arguments from the signature, in order, and checks that the pipeline writes exactly its
+// outputs; the planner binds every argument to a tensor of the plan (or a run-time scalar); the
+// executor passes them by position. Order: the scalars, the buffers the kernel reads, the buffers
+// it writes (Halide's own order: its inputs as declared, then the pipeline's outputs).
+// ---------------------------------------------------------------------------------------------
+// Whether a kernel reads a buffer or writes it (a Halide input or output). A buffer read and
+// written in place (gradients accumulated, AdamW's state) is two arguments, one each way.
+enum class Access : std::uint8_t { read, write };
+
+// What an argument is to the plan: how the planner binds it.
+enum class ArgRole : std::uint8_t {
+  scalar,        // a run-time value (Scalar)
+  block_input,   // x: the block's input (token ids for a token embedding); the loss kernel's logits
+  block_output,  // y
+  output_grad,   // dy, the gradient of y
+  input_grad,    // dx, the gradient of x; the loss kernel's dlogits
+  labels,        // the loss kernel's class of each row
+  metric,        // the loss kernel's per-row loss, correctness, max and log-sum-exp
+  saved,         // written by a forward and kept for the backward, which reads it
+  scratch,       // an internal written and dropped within the call (a rebuilt one in backward)
+  workspace,     // the kernel's own short-lived buffers (gradients inside the block, copies)
+  parameter,     // a parameter; AdamW writes it in place
+  gradient,      // a parameter's gradient: written by backward (read back as <name>_prev when
+                 // accumulating), read by AdamW
+  moment,        // AdamW's first or second moment, updated in place
+};
+
+enum class Scalar : std::uint8_t {
+  accumulate, grad_scale, lr, beta1, beta2, eps, weight_decay, bias1, bias2,
+  seed, step, rng_block, drop_threshold, drop_scale,
+};
+struct ScalarInfo { Scalar scalar; std::string_view name; Element element; };
+inline constexpr ScalarInfo scalars[] = {
+    {Scalar::accumulate, "accumulate", Element::boolean},   // add to the gradients instead of overwriting them
+    {Scalar::grad_scale, "grad_scale", Element::f32},       // 1 / rows per optimizer step
+    {Scalar::lr, "lr", Element::f32},
+    {Scalar::beta1, "beta1", Element::f32},
+    {Scalar::beta2, "beta2", Element::f32},
+    {Scalar::eps, "eps", Element::f32},
+    {Scalar::weight_decay, "weight_decay", Element::f32},
+    {Scalar::bias1, "bias1", Element::f32},                 // AdamW bias corrections 1 - beta^t
+    {Scalar::bias2, "bias2", Element::f32},
+    {Scalar::seed, "seed", Element::u64},                   // dropout: masks hash (seed, step, rng_block, element)
+    {Scalar::step, "step", Element::i32},
+    {Scalar::rng_block, "rng_block", Element::i32},         // per kernel call, from the plan
+    {Scalar::drop_threshold, "drop_threshold", Element::u64},
+    {Scalar::drop_scale, "drop_scale", Element::f32},
+};
+static_assert([] {
+  for (int i = 0; i < int(std::size(scalars)); ++i)
+    if (int(scalars[i].scalar) != i) return false;
+  return true;
+}(), "remat::scalars must list the Scalars in the order of the enum");
+constexpr const ScalarInfo &info(Scalar s) { return scalars[int(s)]; }
+
+struct KernelArg {
+  LocalTensor tensor;   // buffers: name, dims, extent (-1: rows), layer, kind, init; scalars: the name
+  ArgRole role{};
+  Access access = Access::read;
+  Element element = Element::f32;
+  Scalar scalar{};      // role scalar: which
+  int read_by = -1;     // saved: the layer whose backward reads it
+  constexpr bool is_scalar() const { return role == ArgRole::scalar; }
+};
+
+constexpr bool is_backward(Variant v) {
+  return v == Variant::backward_saved || v == Variant::backward_selective || v == Variant::backward_recompute;
+}
+constexpr Keep keep_of(Variant v) {
+  switch (v) {
+  case Variant::forward_save:
+  case Variant::backward_saved: return Keep::all;
+  case Variant::forward_selective:
+  case Variant::backward_selective: return Keep::selective;
+  default: return Keep::nothing;
+  }
+}
+
+// The GEMMs of a device's kernels: a library for fp32 and on every GPU, Halide's for the CPU's
+// bf16 kernels (the plans that call them must be made with the same choice).
+constexpr Gemms gemms_for(bool gpu, Precision p) { return gpu || p == Precision::fp32 ? Gemms::library : Gemms::halide; }
+
+// The signature of a kernel: stage s's block kernel of variant v, or the loss / AdamW kernel.
+constexpr std::vector<KernelArg> signature(const Model &m, int stage, Variant v, Precision p, Gemms g) {
+  std::vector<KernelArg> out, reads, writes;
+  auto scalar = [&](Scalar s) {
+    out.push_back({{Name{}.append(info(s).name)}, ArgRole::scalar, Access::read, info(s).element, s});
+  };
+  auto buffer = [&](const LocalTensor &t, ArgRole role, Access access, int read_by = -1) {
+    (access == Access::read ? reads : writes).push_back({t, role, access, element_of(t, p), {}, read_by});
+  };
+  auto flat = [](Name name, LocalTensor::Kind kind = LocalTensor::Kind::parameter) {
+    return LocalTensor{name, 1, {-1, 0}, -1, false, kind};
+  };
+  if (v == Variant::loss) {
+    scalar(Scalar::grad_scale);
+    buffer(rows("logits", m.classes()), ArgRole::block_input, Access::read);
+    buffer(flat("labels", LocalTensor::Kind::index), ArgRole::labels, Access::read);
+    buffer(rows("dlogits", m.classes()), ArgRole::input_grad, Access::write);
+    buffer(row_stat("row_loss"), ArgRole::metric, Access::write);
+    buffer(flat("row_correct", LocalTensor::Kind::index), ArgRole::metric, Access::write);
+    buffer(row_stat("row_max"), ArgRole::metric, Access::write);
+    buffer(row_stat("row_lse"), ArgRole::metric, Access::write);
+  } else if (v == Variant::adamw) {  // over a flat range of parameters
+    for (Scalar s : {Scalar::lr, Scalar::beta1, Scalar::beta2, Scalar::eps, Scalar::weight_decay, Scalar::bias1, Scalar::bias2})
+      scalar(s);
+    buffer(flat("p"), ArgRole::parameter, Access::read);
+    buffer(flat("g"), ArgRole::gradient, Access::read);
+    buffer(flat("m"), ArgRole::moment, Access::read);
+    buffer(flat("v"), ArgRole::moment, Access::read);
+    // the kernel's Tuple output {p, m, v}, written in place over its inputs
+    buffer(flat("adamw.0"), ArgRole::parameter, Access::write);
+    buffer(flat("adamw.1"), ArgRole::moment, Access::write);
+    buffer(flat("adamw.2"), ArgRole::moment, Access::write);
+  } else {
+    const Block &b = m.stages[stage];
+    const bool backward = is_backward(v), needs_dx = needs_input_grad(m, stage);
+    const std::vector<LocalTensor> ps = params(b);
+    bool masks = false;
+    for (int k = 0; k < b.n_layers; ++k) masks = masks || kind(b.layers[k].op).draws_masks;
+    if (backward && !ps.empty()) scalar(Scalar::accumulate);
+    if (masks)
+      for (Scalar s : {Scalar::seed, Scalar::step, Scalar::rng_block, Scalar::drop_threshold, Scalar::drop_scale})
+        scalar(s);
+    const LocalTensor x = m.token_input() && stage == 0 ? flat("x", LocalTensor::Kind::index) : rows("x", b.in());
+    buffer(x, ArgRole::block_input, Access::read);
+    if (backward) buffer(rows("dy", b.out()), ArgRole::output_grad, Access::read);
+    for (const LocalTensor &t : ps) buffer(t, ArgRole::parameter, Access::read);
+    if (backward && needs_dx) buffer(rows("dx", b.in()), ArgRole::input_grad, Access::write);
+    if (!backward) buffer(rows("y", b.out()), ArgRole::block_output, Access::write);
+    for (const LocalTensor &t : ps)
+      if (backward) {
+        LocalTensor grad = t, prev = t;
+        grad.name = grad_name(t.name);
+        prev.name = cat(grad.name.view(), "_prev");
+        buffer(prev, ArgRole::gradient, Access::read);
+        buffer(grad, ArgRole::gradient, Access::write);
+      }
+    const KernelTensors kt = backward ? backward_tensors(b, keep_of(v), needs_dx, g, p) : forward_tensors(b, keep_of(v), g, p);
+    for (const LocalTensor &t : kt.saved)
+      buffer(t, ArgRole::saved, backward ? Access::read : Access::write,
+             t.kind == LocalTensor::Kind::statistic ? t.layer : reader_of(b, t.layer));
+    for (const LocalTensor &t : kt.scratch) buffer(t, ArgRole::scratch, Access::write);
+    for (const LocalTensor &t : kt.workspace) buffer(t, ArgRole::workspace, Access::write);
+  }
+  for (const auto *list : {&reads, &writes})
+    for (const KernelArg &a : *list) out.push_back(a);
+  return out;
+}
+
+}  // namespace remat
