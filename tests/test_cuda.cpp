@@ -38,6 +38,8 @@ import mlp;
 import mlp.kernels;
 import gpt;
 import gpt.kernels;
+import zoo_gated;
+import zoo_gated.kernels;
 
 #include "compare.h"
 #include "model_run.h"
@@ -78,18 +80,40 @@ namespace {
 //         parameters after AdamW from the same gradients 9.9e-8 / 9.9e-8.
 //   bf16: row losses 3.9e-3 / 1.7e-3 (train), 2.2e-3 / 1.2e-3 (eval); gradients 2.9e-2 / 1.4e-2;
 //         parameters 9.9e-8 (AdamW is fp32 in both precisions).
+// zoo_gated: fp32 row losses 1.3e-7 (train), 6.0e-7 (eval), gradients 5.7e-7; bf16 row losses
+// 2.3e-3 (train), 1.4e-2 (eval: one row of 15, the others 2.5e-3 at most), gradients 3.4e-2. Its
+// 12 features in heads of 2 amplify a bf16 rounding that differs between the CPU's Halide GEMMs
+// and the GPU's library GEMMs (their summation orders differ) more than the wider models do, so
+// its bf16 row losses have a limit of their own (Case::bf16_loss); fp32 agrees to 6e-7.
 // CUDA (cuBLASLt's summation order) is held to the same limits; its figures are not yet observed.
 struct Tolerances { testing::Tolerance loss, grads, params; };
 constexpr Tolerances fp32_tolerances{{2e-6, 0}, {1e-5, 0}, {5e-7, 0}}, bf16_tolerances{{1e-2, 0}, {5e-2, 0}, {5e-7, 0}};
 
+// A model with its CPU kernels and its GPU kernels for one device; `samples` per micro-batch.
+struct Case {
+  const Model &m;
+  std::string_view name;
+  std::span<const runtime::Kernel> cpu, gpu;
+  int samples;
+  double dropout;
+  double bf16_loss = bf16_tolerances.loss.atol;  // the bf16 row-loss limit, if not the common one
+};
+// The MLP, the GPT, and zoo_gated (RMSNorm, RoPE, grouped-query attention, SwiGLU, bias-free
+// linears, a token embedding: the kinds of today's LLMs) on `device`.
+std::vector<Case> models_on(Device device) {
+  const bool cuda = device == Device::cuda;
+  return {{mlp::model, "mlp", mlp_kernels::table, cuda ? mlp_kernels::cuda_table : mlp_kernels::opencl_table, 16, 0.0},
+          {gpt::model, "gpt", gpt_kernels::table, cuda ? gpt_kernels::cuda_table : gpt_kernels::opencl_table, 2, 0.1},
+          {zoo_gated::model, "zoo_gated", zoo_gated_kernels::table,
+           cuda ? zoo_gated_kernels::cuda_table : zoo_gated_kernels::opencl_table, 3, 0.1, 2e-2}};
+}
+
 // One training step and the optimizer on `device` against the CPU kernels: the mean loss, every
-// gradient tensor, the updated parameters and the evaluation loss.
-void expect_close_to_the_cpu(Device device, std::span<const runtime::Kernel> mlp_gpu, std::span<const runtime::Kernel> gpt_gpu,
-                             Precision precision = Precision::fp32) {
-  const Tolerances tol = precision == Precision::bf16 ? bf16_tolerances : fp32_tolerances;
-  struct Case { const Model &m; std::string_view name; std::span<const runtime::Kernel> cpu, gpu; int samples; double dropout; };
-  for (const Case &c : {Case{mlp::model, "mlp", mlp_kernels::table, mlp_gpu, 16, 0.0},
-                        Case{gpt::model, "gpt", gpt_kernels::table, gpt_gpu, 2, 0.1}}) {
+// gradient tensor, the updated parameters and the evaluation loss, for each model.
+void expect_close_to_the_cpu(Device device, Precision precision = Precision::fp32) {
+  for (const Case &c : models_on(device)) {
+    Tolerances tol = precision == Precision::bf16 ? bf16_tolerances : fp32_tolerances;
+    if (precision == Precision::bf16) tol.loss.atol = c.bf16_loss;
     Run cpu(c.m, c.name, c.cpu, none, c.samples, c.dropout, false, Device::cpu, precision);
     Run gpu(c.m, c.name, c.gpu, none, c.samples, c.dropout, true, device, precision);
     auto close = [&](std::string_view what, const std::vector<float> &want, const std::vector<float> &got,
@@ -125,21 +149,24 @@ void expect_close_to_the_cpu(Device device, std::span<const runtime::Kernel> mlp
   }
 }
 
-// Every policy, offload included, gives the gradients of `none` bit for bit on `device`.
-void expect_policies_identical(Device device, std::span<const runtime::Kernel> gpt_gpu, int samples,
-                               Precision precision = Precision::fp32) {
-  Run base(gpt::model, "gpt", gpt_gpu, none, samples, 0.1, true, device, precision);
-  base.ex.run(Executor::Phase::train);
-  const auto expected = base.grads();
-  // two runs that both left NaN (the canary) or zeros would compare equal
-  BOOST_TEST_REQUIRE(testing::finite_and_nonzero(expected),
-                     precision_name(precision) << " gradients under none: not all finite, or all zero");
-  for (Policy p : {selective, full, every_2, sqrt_n, with_offload(full), with_offload(every_2), with_offload(sqrt_n)}) {
-    Run run(gpt::model, "gpt", gpt_gpu, p, samples, 0.1, true, device, precision);
-    run.ex.run(Executor::Phase::train);
-    const auto got = run.grads();
-    BOOST_TEST(std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)) == 0,
-               precision_name(precision) << " gradients differ under " << policy_name(p).view());
+// Every policy, offload included, gives the gradients of `none` bit for bit on `device`, for the
+// models with repeat stages (the GPT and zoo_gated), at `scale` times their case's samples.
+void expect_policies_identical(Device device, int scale, Precision precision = Precision::fp32) {
+  for (const Case &c : models_on(device)) {
+    if (c.name == "mlp") continue;  // its policies are the GPT's on a simpler block
+    Run base(c.m, c.name, c.gpu, none, scale * c.samples, c.dropout, true, device, precision);
+    base.ex.run(Executor::Phase::train);
+    const auto expected = base.grads();
+    // two runs that both left NaN (the canary) or zeros would compare equal
+    BOOST_TEST_REQUIRE(testing::finite_and_nonzero(expected),
+                       c.name << " " << precision_name(precision) << " gradients under none: not all finite, or all zero");
+    for (Policy p : {selective, full, every_2, sqrt_n, with_offload(full), with_offload(every_2), with_offload(sqrt_n)}) {
+      Run run(c.m, c.name, c.gpu, p, scale * c.samples, c.dropout, true, device, precision);
+      run.ex.run(Executor::Phase::train);
+      const auto got = run.grads();
+      BOOST_TEST(std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)) == 0,
+                 c.name << " " << precision_name(precision) << " gradients differ under " << policy_name(p).view());
+    }
   }
 }
 
@@ -186,7 +213,7 @@ BOOST_AUTO_TEST_CASE(cuda_kernels_assemble_for_real_gpus,
   const auto dir = std::filesystem::temp_directory_path() / ("remat-ptx-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   std::size_t assembled = 0;
-  for (const char *lib : {MLP_KERNELS_LIB, GPT_KERNELS_LIB, GPT2S_KERNELS_LIB}) {
+  for (const char *lib : {MLP_KERNELS_LIB, GPT_KERNELS_LIB, GPT2S_KERNELS_LIB, LLAMA_KERNELS_LIB}) {
     const auto modules = ptx_modules(read_file(lib));
     BOOST_TEST(!modules.empty(), lib);
     for (std::size_t i = 0; i < modules.size(); ++i) {
@@ -206,35 +233,35 @@ BOOST_AUTO_TEST_CASE(cuda_kernels_assemble_for_real_gpus,
 }
 
 BOOST_AUTO_TEST_CASE(pocl_gpu_schedules_match_the_cpu, *boost::unit_test::label("pocl")) {
-  expect_close_to_the_cpu(Device::opencl, mlp_kernels::opencl_table, gpt_kernels::opencl_table);
+  expect_close_to_the_cpu(Device::opencl);
 }
 
 BOOST_AUTO_TEST_CASE(pocl_gpu_schedules_give_bit_identical_gradients, *boost::unit_test::label("pocl")) {
-  expect_policies_identical(Device::opencl, gpt_kernels::opencl_table, 2);
+  expect_policies_identical(Device::opencl, 1);
 }
 
 BOOST_AUTO_TEST_CASE(pocl_bf16_gpu_schedules_match_the_cpu, *boost::unit_test::label("pocl")) {
-  expect_close_to_the_cpu(Device::opencl, mlp_kernels::opencl_table, gpt_kernels::opencl_table, Precision::bf16);
+  expect_close_to_the_cpu(Device::opencl, Precision::bf16);
 }
 
 BOOST_AUTO_TEST_CASE(pocl_bf16_gpu_schedules_give_bit_identical_gradients, *boost::unit_test::label("pocl")) {
-  expect_policies_identical(Device::opencl, gpt_kernels::opencl_table, 2, Precision::bf16);
+  expect_policies_identical(Device::opencl, 1, Precision::bf16);
 }
 
 BOOST_AUTO_TEST_CASE(cuda_gradients_match_the_cpu, *boost::unit_test::label("gpu") * boost::unit_test::precondition(cuda_device)) {
-  expect_close_to_the_cpu(Device::cuda, mlp_kernels::cuda_table, gpt_kernels::cuda_table);
+  expect_close_to_the_cpu(Device::cuda);
 }
 
 BOOST_AUTO_TEST_CASE(cuda_policies_give_bit_identical_gradients, *boost::unit_test::label("gpu") * boost::unit_test::precondition(cuda_device)) {
-  expect_policies_identical(Device::cuda, gpt_kernels::cuda_table, 4);
+  expect_policies_identical(Device::cuda, 2);
 }
 
 BOOST_AUTO_TEST_CASE(cuda_bf16_gradients_match_the_cpu, *boost::unit_test::label("gpu") * boost::unit_test::precondition(cuda_device)) {
-  expect_close_to_the_cpu(Device::cuda, mlp_kernels::cuda_table, gpt_kernels::cuda_table, Precision::bf16);
+  expect_close_to_the_cpu(Device::cuda, Precision::bf16);
 }
 
 BOOST_AUTO_TEST_CASE(cuda_bf16_policies_give_bit_identical_gradients, *boost::unit_test::label("gpu") * boost::unit_test::precondition(cuda_device)) {
-  expect_policies_identical(Device::cuda, gpt_kernels::cuda_table, 4, Precision::bf16);
+  expect_policies_identical(Device::cuda, 2, Precision::bf16);
 }
 
 BOOST_AUTO_TEST_CASE(cuda_measured_peak_equals_the_plan, *boost::unit_test::label("gpu") * boost::unit_test::precondition(cuda_device)) {
