@@ -428,6 +428,11 @@ constexpr Keep keep_of(Variant v) {
   }
 }
 
+// Every kernel needs at least this many rows per call: its GEMM row tiles overlap the last one
+// inwards instead of padding (generators/schedules.h, Scheduler::min_batch, which the model
+// compiler checks against this).
+inline constexpr int min_kernel_rows = 8;
+
 // The GEMMs of a device's kernels: a library for fp32 and on every GPU, Halide's for the CPU's
 // bf16 kernels (the plans that call them must be made with the same choice).
 constexpr Gemms gemms_for(bool gpu, Precision p) { return gpu || p == Precision::fp32 ? Gemms::library : Gemms::halide; }

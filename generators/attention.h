@@ -148,8 +148,10 @@ struct AttentionTiles {
 // runs in order with the causal mask applied in the sum, as in the forward.
 struct AttentionTilesGrad {
   Halide::Func dqkv;               // dqkv(c, b) = [dq | dk | dv]: undefined, then every element
-                                   // written once by an update over `r`
-  Halide::RDom r;                  // (d, t, part, h, n): element part C + h D + d of row n T + t
+                                   // written by an update over `r` (a shared head's once per
+                                   // query head of its group)
+  Halide::RDom r;                  // (d, t, part, j, kv, n): query head kv G + j, its key / value
+                                   // head kv, of sequence n
   Halide::Func delta;              // delta(h, b) (attention_delta), read from its buffer
   TileScores scores;               // q . k, as in AttentionTiles
   TileScores dprob_kept;           // dot(t, s, h, n) = dout(t) . v(s) over the head (q_t: dout transposed)
@@ -329,32 +331,44 @@ public:
   // Vector-Jacobian rule of attention_tiles (AttentionTilesGrad), from the forward's qkv, out and
   // lse like attention_grad; rows (a multiple of T) sizes the update's domain, and dqkv is named
   // out_name and holds its values as L.store rounds them.
+  // Grouped heads (kv_heads < H): a task per (sequence, key / value head) runs its query heads
+  // one after the other, each writing its dq and adding its dk, dv to the shared head's (the
+  // first one's value as it is, the others added in head order, as attention_grad's group sum).
   AttentionTilesGrad attention_tiles_grad(const std::string &name, Halide::Func qkv, Halide::Func delta,
                                           Halide::Func lse, Halide::Func dout, int C, int H, const Dropout &drop,
-                                          Halide::Expr rows, const std::string &out_name) const {
+                                          Halide::Expr rows, const std::string &out_name, int kv_heads = 0) const {
     using namespace Halide;
     const int D = head_dim(C, H);
-    const Heads hd{C, H, H};  // grouped heads: attention_grad (a task per query head cannot own a shared head's gradient)
+    const Heads hd{C, H, kv_heads ? kv_heads : H};
+    const int G = hd.group(), KV = hd.kv;
     const Expr scale = L.constant(1 / std::sqrt(double(D)));
     AttentionTilesGrad g;
     g.delta = delta;
     tile_probabilities(name, qkv, lse, hd, drop, g.scores, g.prob, g.keep, g.kept);
-    g.dprob_kept = tile_dots(name + "_dp", dout, 0, qkv, 2 * C, D);
+    g.dprob_kept = tile_dots(name + "_dp", dout, 0, qkv, hd.offset(2), D, G);
     const Expr dprob = drop.enabled ? g.dprob_kept.dot(t, s, h, n) * g.keep(t, s, h, n) : Expr(g.dprob_kept.dot(t, s, h, n));
     g.dscore = Func(name + "_dscore");
     g.dscore(t, s, h, n) = g.prob(t, s, h, n) * (dprob - g.delta(h, n * T + t));
     // dq(t) = sum_{s <= t} dS(t, s) k(s) / sqrt(D); dk(s) = sum_{t >= s} dS(t, s) q(t) / sqrt(D);
     // dv(s) = sum_{t >= s} drop(P)(t, s) dout(t). Here t is each Func's own position.
-    g.dq = tile_sum(name + "_dq_sum", Causal::keys_of_t, [&](Expr r) { return g.dscore(t, r, h, n); }, qkv, C, D);
+    g.dq = tile_sum(name + "_dq_sum", Causal::keys_of_t, [&](Expr r) { return g.dscore(t, r, h, n); }, qkv, hd.offset(1), D, G);
     g.dk = tile_sum(name + "_dk_sum", Causal::queries_of_t, [&](Expr r) { return g.dscore(r, t, h, n); }, qkv, 0, D);
     g.dv = tile_sum(name + "_dv_sum", Causal::queries_of_t, [&](Expr r) { return g.kept(r, t, h, n); }, dout, 0, D);
-    g.r = RDom({{0, D}, {0, T}, {0, 3}, {0, H}, {0, rows / T}}, name + "_r");
-    const Expr rd = g.r[0], rt = g.r[1], part = g.r[2], rh = g.r[3], rn = g.r[4];
-    const Expr value = L.store(select(part == 0, g.dq(rd, rt, rh, rn) * scale, part == 1, g.dk(rd, rt, rh, rn) * scale,
-                                      g.dv(rd, rt, rh, rn)));
+    // over (feature, position, part q / k / v, query head of the group, key / value head, sequence)
+    g.r = RDom({{0, D}, {0, T}, {0, 3}, {0, G}, {0, KV}, {0, rows / T}}, name + "_r");
+    const Expr rd = g.r[0], rt = g.r[1], part = g.r[2], rj = g.r[3], rkv = g.r[4], rn = g.r[5], rh = rkv * G + rj;
+    const Expr dk = g.dk(rd, rt, rh, rn) * scale, dv = g.dv(rd, rt, rh, rn);
     g.dqkv = Func(out_name);
-    g.dqkv(v.c, v.b) = undef(value.type());
-    g.dqkv(part * C + rh * D + rd, rn * T + rt) = value;
+    g.dqkv(v.c, v.b) = undef(L.store(L.constant(0)).type());
+    const Expr col = G == 1 ? part * C + rh * D + rd : select(part == 0, rh * D + rd, C + (part - 1) * KV * D + rkv * D + rd);
+    const Expr row = rn * T + rt;
+    Expr kv_value = select(part == 1, dk, dv);
+    if (G > 1) {  // add to the group's earlier heads
+      Expr earlier = g.dqkv(col, row);
+      if (L.bf16) earlier = from_bf16_bits(earlier);
+      kv_value = select(rj == 0, kv_value, earlier + kv_value);
+    }
+    g.dqkv(col, row) = L.store(select(part == 0, g.dq(rd, rt, rh, rn) * scale, kv_value));
     return g;
   }
 
@@ -365,16 +379,30 @@ public:
   // inverse: the transposed rotation (the vector-Jacobian rule). Not rounded (L.store is the
   // caller's).
   static constexpr double rope_theta = 10000;
-  Halide::Func rope(const std::string &name, Halide::Func x, int q_heads, int kv_heads, int D, bool inverse = false) const {
+  // cos and sin of the angle of feature e < D / 2 at position t: (e, t) over [0, D / 2) x [0, T).
+  struct RopeTable { Halide::Func cos, sin; };
+  RopeTable rope_table(const std::string &name, int D) const {
+    using namespace Halide;
+    RopeTable tab{Func(name + "_cos"), Func(name + "_sin")};
+    const Expr angle = rope_angle(v.c, v.b, D);
+    tab.cos(v.c, v.b) = cos(angle);
+    tab.sin(v.c, v.b) = sin(angle);
+    return tab;
+  }
+  // The rotation; with a table, its cos and sin are read from it (the same values: the table
+  // evaluates the same expressions), not computed per element.
+  Halide::Func rope(const std::string &name, Halide::Func x, int q_heads, int kv_heads, int D, bool inverse = false,
+                    const RopeTable *table = nullptr) const {
     using namespace Halide;
     if (D % 2 != 0) throw std::invalid_argument("remat: rope needs an even head width");
     const int rotated = (q_heads + kv_heads) * D, half = D / 2;
     const Expr e = v.c % D, low = e < half;
-    const Expr angle = cast(L.t, v.b % T) * exp(cast(L.t, e % half) * L.constant(-2.0 * std::log(rope_theta) / D));
+    const Expr i = e % half, position = v.b % T, angle = rope_angle(i, position, D);
+    const Expr cos_t = table ? table->cos(i, position) : cos(angle), sin_t = table ? table->sin(i, position) : sin(angle);
     const Expr partner = x(clamp(select(low, v.c + half, v.c - half), 0, rotated - 1), v.b);
-    const Expr sin_term = select(low != inverse, -partner, partner) * sin(angle);
+    const Expr sin_term = select(low != inverse, -partner, partner) * sin_t;
     Func y(name);
-    y(v.c, v.b) = select(v.c < rotated, x(v.c, v.b) * cos(angle) + sin_term, x(v.c, v.b));
+    y(v.c, v.b) = select(v.c < rotated, x(v.c, v.b) * cos_t + sin_term, x(v.c, v.b));
     return y;
   }
 
@@ -420,6 +448,10 @@ public:
   Halide::Var t{"t"}, d{"d"}, n{"n"};
 
 private:
+  // The angle of feature i < D / 2 at position t: t theta^(-2i / D).
+  Halide::Expr rope_angle(Halide::Expr i, Halide::Expr t, int D) const {
+    return Halide::cast(L.t, t) * Halide::exp(Halide::cast(L.t, i) * L.constant(-2.0 * std::log(rope_theta) / D));
+  }
   static int head_dim(int C, int H) {
     if (H < 1 || C % H != 0) throw std::invalid_argument("remat: attention width must be a multiple of the head count");
     return C / H;

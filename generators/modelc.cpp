@@ -30,6 +30,8 @@ using gen::Layers;
 using gen::MatMul;
 using gen::Scheduler;
 
+static_assert(Scheduler::min_batch == min_kernel_rows, "the kernels' row minimum is remat::min_kernel_rows");
+
 std::string str(const Name &n) { return std::string(n.view()); }
 
 // A stored value as float: bf16 values (UInt(16) bits) are widened where they are read (an

@@ -225,9 +225,13 @@ public:
   }
   // Whether every tile buffer ([T, T] and [T, D] floats) fits Halide's stack allocations (16 KiB:
   // beyond that Halide's "stack" memory comes from the heap, which no kernel may use).
-  static bool attention_tiles_fit(int C, int H, int T) {
-    constexpr long long stack_bytes = 16 * 1024;
-    return 4LL * T * T <= stack_bytes && 4LL * T * (C / H) <= stack_bytes;
+  // Halide keeps a constant-size buffer on the stack up to 16 KiB, and takes larger ones from the
+  // heap (which no kernel may do): buffers a schedule puts on the stack must fit this.
+  static bool fits_stack(long long bytes) { return bytes <= 16 * 1024; }
+  static bool attention_tiles_fit(int C, int H, int T) { return fits_stack(4LL * T * T) && fits_stack(4LL * T * (C / H)); }
+  // A small [width, height] table computed once per kernel call, before everything else.
+  void table(Func f, int width, int height) {
+    f.compute_root().bound(v.c, 0, width).bound(v.b, 0, height).store_in(Halide::MemoryType::Stack);
   }
   // Causal attention forward by (sequence, head) tiles (CPU): a task per (sequence, head). The
   // tile's transposed queries, scores or probabilities and row statistics live on the task's
@@ -258,17 +262,19 @@ public:
     sum_over_positions(a.sum, head_dim, block_size);
   }
   // Its gradient by the same tiles (CPU): the update that writes dqkv runs a task per (sequence,
-  // head); the task's P (and dropout mask), dS and dq, dk, dv sums live on its stack, P and dS
+  // head); the task's (query head's) P (and dropout mask), dS and dq, dk, dv sums live on its stack, P and dS
   // in the register tiles of the forward's scores, the sums in those of its P . V.
+  // With grouped heads a task is a (sequence, key / value head), which runs its query heads one
+  // after the other (each one's buffers computed at that loop, so a task's stack holds one head's).
   void attention_tiles_grad(gen::AttentionTilesGrad &g, int head_dim, int block_size) {
     const RVar hn("hn");
     Stage write = g.dqkv.update();
     write.allow_race_conditions()  // every element is written by one task only
-        .fuse(g.r[3], g.r[4], hn)
+        .fuse(g.r[4], g.r[5], hn)
         .parallel(hn)
         .unroll(g.r[2]);
     if (head_dim % vec == 0) write.vectorize(g.r[0], vec);
-    const LoopLevel task(g.dqkv, hn);
+    const LoopLevel task(g.dqkv, g.r[3]);
     tile_of_scores(g.prob, g.scores, task, block_size);
     if (g.keep.defined()) {
       g.keep.compute_at(task).store_in(Halide::MemoryType::Stack);

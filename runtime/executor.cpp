@@ -296,6 +296,9 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
     : plan(plan), arena(arena), checks(checks_) {
   if (checks.free_memory && arena.device() == Device::cuda)
     throw std::runtime_error("the free-memory check reads the arena on the host: not on --device cuda");
+  if (plan.rows < min_kernel_rows)
+    throw std::runtime_error(fmt::format("the plan has {} rows per micro-batch; the kernels need at least {}", plan.rows,
+                                         min_kernel_rows));
   // The plan must fit the arena: every root inside it, every view inside its root.
   if (arena.size() < std::max(plan.peak_bytes, plan.eval_peak_bytes))
     throw std::runtime_error(fmt::format("the plan needs an arena of {} bytes; this one has {}",

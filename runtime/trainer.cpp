@@ -26,7 +26,6 @@ import remat;
 namespace remat::runtime {
 namespace {
 
-constexpr int min_batch_rows = 8;  // Scheduler::min_batch in generators/schedules.h (GEMM row tiles)
 
 struct Options {
   long max_steps = 0;  // 0: derived from num_train_epochs
@@ -126,7 +125,7 @@ std::string generate(const ModelInfo &info, Device device, Precision precision, 
                      std::uint64_t seed) {
   const Model &model = info.model;
   const int T = model.input.block_size, V = model.classes();
-  const int samples = (min_batch_rows + T - 1) / T;  // the sequence is sample 0; the rest pad the batch
+  const int samples = (min_kernel_rows + T - 1) / T;  // the sequence is sample 0; the rest pad the batch
   Engine engine(make_plan(model, none, samples, precision, gemms_of(device, precision)), info.name,
                 device == Device::cuda ? info.cuda_kernels : info.kernels, {.device = device, .canary = false});
   Executor &ex = engine.executor;
@@ -278,8 +277,8 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     policy.offload = o.offload;
     const int batch = o.batch_size ? o.batch_size : info.default_batch;
     const int micro = o.gradient_accumulation_steps;
-    if (long(batch) * model.rows_per_sample() < min_batch_rows)
-      throw InputError(fmt::format("--batch-size {}: the kernels need at least {} rows per micro-batch", batch, min_batch_rows));
+    if (long(batch) * model.rows_per_sample() < min_kernel_rows)
+      throw InputError(fmt::format("--batch-size {}: the kernels need at least {} rows per micro-batch", batch, min_kernel_rows));
     if (o.dropout > 0 && !has_dropout(model))
       throw InputError(fmt::format("--dropout {}: model {} has no dropout layers", o.dropout, info.name));
     const Precision precision = o.bf16 ? Precision::bf16 : Precision::fp32;

@@ -102,6 +102,34 @@ BOOST_AUTO_TEST_CASE(a_plan_that_does_not_fit_is_refused) {
   BOOST_CHECK_THROW(Executor(cpu_plan(mlp::model, none, batch), "mlp", mlp_kernels::table, small, scalars), std::runtime_error);
 }
 
+// A plan of fewer rows than the kernels' minimum (their GEMM row tiles) is refused, as is a
+// step whose arguments are not its kernel's (a stale kernel table): both before anything runs.
+BOOST_AUTO_TEST_CASE(a_plan_the_kernels_cannot_run_is_refused) {
+  const Plan few = cpu_plan(mlp::model, none, min_kernel_rows - 1);  // one row per sample
+  try {
+    runtime::Engine engine(few, "mlp", mlp_kernels::table);
+    BOOST_FAIL("a plan of " << few.rows << " rows was accepted");
+  } catch (const std::runtime_error &e) {
+    BOOST_TEST(what(e).find("the kernels need at least 8") != std::string::npos, what(e));
+  }
+  Plan stale = cpu_plan(mlp::model, none, batch);
+  stale.train[0].args.pop_back();  // the stem's forward, one buffer short
+  try {
+    runtime::Engine engine(stale, "mlp", mlp_kernels::table);
+    BOOST_FAIL("a step with an argument missing was accepted");
+  } catch (const std::runtime_error &e) {
+    BOOST_TEST(what(e).find("(a stale build?)") != std::string::npos, what(e));
+  }
+  Plan swapped = cpu_plan(mlp::model, none, batch);
+  std::swap(swapped.train[0].args.front(), swapped.train[0].args.back());  // a read where a write is
+  try {
+    runtime::Engine engine(swapped, "mlp", mlp_kernels::table);
+    BOOST_FAIL("a step with its arguments out of order was accepted");
+  } catch (const std::runtime_error &e) {
+    BOOST_TEST(what(e).find("is not the written buffer") != std::string::npos, what(e));
+  }
+}
+
 // A test-only kernel writes 2 bytes past the tensor that ends at the plan's peak: into the guard.
 // The run stops after that kernel, naming it, with or without the free-memory check; the
 // measured peak (the high-water mark) shows the violation too.

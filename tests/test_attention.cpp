@@ -255,6 +255,13 @@ BOOST_FIXTURE_TEST_CASE(grouped_query_attention, AttentionFixture) {
   check_fd("gqa dqkv fd", x, dx, [&] { return objective(out, dout); }, {1e-9, 0});
   const Buffer<double> edx = gref.dqkv(dout);
   check_ref("gqa dqkv", dx, [&](const int *q) { return edx(q); }, dqkv_tol);
+  // by (sequence, key / value head) tiles, each shared head's gradient summed over its group
+  const Func tiles_out = wrap(ob, "out_tiles"), tiles_dout = wrap(dout, "dout_tiles");
+  auto tg = tr.attention_tiles_grad("dgqa_tiles", xp, tr.attention_delta("dgqa_tiles", tiles_out, tiles_dout, C12, H4),
+                                    wrap(lse, "lse_tiles"), tiles_dout, C12, H4, drop, Expr(rows), "dqkv_tiles", KV);
+  Buffer<double> tdx = tg.dqkv.realize({W, rows});
+  check_ref("gqa tiles dqkv", tdx, [&](const int *q) { return edx(q); }, dqkv_tol);
+  check_fd("gqa tiles dqkv fd", x, tdx, [&] { return objective(out, dout); }, {1e-9, 0});
 }
 
 // The causal mask with RoPE before the attention (D = 4: RoPE turns pairs of features).

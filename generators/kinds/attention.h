@@ -43,11 +43,11 @@ void attention_backward(StageKernels &k, int j, Func, Func d) {
   k.output(g.delta, head_stat(cat("att", j, "_delta"), l.heads));
   const int head_dim = l.out / l.heads;
   Contribution c{g.dqkv, {}, -1, [&k, g, head_dim](Func consumer) { k.sched.attention_grad(consumer, g, head_dim, k.tr.T); }};
-  if (k.attention_tiles(l) && l.kv_heads == l.heads)  // grouped heads: the row form sums each shared head's gradient
+  if (k.attention_tiles(l))
     c.whole = [&k, qkv = k.value(src), lse = k.f.stats.at(j)[0], dout = d, delta = g.delta, drop = k.dropout_at(j), batch = k.batch, j,
                l, head_dim](const std::string &name) {
       gen::AttentionTilesGrad t =
-          k.tr.attention_tiles_grad(str(cat("datt", j)), qkv, delta, lse, dout, l.out, l.heads, drop, batch, name);
+          k.tr.attention_tiles_grad(str(cat("datt", j)), qkv, delta, lse, dout, l.out, l.heads, drop, batch, name, l.kv_heads);
       k.sched.attention_tiles_grad(t, head_dim, k.tr.T);
       return t.dqkv;
     };
