@@ -1,6 +1,6 @@
 // Schedule templates, one per kernel shape (GEMM, pointwise, row and column reductions,
 // attention, embedding, loss, optimizer), for the CPU and for GPUs (chosen by the target; GPU
-// kernels leave their GEMMs to a library, see Gemms in dsl/remat.cppm).
+// kernels leave their GEMMs to a library, see Gemms in dsl/tensors.cppm).
 // The model compiler gives every Func of a given role the same one in every kernel variant, so a
 // recomputed value is bit-identical to the one computed the first time; bench/bench_gemm.cpp
 // times the CPU GEMM template against OpenBLAS.
