@@ -71,7 +71,6 @@ public:
         Parameter p(halide_type(a.element), false, 0, name);
         scalars.emplace(a.scalar, Internal::Variable::make(p.type(), name, p));
         order.push_back(Argument(name, Argument::InputScalar, p.type(), 0, p.get_argument_estimates()));
-        parameters.push_back(p);
       } else {
         ImageParam ip(halide_type(a.element), a.tensor.dims, name);
         constrain(ip, a.tensor.dims, a.tensor.extent);
@@ -148,7 +147,6 @@ public:
   Precision precision;
   std::map<std::string, ImageParam> images;
   std::map<Scalar, Expr> scalars;
-  std::vector<Parameter> parameters;
   std::vector<Argument> order;  // the scalars and inputs, for compile_to_module
 };
 
@@ -254,27 +252,24 @@ public:
     if (flows(j)) grads[j].push_back(std::move(c));
   }
   Func param(int k, const char *which) { return args.tensor(str(cat("p", k, "_", which))); }
-  std::pair<std::string, LocalTensor> grad_of(int k, const char *which) {
-    for (const LocalTensor &lt : params(blk))
-      if (lt.name == cat("p", k, "_", which)) return {str(grad_name(lt.name)), lt};
-    throw std::runtime_error("no parameter");
-  }
+  // The name of the gradient of parameter `which` of layer k (g<k>_w).
+  std::string grad_of(int k, const char *which) const { return str(grad_name(cat("p", k, "_", which))); }
   // Accumulating parameter gradient: g = (accumulate ? g_prev : 0) + new.
-  Expr accumulated(const std::string &grad, const LocalTensor &lt, Expr value, std::vector<Expr> at) {
+  Expr accumulated(const std::string &grad, Expr value, std::vector<Expr> at) {
     ImageParam prev = args.tensor(grad + "_prev");
     return select(args.scalar(Scalar::accumulate), prev(at), L.constant(0)) + value;
   }
   // Writes a 1-D parameter gradient made of a column sum over rows (`sum`, scheduled here).
   void write_column_sum_grad(int k, const char *which, Func sum, int width) {
-    auto [name, spec] = grad_of(k, which);
+    const std::string name = grad_of(k, which);
     Func g(name);
-    g(v.c) = accumulated(name, spec, sum(v.c), {v.c});
+    g(v.c) = accumulated(name, sum(v.c), {v.c});
     sched.column_sum(g, sum, sum.rvars(0)[0], width);
-    output(g, spec);
+    output(g);
   }
   gen::Dropout dropout_at(int k) const { return drop.enabled ? drop.at(drop.block + k) : drop; }
   // An output of the kernel (its layout comes from the signature, which must list it).
-  void output(Func fn, const LocalTensor &) { outputs->push_back(fn); }
+  void output(Func fn) { outputs->push_back(fn); }
   // Whether the plan saved a tensor of this kernel (then a backward kernel reads it).
   bool saved(const Name &name) const { return building_backward && listed(kt->saved, name); }
   static bool listed(const std::vector<LocalTensor> &list, const Name &name) {
@@ -401,7 +396,7 @@ private:
         copy(v.c) = L.store(p(v.c));
         sched.flat(copy);
       }
-      output(copy, lt);
+      output(copy);
       copies[name] = copy;
     }
     return copies.at(name);
@@ -446,7 +441,7 @@ private:
         f.out[j] = widened(b.out);  // `out` is the stored value; layers read it as float
         if (listed(kt->saved, cat("h", j)) || listed(kt->scratch, cat("h", j))) {
           if (!b.scheduled) sched.pointwise(b.out);
-          output(b.out, output_of(blk, j));
+          output(b.out);
           f.buffered[j] = true;
         }
       }
@@ -458,7 +453,7 @@ private:
   std::pair<Func, Func> materialize(const std::string &name, const std::vector<Contribution> &parts, int width) {
     if (parts.size() == 1 && parts[0].whole) {
       Func out = parts[0].whole(name);
-      output(out, rows(Name{}.append(name), width));
+      output(out);
       return {out, widened(out)};
     }
     Func out;
@@ -486,7 +481,7 @@ private:
       if (alone) {
         out = p;
       } else {
-        output(p, product_of(blk, product->layer));
+        output(p);
         Func pv = widened(p);
         out = Func(name);
         out(v.c, v.b) = L.store(others(pv(v.c, v.b)));
@@ -505,7 +500,7 @@ private:
     }
     for (const Contribution &c : parts)
       if (c.schedule) c.schedule(out);
-    output(out, rows(Name{}.append(name), width));
+    output(out);
     return {out, widened(out)};
   }
 

@@ -191,8 +191,7 @@ void print_plan_report(std::FILE *out, const Model &model, const Plan &plan) {
       // saved = lives past the kernel that wrote it until a backward kernel reads it
       bool read_by_backward = false;
       for (const Step &later : plan.train)
-        if (later.variant == Variant::backward_saved || later.variant == Variant::backward_selective ||
-            later.variant == Variant::backward_recompute)
+        if (is_backward(later.variant))
           for (const Arg &a : later.args) read_by_backward |= a.tensor == t;
       if (!read_by_backward) continue;
       const Block &blk = model.stages[x.stage];

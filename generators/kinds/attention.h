@@ -11,12 +11,11 @@ void attention_statistics(StageKernels &k, int j) {
 Built attention_forward(StageKernels &k, int j, const std::string &name) {
   const Layer &l = k.blk.layers[j];
   const Func qkv = k.value(k.blk.source(j));
-  const LocalTensor lse = stats_of(k.blk, j)[0];
   std::optional<Func> saved_lse;
   if (k.f.stats.count(j)) saved_lse = k.f.stats.at(j)[0];
   Func out;
   const auto finish = [&](auto &a) {  // gen::Attention or gen::AttentionTiles
-    if (!saved_lse) k.output(a.lse, lse);
+    if (!saved_lse) k.output(a.lse);
     k.f.stats[j] = {saved_lse ? *saved_lse : a.lse};
     out = a.out;
   };
@@ -40,7 +39,7 @@ void attention_backward(StageKernels &k, int j, Func, Func d) {
       k.tr.attention_grad(str(cat("att", j)), k.value(src), k.value(j), k.f.stats.at(j)[0], d, l.out, l.heads, k.dropout_at(j),
                           l.kv_heads);
   k.sched.attention_delta(g.delta);
-  k.output(g.delta, head_stat(cat("att", j, "_delta"), l.heads));
+  k.output(g.delta);
   const int head_dim = l.out / l.heads;
   Contribution c{g.dqkv, {}, -1, [&k, g, head_dim](Func consumer) { k.sched.attention_grad(consumer, g, head_dim, k.tr.T); }};
   if (k.attention_tiles(l))

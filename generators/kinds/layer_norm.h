@@ -10,8 +10,8 @@ void layer_norm_statistics(StageKernels &k, int j) {
   Layers::LayerNormStats s = k.L.layer_norm_stats(str(st[0].name), str(st[1].name), k.value(k.blk.source(j)), k.blk.layers[j].in);
   k.sched.row_reduction(s.mean, {s.sum});
   k.sched.row_reduction(s.rstd, {s.sq});
-  k.output(s.mean, st[0]);
-  k.output(s.rstd, st[1]);
+  k.output(s.mean);
+  k.output(s.rstd);
   k.f.stats[j] = {s.mean, s.rstd};
 }
 Layers::LayerNormStats layer_norm_stats(StageKernels &k, int j) { return {k.f.stats.at(j)[0], k.f.stats.at(j)[1]}; }
@@ -23,16 +23,15 @@ Built layer_norm_forward(StageKernels &k, int j, const std::string &name) {
 void layer_norm_backward(StageKernels &k, int j, Func, Func d) {
   const Layer &l = k.blk.layers[j];
   const int src = k.blk.source(j);
-  const LocalTensor s1 = row_stat(cat("s", j, "_1")), s2 = row_stat(cat("s", j, "_2"));
-  auto g = k.L.layer_norm_grad(str(s1.name), str(s2.name), str(cat("ln", j, "_dx")), k.value(src), layer_norm_stats(k, j),
+  auto g = k.L.layer_norm_grad(str(cat("s", j, "_1")), str(cat("s", j, "_2")), str(cat("ln", j, "_dx")), k.value(src), layer_norm_stats(k, j),
                                k.param(j, "w"), d, l.in, k.batch);
   k.write_column_sum_grad(j, "w", g.dgamma, l.in);
   k.write_column_sum_grad(j, "b", g.dbeta, l.in);
   if (!k.flows(src)) return;
   k.sched.row_reduction(g.s1);
   k.sched.row_reduction(g.s2);
-  k.output(g.s1, s1);
-  k.output(g.s2, s2);
+  k.output(g.s1);
+  k.output(g.s2);
   k.add_grad(src, {g.dx});
 }
 

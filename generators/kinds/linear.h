@@ -24,27 +24,26 @@ Built linear_forward(StageKernels &k, int j, const std::string &name) {
 void linear_backward(StageKernels &k, int j, Func d_stored, Func d) {
   const Layer &l = k.blk.layers[j];
   const int src = k.blk.source(j);
-  auto [gw_name, gw_spec] = k.grad_of(j, "w");
+  const std::string gw_name = k.grad_of(j, "w");
   if (k.gemms == Gemms::library) {
     Func gw = k.library_gemm(gw_name, k.stored(src), l.in, true, d_stored, l.out, false, std::nullopt, k.batch,
                              k.args.scalar(Scalar::accumulate), Float(32));
-    k.output(gw, gw_spec);
+    k.output(gw);
   } else {
     MatMul gw = k.L.linear_weight_grad(gw_name, k.value(src), d, k.batch, [&](Expr sum) {
-      return k.accumulated(gw_name, gw_spec, sum, {k.v.c, k.v.b});
+      return k.accumulated(gw_name, sum, {k.v.c, k.v.b});
     });
     k.sched.matmul(gw, l.in, l.out);
-    k.output(gw.out, gw_spec);
+    k.output(gw.out);
   }
-  if (l.bias) k.write_column_sum_grad(j, "b", k.L.column_sum(k.grad_of(j, "b").first + "_sum", d, k.batch), l.out);
+  if (l.bias) k.write_column_sum_grad(j, "b", k.L.column_sum(k.grad_of(j, "b") + "_sum", d, k.batch), l.out);
   if (!k.flows(src)) return;
   if (k.gemms == Gemms::library) {  // the library transposes the weight itself
     k.add_grad(src, {Func(), std::pair{d_stored, k.gemm_weight(j)}, j, {}});
   } else {
-    const LocalTensor wt_spec{cat("p", j, "_wt"), 2, {l.in, l.out}};
-    Func wt = k.L.transpose(str(wt_spec.name), k.param(j, "w"));
+    Func wt = k.L.transpose(str(cat("p", j, "_wt")), k.param(j, "w"));
     k.sched.transpose(wt);
-    k.output(wt, wt_spec);
+    k.output(wt);
     k.add_grad(src, {Func(), std::pair{d, widened(wt)}, j, {}});
   }
 }

@@ -9,7 +9,7 @@ void rms_norm_statistics(StageKernels &k, int j) {
   }
   Layers::RmsNormStats s = k.L.rms_norm_stats(str(rstd.name), k.value(k.blk.source(j)), k.blk.layers[j].in);
   k.sched.row_reduction(s.rstd, {s.sq});
-  k.output(s.rstd, rstd);
+  k.output(s.rstd);
   k.f.stats[j] = {s.rstd};
 }
 
@@ -20,13 +20,12 @@ Built rms_norm_forward(StageKernels &k, int j, const std::string &name) {
 void rms_norm_backward(StageKernels &k, int j, Func, Func d) {
   const Layer &l = k.blk.layers[j];
   const int src = k.blk.source(j);
-  const LocalTensor s = row_stat(cat("s", j, "_1"));
-  auto g = k.L.rms_norm_grad(str(s.name), str(cat("rms", j, "_dx")), k.value(src), k.f.stats.at(j)[0], k.param(j, "w"), d, l.in,
+  auto g = k.L.rms_norm_grad(str(cat("s", j, "_1")), str(cat("rms", j, "_dx")), k.value(src), k.f.stats.at(j)[0], k.param(j, "w"), d, l.in,
                              k.batch);
   k.write_column_sum_grad(j, "w", g.dgamma, l.in);
   if (!k.flows(src)) return;
   k.sched.row_reduction(g.s);
-  k.output(g.s, s);
+  k.output(g.s);
   k.add_grad(src, {g.dx});
 }
 
