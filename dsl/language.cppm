@@ -48,6 +48,7 @@ template <std::size_t Capacity> struct Text {
 
 using Name = Text<40>;      // tensor and kernel names
 using Message = Text<200>;  // diagnostics
+using Tag = Text<24>;       // a layer's name for its output tensor (remat::name)
 
 template <class Out = Name, class... Parts> constexpr Out cat(Parts... parts) {
   Out n;
@@ -73,7 +74,13 @@ struct Layer {
   int vocab = 0;       // embedding
   int block_size = 0;  // attention, embedding: T, the rows of one sequence (from the input)
   bool bias = true;    // linear: y = x w + b (false: y = x w); embedding: a position table
+  Tag tag{};           // the name of its output tensor, for policies (remat::name); empty: none
 };
+
+// What a layer is, for policies that name modules (Megatron's recompute_modules): core_attn the
+// attention core, activation GELU / ReLU / SwiGLU, norm LayerNorm / RMSNorm, projection the
+// linears, rope the rotary embedding. The other kinds belong to none.
+enum class Module : std::uint8_t { none, core_attn, activation, norm, projection, rope };
 
 // The dimensions of a layer's tensors, in terms of the layer.
 enum class Dim : std::uint8_t { none, rows, in, out, vocab, block_size, heads };
@@ -133,6 +140,7 @@ struct Kind {
   bool chain_link = false;  // elementwise on its source, continues an epilogue chain (dropout, residual sum)
   bool draws_masks = false; // reads the dropout counters (seed, step, block)
   bool repeatable = true;
+  Module module = Module::none;
   TensorRules params{};     // parameters, their gradients g<k>_<suffix>
   TensorRules stats{};      // row statistics forward writes and backward reads
   TensorRules workspace{};  // backward's own short-lived buffers
@@ -209,31 +217,32 @@ constexpr TensorRule head_statistic(std::string_view stem, std::string_view suff
 inline constexpr std::array<Kind, n_ops> table = {{
     {.op = Op::linear, .name = "linear", .infer = linear_shape, .reads_input = true, .buffered = true, .gemm = true,
      // w [K, O] row-major (y = x w + b), b [O]
+     .module = Module::projection,
      .params = {{{"p", "_w", 2, {Dim::out, Dim::in}, Init::uniform_fan_in, true},
                  {"p", "_b", 1, {Dim::out, Dim::none}, Init::zeros, false, When::with_bias}}},
      .flops = gemm_flops, .backward_flops = 2},  // dx and dW
-    {.op = Op::layer_norm, .name = "layer_norm", .infer = keeps_width, .reads_input = true,
+    {.op = Op::layer_norm, .name = "layer_norm", .infer = keeps_width, .reads_input = true, .module = Module::norm,
      .params = {{{"p", "_w", 1, {Dim::out, Dim::none}, Init::ones}, {"p", "_b", 1, {Dim::out, Dim::none}, Init::zeros}}},
      .stats = {{row_statistic("mean"), row_statistic("rstd")}},
      .workspace = {{row_statistic("s", "_1", When::with_input_grad), row_statistic("s", "_2", When::with_input_grad)}}},
-    {.op = Op::rms_norm, .name = "rms_norm", .infer = keeps_width, .reads_input = true,
+    {.op = Op::rms_norm, .name = "rms_norm", .infer = keeps_width, .reads_input = true, .module = Module::norm,
      .params = {{{"p", "_w", 1, {Dim::out, Dim::none}, Init::ones}}},
      .stats = {{row_statistic("rstd")}},
      .workspace = {{row_statistic("s", "_1", When::with_input_grad)}}},
     {.op = Op::gelu, .name = "gelu", .infer = keeps_width, .reads_input = true, .buffered = true,
-     .recomputed_by_selective = true},
-    {.op = Op::relu, .name = "relu", .infer = keeps_width, .reads_input = true},
+     .recomputed_by_selective = true, .module = Module::activation},
+    {.op = Op::relu, .name = "relu", .infer = keeps_width, .reads_input = true, .module = Module::activation},
     {.op = Op::swiglu, .name = "swiglu", .infer = halves_width, .reads_input = true, .buffered = true,
-     .recomputed_by_selective = true},
+     .recomputed_by_selective = true, .module = Module::activation},
     // Inverted dropout: the mask is a counter-based hash of (seed, step, block, element), so a
     // recompute draws the same mask without saving it.
     {.op = Op::dropout, .name = "dropout", .infer = keeps_width, .chain_link = true, .draws_masks = true},
     // Rotary position embedding on the q and k heads of a fused [q | k | v] row; v passes. Its
     // backward (the inverse rotation) reads nothing; its output is buffered, and the attention
     // after it reads that.
-    {.op = Op::rope, .name = "rope", .infer = rope_shape, .buffered = true},
+    {.op = Op::rope, .name = "rope", .infer = rope_shape, .buffered = true, .module = Module::rope},
     {.op = Op::attention, .name = "causal_self_attention", .infer = attention_shape, .reads_input = true,
-     .reads_output = true, .buffered = true, .recomputed_by_selective = true, .draws_masks = true,
+     .reads_output = true, .buffered = true, .recomputed_by_selective = true, .draws_masks = true, .module = Module::core_attn,
      .stats = {{head_statistic("att", "_lse")}}, .workspace = {{head_statistic("att", "_delta")}},
      // backward rebuilds p and forms dp, dv, dq and dk: 5 products of the forward's 2
      .flops = attention_flops, .backward_flops = 2.5},
@@ -293,6 +302,151 @@ constexpr Layer rope(int heads, int kv_heads = 0) {
   return {.op = Op::rope, .heads = heads, .kv_heads = kv_heads == 0 ? heads : kv_heads};
 }
 
+// ---------------------------------------------------------------------------------------------
+// Checkpoint policies: composable values (a | b). A policy has at most one recompute schedule (none,
+// full, every_n_layers, sqrt_n, or a memory budget the planner solves for), may make the blocks
+// that keep their internals keep only a selective set (selective, save_only_these_names,
+// recompute_modules), and may offload checkpoints. A model carries a default policy; a repeat
+// stage may carry its own (repeat(n, block, policy)); the trainer's flags override either.
+// ---------------------------------------------------------------------------------------------
+inline constexpr int max_policy_names = 6;
+
+// Which internals a selective block keeps (every other internal its backward reads is rebuilt
+// inside its backward kernel). standard: Megatron's choice (the attention core and the MLP's
+// activation are recomputed); names: only the outputs of the layers named here (remat::name);
+// modules: all but the outputs of the listed modules.
+struct Selection {
+  enum class Rule : std::uint8_t { standard, names, modules } rule = Rule::standard;
+  std::array<Tag, max_policy_names> names{};
+  int n_names = 0;
+  std::uint8_t modules = 0;  // bit 1 << Module
+  constexpr bool names_tag(const Tag &t) const {
+    for (int i = 0; i < n_names; ++i)
+      if (t.size() > 0 && names[i] == t) return true;
+    return false;
+  }
+  constexpr bool operator==(const Selection &) const = default;
+};
+
+struct Policy {
+  enum class Kind : std::uint8_t { none, full, every_n_layers, sqrt_n, budget } kind = Kind::none;
+  int n = 0;               // every_n_layers
+  bool selective = false;  // blocks that keep their internals keep only `selection`
+  // The checkpoints (inputs kept by segments that recompute) wait in pinned host memory between
+  // their forward and backward: copied out after the block's forward, brought back one block
+  // ahead of the backward that reads them.
+  bool offload = false;
+  Selection selection{};
+  // budget: the plan's peak in bytes, or (budget_percent > 0) a percentage of the none plan's peak
+  long long budget_bytes = 0;
+  int budget_percent = 0;
+  constexpr bool operator==(const Policy &) const = default;
+};
+constexpr Policy with_offload(Policy p) {
+  p.offload = true;
+  return p;
+}
+
+inline constexpr Policy none{Policy::Kind::none};
+inline constexpr Policy full{Policy::Kind::full};
+inline constexpr Policy sqrt_n{Policy::Kind::sqrt_n};
+// Megatron-style: every block saves what its backward reads except the attention core, the GELU
+// and cheap elementwise values, which its backward kernel recomputes.
+inline constexpr Policy selective{.selective = true};
+inline constexpr Policy offload{.offload = true};
+
+// Blocks 0, n, 2n... are checkpointed, the others keep their internals (as in HF Transformers).
+consteval Policy every_n_layers(int n) {
+  if (n < 1) throw "remat: every_n_layers(n) needs n >= 1";
+  return {Policy::Kind::every_n_layers, n};
+}
+
+// The fastest plan whose peak (arena placement included) is at most `bytes`, chosen by the
+// planner's dynamic program over the chain of blocks.
+inline constexpr long long KiB = 1024, MiB = 1024 * KiB, GiB = 1024 * MiB;
+constexpr Policy budget(long long bytes) {
+  if (bytes < 1) throw "remat: budget(bytes) needs bytes >= 1";
+  return {.kind = Policy::Kind::budget, .budget_bytes = bytes};
+}
+// ... at most `percent` % of the none plan's peak.
+constexpr Policy budget_percent(int percent) {
+  if (percent < 1 || percent > 100) throw "remat: budget_percent(p) needs 1 <= p <= 100";
+  return {.kind = Policy::Kind::budget, .budget_percent = percent};
+}
+
+// Selective blocks keep only the outputs of the layers named so (JAX's save_only_these_names).
+template <class... Names> constexpr Policy save_only_these_names(Names... names) {
+  static_assert(sizeof...(names) <= max_policy_names, "remat: save_only_these_names takes at most 6 names");
+  Policy p{.selective = true};
+  p.selection.rule = Selection::Rule::names;
+  ((p.selection.names[p.selection.n_names++] = Tag(names)), ...);
+  return p;
+}
+// Selective blocks rebuild the outputs of these modules and keep the rest (Megatron's
+// recompute_modules: core_attn, layernorm -> norm, mlp's activation -> activation).
+template <class... Modules> constexpr Policy recompute_modules(Modules... modules) {
+  Policy p{.selective = true};
+  p.selection.rule = Selection::Rule::modules;
+  ((p.selection.modules |= std::uint8_t(1u << unsigned(Module(modules)))), ...);
+  return p;
+}
+inline constexpr Module core_attn = Module::core_attn, activation = Module::activation, norm = Module::norm,
+                        projection = Module::projection, rotary = Module::rope;
+
+// a | b: the recompute schedule of whichever has one (two different ones do not compose), the
+// selective set of whichever names one, offload if either does.
+constexpr Policy operator|(Policy a, const Policy &b) {
+  if (b.kind != Policy::Kind::none) {
+    if (a.kind != Policy::Kind::none &&
+        (a.kind != b.kind || a.n != b.n || a.budget_bytes != b.budget_bytes || a.budget_percent != b.budget_percent))
+      throw "remat: a policy has at most one recompute schedule (none, full, every_n_layers, sqrt_n, budget)";
+    a.kind = b.kind;
+    a.n = b.n;
+    a.budget_bytes = b.budget_bytes;
+    a.budget_percent = b.budget_percent;
+  }
+  if (b.selection.rule != Selection::Rule::standard) {
+    if (a.selection.rule != Selection::Rule::standard && !(a.selection == b.selection))
+      throw "remat: a policy names at most one selective set";
+    a.selection = b.selection;
+  }
+  a.selective = a.selective || b.selective;
+  a.offload = a.offload || b.offload;
+  return a;
+}
+
+constexpr Message policy_name(const Policy &p) {
+  Message out;
+  switch (p.kind) {
+  case Policy::Kind::none: out.append(p.selective ? "" : "none"); break;
+  case Policy::Kind::full: out.append("full"); break;
+  case Policy::Kind::every_n_layers: out.append("every_n_layers=").append(p.n); break;
+  case Policy::Kind::sqrt_n: out.append("sqrt_n"); break;
+  case Policy::Kind::budget:
+    out.append("budget=");
+    if (p.budget_percent > 0) out.append(p.budget_percent).append("%");
+    else out.append(p.budget_bytes).append("B");
+    break;
+  }
+  if (p.selective) {
+    out.append(out.size() > 0 ? "+selective" : "selective");
+    const Selection &s = p.selection;
+    if (s.rule == Selection::Rule::names) {
+      out.append("(save:");
+      for (int i = 0; i < s.n_names; ++i) out.append(i ? "," : "").append(s.names[i]);
+      out.append(")");
+    } else if (s.rule == Selection::Rule::modules) {
+      constexpr std::string_view names[] = {"none", "core_attn", "activation", "norm", "projection", "rope"};
+      out.append("(recompute:");
+      for (int m = 0, first = 1; m < 6; ++m)
+        if (s.modules & (1u << m)) { out.append(first ? "" : ",").append(names[m]); first = 0; }
+      out.append(")");
+    }
+  }
+  if (p.offload) out.append("+offload");
+  return out;
+}
+
 inline constexpr int max_block_layers = 16;
 
 // A block: the repeated unit of a stack. Stages made of loose layers are blocks too (repeat 1),
@@ -303,6 +457,8 @@ struct Block {
   int repeat = 1;
   bool checkpointable = false;  // true for repeat(n, ...) stages
   bool loose = false;           // made of loose layers given to make_model
+  bool annotated = false;       // repeat(n, block, policy): the stage's own policy
+  Policy policy{};              // ... which also fixes what its selective kernels keep
   int overflow = 0;             // layers past max_block_layers, reported by check()
 
   constexpr int in() const { return layers[0].in; }
@@ -357,6 +513,49 @@ constexpr Block repeat(int n, Block b) {
   b.repeat = n;
   b.checkpointable = true;
   return b;
+}
+// A repeat stage with its own policy (e.g. repeat(6, block, selective)); what it says about
+// selective sets shapes the stage's kernels, so only the rest can change at run time.
+constexpr Block repeat(int n, Block b, Policy policy) {
+  b = repeat(n, b);
+  b.annotated = true;
+  b.policy = policy;
+  return b;
+}
+
+// Names layer l's output tensor, for save_only_these_names.
+constexpr Layer name(Tag tag, Layer l) {
+  l.tag = tag;
+  return l;
+}
+
+// Outputs of layers before the last (the last one's output is y).
+constexpr bool is_internal(const Block &b, int k) { return k + 1 < b.n_layers && b.produces(k); }
+
+// Backward reads output j: a later layer's rule reads its input j, or j's own rule reads its
+// output (attention).
+constexpr int reader_of(const Block &b, int j);
+constexpr bool read_by_backward(const Block &b, int j) { return is_internal(b, j) && reader_of(b, j) >= 0; }
+
+// The layer whose backward reads output j (j's own, when its kind reads its output; -1: none).
+constexpr int reader_of(const Block &b, int j) {
+  if (kind(b.layers[j].op).reads_output) return j;
+  for (int k = j + 1; k < b.n_layers; ++k)
+    if (b.source(k) == j && kind(b.layers[k].op).reads_input) return k;
+  return -1;
+}
+
+// Whether a selective block rebuilds output j in its backward instead of keeping it: the
+// stage's selective set (its annotation's), by default Megatron's.
+constexpr bool selective_recomputes(const Block &b, int j) {
+  const Selection &s = b.policy.selection;
+  const Layer &l = b.layers[j];
+  switch (s.rule) {
+  case Selection::Rule::standard: return kind(l.op).recomputed_by_selective;
+  case Selection::Rule::names: return !s.names_tag(l.tag);
+  case Selection::Rule::modules: return (s.modules >> unsigned(kind(l.op).module)) & 1u;
+  }
+  return false;
 }
 
 // Model inputs: feature rows, or token ids with `block_size` rows per sequence.
@@ -463,6 +662,25 @@ constexpr Checked check(Model m) {
         return fail(cat<Message>(where, ": cannot end a block (its backward reads its output)"));
       width = l.out;
     }
+    for (int k = 0; k < b.n_layers; ++k)
+      for (int j = k + 1; j < b.n_layers; ++j)
+        if (b.layers[k].tag.size() > 0 && b.layers[k].tag == b.layers[j].tag)
+          return fail(cat<Message>("stage ", s, ": two layers are named \"", b.layers[k].tag, "\""));
+    if (b.annotated) {
+      const Policy &p = b.policy;
+      if (p.kind == Policy::Kind::budget)
+        return fail(cat<Message>("stage ", s, ": a memory budget is the whole model's policy, not a stage's"));
+      for (int i = 0; i < p.selection.n_names; ++i) {
+        const Tag &t = p.selection.names[i];
+        int k = 0;
+        while (k < b.n_layers && !(b.layers[k].tag == t)) ++k;
+        if (k == b.n_layers)
+          return fail(cat<Message>("stage ", s, ": save_only_these_names(\"", t, "\"): no layer of the block is named so"));
+        if (!read_by_backward(b, k))
+          return fail(cat<Message>("stage ", s, ": save_only_these_names(\"", t, "\"): the output of layer ", k, " (",
+                                   op_name(b.layers[k].op), ") is not read by backward; there is nothing to save"));
+      }
+    }
     if (b.repeat > 1 && width != block_in)
       return fail(cat<Message>("stage ", s, ": repeat(", b.repeat, ", ...) needs a block that keeps its width, but it maps ",
                                block_in, " features to ", width));
@@ -478,48 +696,6 @@ template <Model M> consteval Model checked() {
   constexpr Checked c = check(M);
   static_assert(c.ok(), c.error);
   return c.model;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Checkpoint policies
-// ---------------------------------------------------------------------------------------------
-struct Policy {
-  enum class Kind : std::uint8_t { none, full, every_n_layers, sqrt_n, selective } kind = Kind::none;
-  int n = 0;  // for every_n_layers
-  // The checkpoints (inputs kept by segments that recompute) wait in pinned host memory between
-  // their forward and backward: copied out after the block's forward, brought back one block
-  // ahead of the backward that reads them.
-  bool offload = false;
-  constexpr bool operator==(const Policy &) const = default;
-};
-constexpr Policy with_offload(Policy p) {
-  p.offload = true;
-  return p;
-}
-
-inline constexpr Policy none{Policy::Kind::none};
-inline constexpr Policy full{Policy::Kind::full};
-inline constexpr Policy sqrt_n{Policy::Kind::sqrt_n};
-// Megatron-style: every block saves what its backward reads except the attention core, the GELU
-// and cheap elementwise values, which its backward kernel recomputes.
-inline constexpr Policy selective{Policy::Kind::selective};
-
-// Blocks 0, n, 2n... are checkpointed, the others keep their internals (as in HF Transformers).
-consteval Policy every_n_layers(int n) {
-  if (n < 1) throw "remat: every_n_layers(n) needs n >= 1";
-  return {Policy::Kind::every_n_layers, n};
-}
-
-constexpr Name policy_name(Policy p) {
-  const std::string_view offload = p.offload ? "+offload" : "";
-  switch (p.kind) {
-  case Policy::Kind::none: return cat("none", offload);
-  case Policy::Kind::full: return cat("full", offload);
-  case Policy::Kind::every_n_layers: return cat("every_n_layers=", p.n, offload);
-  case Policy::Kind::sqrt_n: return cat("sqrt_n", offload);
-  case Policy::Kind::selective: return cat("selective", offload);
-  }
-  return "?";
 }
 
 }  // namespace remat

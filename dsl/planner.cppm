@@ -28,7 +28,7 @@ constexpr std::vector<Segment> segments(Policy p, int n_blocks) {
   if (n_blocks <= 0) return out;
   switch (p.kind) {
   case Policy::Kind::none:
-  case Policy::Kind::selective: break;
+  case Policy::Kind::budget: break;
   case Policy::Kind::full:
     for (int i = 0; i < n_blocks; ++i) out.push_back({i, i});
     break;
@@ -46,6 +46,138 @@ constexpr std::vector<Segment> segments(Policy p, int n_blocks) {
   }
   }
   return out;
+}
+
+// The policy of each stage (index = stage; loose stages ignore theirs). A single Policy converts
+// to one for every stage: the trainer's --checkpoint-policy P.
+struct StagePolicies {
+  std::array<Policy, max_stages> stage{};
+  constexpr StagePolicies() = default;
+  constexpr StagePolicies(const Policy &p) {  // NOLINT: implicit on purpose
+    for (Policy &s : stage) s = p;
+  }
+  constexpr bool operator==(const StagePolicies &) const = default;
+};
+
+// The model's own: each annotated repeat stage's policy, `fallback` (the model module's default)
+// for the others.
+constexpr StagePolicies annotated(const Model &m, const Policy &fallback) {
+  StagePolicies out(fallback);
+  for (int s = 0; s < m.n_stages; ++s)
+    if (m.stages[s].annotated) out.stage[s] = m.stages[s].policy;
+  return out;
+}
+
+// The budget policy among the stages' (every repeat stage must then have the same), or none.
+constexpr const Policy *budget_of(const Model &m, const StagePolicies &ps) {
+  const Policy *found = nullptr;
+  for (int s = 0; s < m.n_stages; ++s)
+    if (m.stages[s].checkpointable && ps.stage[s].kind == Policy::Kind::budget) found = &ps.stage[s];
+  if (found)
+    for (int s = 0; s < m.n_stages; ++s)
+      if (m.stages[s].checkpointable && !(ps.stage[s] == *found))
+        throw "remat planner: a memory budget is the whole model's policy; a stage cannot have another";
+  return found;
+}
+
+// "selective", or per stage "s1:selective,s3:every_n_layers=2" when the repeat stages differ.
+constexpr Message policies_name(const Model &m, const StagePolicies &ps) {
+  int first = -1;
+  bool same = true;
+  for (int s = 0; s < m.n_stages; ++s)
+    if (m.stages[s].checkpointable) {
+      if (first < 0) first = s;
+      else same = same && ps.stage[s] == ps.stage[first];
+    }
+  if (first < 0) return policy_name(ps.stage[0]);
+  if (same) return policy_name(ps.stage[first]);
+  Message out;
+  for (int s = 0; s < m.n_stages; ++s)
+    if (m.stages[s].checkpointable) out.append(out.size() ? "," : "").append("s").append(s).append(":").append(policy_name(ps.stage[s]));
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Strategies: how the chain runs (the operations of rotor, Beaumont et al. 2019, "Optimal
+// checkpointing for heterogeneous chains"). The chain is every block of every stage in order
+// (units 0..n-1), then the loss (unit n). Sub-problem (s, t) runs the backward of units s..t
+// given the input of s (kept by its caller) and the gradient of t's output (for t = n the loss
+// makes it), and ends with the gradient of s's input; it frees the input of s.
+// ---------------------------------------------------------------------------------------------
+struct Decision {
+  enum class Op : std::uint8_t {
+    keep,        // forward s keeping internals (`keep`: all or selective); solve (s+1, t); backward s
+    checkpoint,  // forward s..until-1 keeping only the input of `until` (a checkpoint); solve
+                 // (until, t); then solve (s, until-1) again from the input of s
+    recompute,   // s == t: backward s with its whole forward fused in, from its input
+    loss,        // s == t == n
+    unset,
+  } op = Op::unset;
+  Keep keep = Keep::all;
+  int until = 0;
+  bool offload = false;  // checkpoint: the input of s waits in pinned host memory meanwhile
+  constexpr bool operator==(const Decision &) const = default;
+};
+
+struct Strategy {
+  int n = 0;                    // units before the loss
+  std::vector<Decision> table;  // sub-problem (s, t) at s * (n + 1) + t
+  constexpr explicit Strategy(int units = 0) : n(units) {
+    table.reserve(std::size_t((n + 1) * (n + 1)));
+    for (int i = 0; i < (n + 1) * (n + 1); ++i) table.push_back({});
+  }
+  constexpr Decision &at(int s, int t) { return table[std::size_t(s * (n + 1) + t)]; }
+  constexpr const Decision &at(int s, int t) const { return table[std::size_t(s * (n + 1) + t)]; }
+  constexpr bool operator==(const Strategy &) const = default;
+};
+
+// One unit of the chain: stage, block within it, whether its stage is a repeat stage.
+struct Unit { int stage, block, index, rng; };
+constexpr std::vector<Unit> units_of(const Model &m) {
+  std::vector<Unit> units;
+  int index = 0;  // counts the blocks of repeat stages (-1 for the others)
+  for (int s = 0; s < m.n_stages; ++s)
+    for (int b = 0; b < m.stages[s].repeat; ++b)
+      units.push_back({s, b, m.stages[s].checkpointable ? index++ : -1, int(units.size()) * 64});
+  return units;
+}
+
+// The kernels the model compiler makes for a stage: every variant for repeat stages; forward_save,
+// forward_discard and backward_saved for loose ones (generators/modelc.cpp, StageKernels).
+constexpr bool has_kernel(const Model &m, int stage, Variant v) {
+  if (m.stages[stage].checkpointable) return true;
+  return v == Variant::forward_save || v == Variant::forward_discard || v == Variant::backward_saved;
+}
+
+// The strategy of the fixed policies: segments() of each repeat stage, whose first block's input
+// is a checkpoint and whose other blocks are rebuilt (keeping everything) before their backward;
+// blocks outside segments keep their internals (selectively under a selective policy).
+constexpr Strategy lower(const Model &m, const StagePolicies &ps) {
+  const std::vector<Unit> units = units_of(m);
+  const int n = int(units.size());
+  Strategy st(n);
+  st.at(n, n).op = Decision::Op::loss;
+  std::vector<Segment> segs;
+  for (int s = 0, first = 0; s < m.n_stages; first += m.stages[s].repeat, ++s)
+    if (m.stages[s].checkpointable)
+      for (Segment g : segments(ps.stage[s], m.stages[s].repeat)) segs.push_back({first + g.first, first + g.last});
+  std::vector<int> in_segment;
+  for (int u = 0; u < n; ++u) in_segment.push_back(-1);
+  for (int k = 0; k < int(segs.size()); ++k)
+    for (int u = segs[k].first; u <= segs[k].last; ++u) in_segment[u] = k;
+  for (int u = 0; u < n; ++u) {
+    const Policy &p = ps.stage[units[u].stage];
+    if (in_segment[u] < 0) {
+      st.at(u, n) = {Decision::Op::keep, p.selective && units[u].index >= 0 ? Keep::selective : Keep::all};
+      continue;
+    }
+    const Segment g = segs[in_segment[u]];
+    if (g.first != u) continue;
+    st.at(u, n) = {Decision::Op::checkpoint, Keep::all, g.last + 1, p.offload && u > 0};
+    for (int r = g.first; r < g.last; ++r) st.at(r, g.last) = {Decision::Op::keep, Keep::all};
+    st.at(g.last, g.last).op = Decision::Op::recompute;
+  }
+  return st;
 }
 
 enum class Role : std::uint8_t {
@@ -129,7 +261,10 @@ struct Step {
 inline constexpr std::size_t arena_alignment = 64;
 
 struct Plan {
-  Policy policy{};
+  Policy policy{};         // the policy asked for (a per-stage choice: its first repeat stage's)
+  StagePolicies policies{};  // each stage's
+  Message policy_label{};    // policies_name
+  Strategy strategy{};       // what every block does (lower(policies), or the budget's solution)
   Precision precision{};
   Gemms gemms{};
   int batch = 0;               // samples per micro-batch
@@ -201,7 +336,8 @@ struct Placer {
 
 struct Builder {
   const Model &m;
-  Policy policy;
+  StagePolicies policies;
+  Strategy strategy;
   int batch;
   Precision precision;
   Gemms gemms;
@@ -313,8 +449,6 @@ struct Builder {
     if (stage >= 0) st.flops = kernel_flops(m.stages[stage], v, n_rows);
     return st;
   }
-
-  struct Unit { int stage, block, index, rng; };
 
   // Forward of one block. Returns the output tensor; the kept internals go to *kept with `role`.
   constexpr int forward(std::vector<Step> &out, const Unit &u, int x, Keep keep, Role role,
@@ -437,92 +571,100 @@ struct Builder {
     }
   }
 
-  constexpr void build() {
+  std::vector<Unit> units{};
+  int labels = -1, metrics[4]{};
+
+  constexpr void check_kernel(const Unit &u, Variant v) const {
+    if (!has_kernel(m, u.stage, v)) throw "remat planner: the strategy asks for a kernel a loose stage does not have";
+  }
+  // A forward the strategy runs again (inside a rebuild) is a recompute; its output and kept
+  // internals are rebuilt copies.
+  constexpr int forward_call(const Unit &u, int x, Keep keep, bool again, std::vector<int> *kept) {
+    check_kernel(u, forward_variant(keep));
+    const int y = forward(plan.train, u, x, keep, again ? Role::recomputed : Role::internal, kept);
+    if (again) {
+      plan.train.back().recompute = true;
+      plan.tensors[y].role = Role::recomputed;
+    }
+    return y;
+  }
+  // Sub-problem (s, t): x is the input of unit s, dy the gradient of t's output (t < n). Returns
+  // the gradient of s's input (-1: none).
+  constexpr int solve(int s, int t, int x, int dy, bool again) {
+    const Decision d = strategy.at(s, t);
+    auto &train = plan.train;
+    switch (d.op) {
+    case Decision::Op::loss:
+      train.push_back(loss_step(x, labels, metrics, "dlogits", true));
+      return train.back().alloc[0];  // the logits' gradient
+    case Decision::Op::recompute: {
+      check_kernel(units[s], Variant::backward_recompute);
+      const int dx = backward(train, units[s], x, dy, {}, Keep::nothing);
+      free_activation(train.back(), x);
+      return dx;
+    }
+    case Decision::Op::keep: {
+      std::vector<int> kept;
+      const int y = forward_call(units[s], x, d.keep, again, &kept);
+      int dy_s = dy;
+      if (s < t) dy_s = solve(s + 1, t, y, dy, again);
+      else train.back().free.push_back(y);  // the gradient of its output is given: y has no reader
+      check_kernel(units[s], backward_variant(d.keep));
+      const int dx = backward(train, units[s], x, dy_s, kept, d.keep);
+      free_activation(train.back(), x);
+      return dx;
+    }
+    case Decision::Op::checkpoint: {
+      if (d.until <= s || d.until > t) throw "remat planner: a checkpoint outside its sub-problem";
+      int z = x;
+      for (int j = s; j < d.until; ++j) {
+        const int y = forward_call(units[j], z, Keep::nothing, again, nullptr);
+        if (j > s) free_activation(train.back(), z);
+        else if (d.offload && plan.tensors[x].role != Role::data) offload_after(x);
+        z = y;
+      }
+      const int d_until = solve(d.until, t, z, dy, again);
+      const int back = offloaded_at(x) >= 0 ? bring_back(x) : x;
+      return solve(s, d.until - 1, back, d_until, true);
+    }
+    case Decision::Op::unset: break;
+    }
+    throw "remat planner: the strategy leaves a sub-problem undecided";
+  }
+
+  int inputs = -1;
+  // The persistent tensors: parameters, their gradients and moments, the batch, the metrics.
+  constexpr void setup() {
     n_rows = (long long)batch * m.rows_per_sample();
-    plan.policy = policy;
+    make_params();
+    inputs = m.token_input() ? add({"inputs", Role::data, 1, {n_rows, 0}})
+                             : add({"inputs", Role::data, 2, {m.input.width, n_rows},
+                                    element_bytes(rows("inputs", m.input.width), precision)});
+    labels = add({"labels", Role::data, 1, {n_rows, 0}});
+    const char *metric_names[4] = {"row_loss", "row_correct", "row_max", "row_lse"};
+    for (int i = 0; i < 4; ++i) metrics[i] = add({metric_names[i], Role::metrics, 1, {n_rows, 0}});
+    units = units_of(m);
+  }
+  constexpr std::size_t persistent_bytes() const {
+    std::size_t n = 0;
+    for (const Tensor &t : plan.tensors)
+      if (t.view_of < 0 && persistent(t.role)) n += align_up(t.bytes());
+    return n;
+  }
+
+  constexpr void build() {
+    setup();
+    plan.policies = policies;
+    plan.strategy = strategy;
     plan.precision = precision;
     plan.gemms = gemms;
     plan.batch = batch;
     plan.rows = n_rows;
-    make_params();
-    const int inputs = m.token_input() ? add({"inputs", Role::data, 1, {n_rows, 0}})
-                                       : add({"inputs", Role::data, 2, {m.input.width, n_rows},
-                                              element_bytes(rows("inputs", m.input.width), precision)});
-    const int labels = add({"labels", Role::data, 1, {n_rows, 0}});
-    int metrics[4];
-    const char *metric_names[4] = {"row_loss", "row_correct", "row_max", "row_lse"};
-    for (int i = 0; i < 4; ++i) metrics[i] = add({metric_names[i], Role::metrics, 1, {n_rows, 0}});
-
-    // Blocks in order, with global checkpointable index (-1 for plain stages).
-    std::vector<Unit> units;
-    int index = 0;
-    for (int s = 0; s < m.n_stages; ++s)
-      for (int b = 0; b < m.stages[s].repeat; ++b)
-        units.push_back({s, b, m.stages[s].checkpointable ? index++ : -1, int(units.size()) * 64});
-    // Each repeat stage is its own stack: segments never cross a stage boundary.
-    std::vector<Segment> segs;
-    for (int s = 0, first = 0; s < m.n_stages; ++s)
-      if (m.stages[s].checkpointable) {
-        for (Segment g : segments(policy, m.stages[s].repeat)) segs.push_back({first + g.first, first + g.last});
-        first += m.stages[s].repeat;
-      }
-    auto segment_of = [&](int i) -> int {
-      for (int k = 0; k < int(segs.size()); ++k)
-        if (i >= 0 && segs[k].first <= i && i <= segs[k].last) return k;
-      return -1;
-    };
-    auto keep_of = [&](const Unit &u) {
-      if (segment_of(u.index) >= 0) return Keep::nothing;
-      return policy.kind == Policy::Kind::selective && u.index >= 0 ? Keep::selective : Keep::all;
-    };
-
-    // ---- forward ----
-    std::vector<int> block_inputs = filled(units.size(), -1);
-    std::vector<std::vector<int>> saved(units.size());
-    int x = inputs;
-    for (int u = 0; u < int(units.size()); ++u) {
-      const int seg = segment_of(units[u].index);
-      block_inputs[u] = x;
-      const int y = forward(plan.train, units[u], x, keep_of(units[u]), Role::internal, &saved[u]);
-      // The input stays if this block's backward reads it or it starts a segment.
-      const bool input_kept = seg < 0 || segs[seg].first == units[u].index;
-      if (!input_kept) free_activation(plan.train.back(), x);
-      if (input_kept && seg >= 0 && policy.offload && plan.tensors[x].role != Role::data) offload_after(x);
-      x = y;
-    }
-    // ---- loss ----
-    plan.train.push_back(loss_step(x, labels, metrics, "dlogits", true));
-    // ---- backward ----
-    int dy = plan.train.back().alloc[0];  // the logits' gradient
-    for (int u = int(units.size()) - 1; u >= 0; --u) {
-      const int seg = segment_of(units[u].index);
-      if (seg < 0) {
-        dy = backward(plan.train, units[u], block_inputs[u], dy, saved[u], keep_of(units[u]));
-        free_activation(plan.train.back(), block_inputs[u]);
-        continue;
-      }
-      // Last block of a segment: rebuild the inputs and internals of the segment's earlier
-      // blocks, then run this block's fused recompute-backward, then the others from saved.
-      const int first = u - (units[u].index - segs[seg].first);
-      std::vector<int> rebuilt_inputs = filled(units.size(), -1);
-      rebuilt_inputs[first] = offloaded_at(block_inputs[first]) >= 0 ? bring_back(block_inputs[first])
-                                                                    : block_inputs[first];
-      std::vector<std::vector<int>> rebuilt(units.size());
-      for (int r = first; r < u; ++r) {
-        const int y = forward(plan.train, units[r], rebuilt_inputs[r], Keep::all, Role::recomputed, &rebuilt[r]);
-        plan.train.back().recompute = true;
-        plan.tensors[y].role = Role::recomputed;  // a rebuilt output, not a kept block input
-        rebuilt_inputs[r + 1] = y;
-      }
-      for (int r = u; r >= first; --r) {
-        dy = backward(plan.train, units[r], rebuilt_inputs[r], dy, rebuilt[r], r == u ? Keep::nothing : Keep::all);
-        free_activation(plan.train.back(), rebuilt_inputs[r]);
-      }
-      u = first;
-    }
+    // ---- forward, loss, backward: the strategy's sub-problem (0, n) ----
+    const int dx = solve(0, int(units.size()), inputs, -1, false);
     // the model input's gradient (a repeat stage first: its blocks pass input gradients on) has
     // no reader: it dies with the step that wrote it
-    if (dy >= 0) plan.train.back().free.push_back(dy);
+    if (dx >= 0) plan.train.back().free.push_back(dx);
     // ---- optimizer: decayed parameters, then the rest ----
     for (bool decayed : {true, false}) {
       const long long begin = decayed ? 0 : decayed_slots;
@@ -550,7 +692,7 @@ struct Builder {
     }
     // ---- evaluation: forward-discard of every block, then the loss kernel ----
     naming_eval = true;
-    x = inputs;
+    int x = inputs;
     for (const Unit &unit : units) {
       const int y = forward(plan.eval, unit, x, Keep::nothing, Role::internal, nullptr);
       free_activation(plan.eval.back(), x);
@@ -603,15 +745,393 @@ struct Builder {
 
 export namespace remat {
 
-// The plan for one micro-batch of `batch` samples under `policy`. Runs at compile time for a
-// policy fixed in the model module and at run time for one chosen by a flag.
-// The GEMM choice must be the kernels' (runtime::gemms_of: library, but halide for CPU bf16).
-constexpr Plan make_plan(const Model &m, Policy policy, int batch, Precision precision = Precision::fp32,
-                         Gemms gemms = Gemms::halide) {
-  detail::Builder builder{m, policy, batch, precision, gemms};
-  builder.build();
-  return std::move(builder.plan);
+// ---------------------------------------------------------------------------------------------
+// Costs and the chain the budget planner sees
+// ---------------------------------------------------------------------------------------------
+// The seconds of one kernel call: measured (--calibrate) when the table has the kernel, else an
+// estimate from its arithmetic (kernel_flops) and the bytes of its arguments.
+struct KernelTime {
+  Name kernel;  // kernel_name("", stage, variant, precision): _s2_backward_saved
+  double seconds = 0;
+};
+struct CostModel {
+  double flop_rate = 5e10;  // flop/s
+  double byte_rate = 1e10;  // bytes/s of arguments read and written
+  double launch = 5e-6;     // seconds per call
+  std::vector<KernelTime> measured{};
+  constexpr double seconds(const Name &kernel, double flops, double bytes) const {
+    for (const KernelTime &k : measured)
+      if (k.kernel == kernel) return k.seconds;
+    return flops / flop_rate + bytes / byte_rate + launch;
+  }
+};
+
+// One unit of the chain as the dynamic program sees it: bytes as the arena holds them (each
+// tensor aligned), per Keep (all, selective, nothing).
+struct Link {
+  int stage = -1;
+  long long x = 0;   // its input (0: the batch, which is persistent)
+  long long y = 0;   // its output
+  long long dx = 0;  // its input's gradient (0: none); for the loss, the logits' gradient
+  std::array<long long, 3> saved{};          // internals its forward keeps
+  std::array<long long, 3> forward_temp{};   // a forward's short-lived tensors (scratch, workspace)
+  std::array<long long, 3> backward_temp{};  // a backward's ([nothing]: the fused recompute's)
+  std::array<double, 3> forward_time{}, backward_time{};  // loss: forward_time[0]
+  std::array<bool, 3> can{};  // keep all, keep selective, recompute: whether the kernels exist
+};
+struct Chain {
+  std::vector<Link> links;  // the units, then the loss
+  long long persistent = 0;  // parameters, gradients, moments, batch, metrics
+  constexpr int n() const { return int(links.size()) - 1; }
+};
+
+constexpr Chain chain_of(const Model &m, int batch, Precision precision, Gemms gemms, const CostModel &costs = {}) {
+  detail::Builder b{m, StagePolicies{}, Strategy{}, batch, precision, gemms};
+  b.setup();
+  Chain c;
+  c.persistent = (long long)b.persistent_bytes();
+  const long long rows = b.n_rows;
+  auto bytes = [&](const KernelArg &a) {
+    return (long long)align_up(std::size_t(a.tensor.elements(rows) * element_bytes(a.element)));
+  };
+  // Adds the kernel's tensors of `role` to *to; returns its estimated or measured seconds.
+  auto kernel = [&](int stage, Variant v, auto &&count) {
+    const std::vector<KernelArg> sig = signature(m, stage, v, precision, gemms);
+    double moved = 0;
+    for (const KernelArg &a : sig)
+      if (!a.is_scalar()) {
+        moved += double(bytes(a));
+        count(a.role, bytes(a));
+      }
+    const double flops = stage >= 0 ? kernel_flops(m.stages[stage], v, rows, gemms) : 0;
+    return costs.seconds(kernel_name("", stage, v, precision), flops, moved);
+  };
+  for (const Unit &u : b.units) {
+    Link l;
+    l.stage = u.stage;
+    l.x = c.links.empty() ? 0 : c.links.back().y;
+    for (Keep keep : {Keep::all, Keep::selective, Keep::nothing}) {
+      const int k = int(keep);
+      l.can[k] = has_kernel(m, u.stage, backward_variant(keep));
+      if (!has_kernel(m, u.stage, forward_variant(keep))) continue;
+      l.forward_time[k] = kernel(u.stage, forward_variant(keep), [&](ArgRole r, long long n) {
+        if (r == ArgRole::block_output) l.y = n;
+        if (r == ArgRole::saved) l.saved[k] += n;
+        if (r == ArgRole::scratch || r == ArgRole::workspace) l.forward_temp[k] += n;
+      });
+      if (!l.can[k]) continue;
+      l.backward_time[k] = kernel(u.stage, backward_variant(keep), [&](ArgRole r, long long n) {
+        if (r == ArgRole::input_grad) l.dx = n;
+        if (r == ArgRole::scratch || r == ArgRole::workspace) l.backward_temp[k] += n;
+      });
+    }
+    c.links.push_back(l);
+  }
+  Link loss;
+  loss.x = c.links.back().y;
+  loss.forward_time[0] = kernel(-1, Variant::loss, [&](ArgRole r, long long n) {
+    if (r == ArgRole::input_grad) loss.dx = n;
+  });
+  c.links.push_back(loss);
+  return c;
 }
 
+// The peak (live bytes above the persistent ones) and the seconds of sub-problem (s, t) run by
+// `st`, counted as the planner schedules it: a step's new tensors are live with everything live
+// before it, and die after it. Offloaded checkpoints are counted as kept.
+struct Outcome { long long peak = 0; double seconds = 0; };
+constexpr Outcome evaluate(const Chain &c, const Strategy &st, int s, int t) {
+  const std::vector<Link> &L = c.links;
+  const int n = c.n();
+  const Decision &d = st.at(s, t);
+  const long long xs = L[s].x, after = t < n ? L[t + 1].dx : 0;
+  switch (d.op) {
+  case Decision::Op::loss: return {xs + L[n].dx, L[n].forward_time[0]};
+  case Decision::Op::recompute: return {xs + after + L[s].dx + L[s].backward_temp[2], L[s].backward_time[2]};
+  case Decision::Op::keep: {
+    const int k = int(d.keep);
+    const long long a = L[s].saved[k], next = s < t ? L[s + 1].dx : after;
+    Outcome o{std::max(xs + after + L[s].y + a + L[s].forward_temp[k], xs + a + next + L[s].dx + L[s].backward_temp[k]),
+              L[s].forward_time[k] + L[s].backward_time[k]};
+    if (s < t) {
+      const Outcome rest = evaluate(c, st, s + 1, t);
+      o.peak = std::max(o.peak, xs + a + rest.peak);
+      o.seconds += rest.seconds;
+    }
+    return o;
+  }
+  case Decision::Op::checkpoint: {
+    Outcome o;
+    for (int j = s; j < d.until; ++j) {
+      o.peak = std::max(o.peak, xs + after + (j > s ? L[j].x : 0) + L[j].y + L[j].forward_temp[2]);
+      o.seconds += L[j].forward_time[2];
+    }
+    const Outcome later = evaluate(c, st, d.until, t), again = evaluate(c, st, s, d.until - 1);
+    return {std::max({o.peak, xs + later.peak, again.peak}), o.seconds + later.seconds + again.seconds};
+  }
+  case Decision::Op::unset: break;
+  }
+  throw "remat planner: the strategy leaves a sub-problem undecided";
+}
+
+struct BudgetSolution {
+  Strategy strategy{};
+  bool feasible = false;
+  long long peak = 0;    // persistent + evaluate(...).peak: the plan's peak when placement leaves no holes
+  double seconds = 0;    // predicted forward + loss + backward time
+  long long unit = 1;    // the table's memory unit in bytes (sizes are rounded up to it)
+};
+
+// The strategy of least peak (ties: least time), exactly: a peak composes by max and +, so the
+// least peak of (s, t) follows from its sub-problems' least peaks.
+constexpr BudgetSolution least_memory(const Chain &c) {
+  const int n = c.n();
+  const std::vector<Link> &L = c.links;
+  Strategy st(n);
+  std::vector<Outcome> best;
+  for (int i = 0; i < (n + 1) * (n + 1); ++i) best.push_back({});
+  auto at = [&](int s, int t) -> Outcome & { return best[std::size_t(s * (n + 1) + t)]; };
+  for (int len = 0; len <= n; ++len)
+    for (int s = 0; s + len <= n; ++s) {
+      const int t = s + len;
+      const long long xs = L[s].x, after = t < n ? L[t + 1].dx : 0;
+      Outcome o{-1, 0};
+      Decision pick;
+      auto offer = [&](Outcome cand, Decision dec) {
+        if (o.peak < 0 || cand.peak < o.peak || (cand.peak == o.peak && cand.seconds < o.seconds)) { o = cand; pick = dec; }
+      };
+      if (s == n) {
+        offer({xs + L[n].dx, L[n].forward_time[0]}, {Decision::Op::loss});
+      } else {
+        if (s == t && L[s].can[2]) offer({xs + after + L[s].dx + L[s].backward_temp[2], L[s].backward_time[2]}, {Decision::Op::recompute});
+        for (int k = 0; k < 2; ++k) {
+          if (!L[s].can[k]) continue;
+          const long long a = L[s].saved[k], next = s < t ? L[s + 1].dx : after;
+          Outcome cand{std::max(xs + after + L[s].y + a + L[s].forward_temp[k], xs + a + next + L[s].dx + L[s].backward_temp[k]),
+                       L[s].forward_time[k] + L[s].backward_time[k]};
+          if (s < t) {
+            cand.peak = std::max(cand.peak, xs + a + at(s + 1, t).peak);
+            cand.seconds += at(s + 1, t).seconds;
+          }
+          offer(cand, {Decision::Op::keep, Keep(k)});
+        }
+        long long sweep = 0;
+        double sweep_time = 0;
+        for (int u = s + 1; u <= t; ++u) {
+          const int j = u - 1;
+          sweep = std::max(sweep, xs + after + (j > s ? L[j].x : 0) + L[j].y + L[j].forward_temp[2]);
+          sweep_time += L[j].forward_time[2];
+          const Outcome later = at(u, t), again = at(s, u - 1);
+          if (later.peak < 0 || again.peak < 0) continue;
+          offer({std::max({sweep, xs + later.peak, again.peak}), sweep_time + later.seconds + again.seconds},
+                {Decision::Op::checkpoint, Keep::all, u});
+        }
+      }
+      at(s, t) = o;
+      st.at(s, t) = pick;
+    }
+  // keep only the decisions the tree reaches (the table holds every sub-problem's)
+  Strategy used(n);
+  auto copy = [&](auto &self, int s, int t) -> void {
+    const Decision d = st.at(s, t);
+    used.at(s, t) = d;
+    if (d.op == Decision::Op::keep && s < t) self(self, s + 1, t);
+    if (d.op == Decision::Op::checkpoint) {
+      self(self, d.until, t);
+      self(self, s, d.until - 1);
+    }
+  };
+  copy(copy, 0, n);
+  const Outcome top = at(0, n);
+  return {used, true, c.persistent + top.peak, top.seconds, 1};
+}
+
+constexpr long long gcd(long long a, long long b) {
+  while (b) { const long long r = a % b; a = b; b = r; }
+  return a;
+}
+
+// The fastest strategy whose peak is at most `budget` bytes: the dynamic program of Beaumont et
+// al. over sub-problems (s, t) and the memory left m, in units of the greatest common divisor of
+// the chain's sizes (exact) or, where that makes the table too large for the chain's length, of
+// budget / max_slots (sizes rounded up: the plans found fit, a few near the budget may be missed).
+constexpr BudgetSolution fastest_within(const Chain &c, long long budget) {
+  const int n = c.n();
+  const std::vector<Link> &L = c.links;
+  const long long avail = budget - c.persistent;
+  BudgetSolution fail;
+  if (avail < 0) return fail;
+  // the memory unit
+  long long g = 0;
+  for (const Link &l : L) {
+    for (long long v : {l.x, l.y, l.dx}) g = gcd(g, v);
+    for (int k = 0; k < 3; ++k)
+      for (long long v : {l.saved[k], l.forward_temp[k], l.backward_temp[k]}) g = gcd(g, v);
+  }
+  if (g == 0) g = 1;
+  const double work = double(n + 1) * (n + 1) * (n + 3) / 6.0;
+  const long long max_slots = std::clamp((long long)(2e7 / work), 32LL, 4096LL);
+  long long unit = g;
+  if (avail / unit > max_slots) unit = (avail + max_slots - 1) / max_slots;
+  const int M = int(avail / unit);
+  auto slot = [&](long long bytes) { return (bytes + unit - 1) / unit; };
+  const double inf = 1e300;
+  const std::size_t width = std::size_t(M) + 1;
+  std::vector<double> cost;
+  std::vector<int> choice;  // -1 none, 0 keep all, 1 keep selective, 2 recompute, 3 loss, 4 + until: checkpoint
+  cost.reserve(std::size_t((n + 1) * (n + 1)) * width);
+  choice.reserve(std::size_t((n + 1) * (n + 1)) * width);
+  for (std::size_t i = 0; i < std::size_t((n + 1) * (n + 1)) * width; ++i) {
+    cost.push_back(inf);
+    choice.push_back(-1);
+  }
+  auto idx = [&](int s, int t, long long m) { return std::size_t(s * (n + 1) + t) * width + std::size_t(m); };
+  for (int len = 0; len <= n; ++len)
+    for (int s = 0; s + len <= n; ++s) {
+      const int t = s + len;
+      const long long xs = slot(L[s].x), after = t < n ? slot(L[t + 1].dx) : 0;
+      // per keep: the peaks of its own two steps, what its sub-problem is left with, its time
+      long long keep_steps[2]{}, keep_held[2]{};
+      double keep_time[2]{};
+      for (int k = 0; k < 2; ++k) {
+        const long long a = slot(L[s].saved[k]), next = s < t ? slot(L[s + 1].dx) : after;
+        keep_steps[k] = std::max(xs + after + slot(L[s].y) + a + slot(L[s].forward_temp[k]),
+                                 xs + a + next + slot(L[s].dx) + slot(L[s].backward_temp[k]));
+        keep_held[k] = xs + a;
+        keep_time[k] = L[s].forward_time[k] + L[s].backward_time[k];
+      }
+      // per checkpoint until u: the forward sweep's peak and time
+      std::vector<long long> sweep;
+      std::vector<double> sweep_time;
+      for (int u = s + 1, j = s; u <= t; ++u, ++j) {
+        const long long here = xs + after + (j > s ? slot(L[j].x) : 0) + slot(L[j].y) + slot(L[j].forward_temp[2]);
+        sweep.push_back(std::max(sweep.empty() ? 0 : sweep.back(), here));
+        sweep_time.push_back((sweep_time.empty() ? 0 : sweep_time.back()) + L[j].forward_time[2]);
+      }
+      const long long recompute_peak = xs + after + slot(L[s].dx) + slot(L[s].backward_temp[2]);
+      for (long long m = 0; m <= M; ++m) {
+        double best = inf;
+        int pick = -1;
+        if (s == n) {
+          if (xs + slot(L[n].dx) <= m) { best = L[n].forward_time[0]; pick = 3; }
+        } else {
+          if (s == t && L[s].can[2] && recompute_peak <= m) { best = L[s].backward_time[2]; pick = 2; }
+          for (int k = 0; k < 2; ++k) {
+            if (!L[s].can[k] || keep_steps[k] > m) continue;
+            double cand = keep_time[k];
+            if (s < t) {
+              const long long left = m - keep_held[k];
+              if (left < 0) continue;
+              cand += cost[idx(s + 1, t, left)];
+            }
+            if (cand < best) { best = cand; pick = k; }
+          }
+          for (int u = s + 1; u <= t; ++u) {
+            if (sweep[u - s - 1] > m || m - xs < 0) continue;
+            const double cand = sweep_time[u - s - 1] + cost[idx(u, t, m - xs)] + cost[idx(s, u - 1, m)];
+            if (cand < best) { best = cand; pick = 4 + u; }
+          }
+        }
+        cost[idx(s, t, m)] = best;
+        choice[idx(s, t, m)] = best < inf ? pick : -1;
+      }
+    }
+  if (choice[idx(0, n, M)] < 0) return fail;
+  Strategy st(n);
+  auto rebuild = [&](auto &self, int s, int t, long long m) -> void {
+    const int pick = choice[idx(s, t, m)];
+    if (pick == 3) st.at(s, t) = {Decision::Op::loss};
+    else if (pick == 2) st.at(s, t) = {Decision::Op::recompute};
+    else if (pick < 2) {
+      st.at(s, t) = {Decision::Op::keep, Keep(pick)};
+      if (s < t) self(self, s + 1, t, m - slot(L[s].x) - slot(L[s].saved[pick]));
+    } else {
+      const int u = pick - 4;
+      st.at(s, t) = {Decision::Op::checkpoint, Keep::all, u};
+      self(self, u, t, m - slot(L[s].x));
+      self(self, s, u - 1, m);
+    }
+  };
+  rebuild(rebuild, 0, n, M);
+  const Outcome o = evaluate(c, st, 0, n);
+  return {st, true, c.persistent + o.peak, o.seconds, unit};
+}
+
+// A plan, or why there is none (an infeasible memory budget).
+struct Planned {
+  Plan plan;
+  Message error;
+  constexpr bool ok() const { return error.size() == 0; }
+};
+
+// The plan for one micro-batch of `batch` samples under each stage's policy (a single Policy:
+// every stage's). Runs at compile time for a policy fixed in the model module and at run time
+// for one chosen by a flag. A budget policy is solved by fastest_within with `costs`; if the
+// arena's placement of that plan leaves holes that lift its peak past the budget, the budget is
+// solved again that much smaller. The GEMM choice must be the kernels' (gemms_for).
+constexpr Plan plan_of(const Model &m, const StagePolicies &policies, const Strategy &st, int batch, Precision precision,
+                       Gemms gemms) {
+  detail::Builder builder{m, policies, st, batch, precision, gemms};
+  builder.build();
+  Plan plan = std::move(builder.plan);
+  plan.policy = policies.stage[0];
+  for (int s = m.n_stages - 1; s >= 0; --s)
+    if (m.stages[s].checkpointable) plan.policy = policies.stage[s];
+  plan.policy_label = policies_name(m, policies);
+  return plan;
+}
+
+// The plan of least peak: least_memory's strategy, unless the arena's placement (first fit, which
+// can leave holes of a few KiB) makes one of the fixed policies' smaller.
+constexpr Plan smallest_plan(const Model &m, const StagePolicies &policies, int batch, Precision precision, Gemms gemms) {
+  Plan best = plan_of(m, policies, least_memory(chain_of(m, batch, precision, gemms)).strategy, batch, precision, gemms);
+  for (const Policy &p : {full, none, sqrt_n}) {
+    Plan other = plan_of(m, policies, lower(m, p), batch, precision, gemms);
+    if (other.peak_bytes < best.peak_bytes) best = std::move(other);
+  }
+  return best;
+}
+constexpr Plan smallest_plan(const Model &m, int batch, Precision precision = Precision::fp32, Gemms gemms = Gemms::halide) {
+  return smallest_plan(m, StagePolicies{}, batch, precision, gemms);
+}
+
+constexpr Planned plan_for(const Model &m, const StagePolicies &policies, int batch, Precision precision = Precision::fp32,
+                           Gemms gemms = Gemms::halide, const CostModel &costs = {}) {
+  auto build = [&](const Strategy &st) { return plan_of(m, policies, st, batch, precision, gemms); };
+  const Policy *budget = budget_of(m, policies);
+  if (!budget) return {build(lower(m, policies)), {}};
+  long long bytes = budget->budget_bytes;
+  if (budget->budget_percent > 0) bytes = (long long)build(lower(m, none)).peak_bytes * budget->budget_percent / 100;
+  const Chain chain = chain_of(m, batch, precision, gemms, costs);
+  Plan smallest = smallest_plan(m, policies, batch, precision, gemms);
+  if ((long long)smallest.peak_bytes > bytes)
+    return {{}, cat<Message>("remat: a memory budget of ", bytes, " bytes is infeasible at batch ", batch,
+                             ": the smallest plan of this model needs ", (long long)smallest.peak_bytes, " bytes")};
+  long long target = bytes;
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    const BudgetSolution sol = fastest_within(chain, target);
+    if (!sol.feasible) break;
+    Plan plan = build(sol.strategy);
+    if ((long long)plan.peak_bytes <= bytes) return {std::move(plan), {}};
+    target -= (long long)plan.peak_bytes - bytes;
+  }
+  return {std::move(smallest), {}};
+}
+
+constexpr Plan make_plan(const Model &m, const StagePolicies &policies, int batch, Precision precision = Precision::fp32,
+                         Gemms gemms = Gemms::halide, const CostModel &costs = {}) {
+  Planned p = plan_for(m, policies, batch, precision, gemms, costs);
+  if (!p.ok()) throw "remat planner: the memory budget is infeasible (plan_for says by how much)";
+  return std::move(p.plan);
+}
+
+// A model module's policy with a budget, checked where the model is built: an infeasible budget
+// is a compile error that states the least feasible bytes. Gemms as the CPU's fp32 kernels use.
+template <Model M, Policy P, int Batch, Precision Pr = Precision::fp32, Gemms G = Gemms::library>
+consteval bool feasible() {
+  constexpr Message error = plan_for(M, annotated(M, P), Batch, Pr, G).error;
+  static_assert(error.size() == 0, error);
+  return true;
+}
 
 }  // namespace remat

@@ -22,7 +22,7 @@ constexpr bool needs_input_grad(const Model &m, int stage) { return stage > 0 ||
 // What a block's forward keeps for its backward.
 enum class Keep : std::uint8_t {
   all,        // everything backward reads
-  selective,  // all but what recomputed_by_selective() rebuilds
+  selective,  // all but what selective_recomputes() rebuilds
   nothing,    // only the block input is kept elsewhere; backward recomputes everything
 };
 
@@ -112,28 +112,12 @@ constexpr std::vector<LocalTensor> stats_of(const Block &b, int k) {
   return out;
 }
 
-// Outputs of layers before the last (the last one's output is y).
-constexpr bool is_internal(const Block &b, int k) { return k + 1 < b.n_layers && b.produces(k); }
-
 // How many layers read output j (as their input, or as the skip of a residual).
 constexpr int consumers(const Block &b, int j) {
   int n = 0;
   for (int k = j + 1; k < b.n_layers; ++k)
     n += (b.produces(k) && b.source(k) == j) + (b.layers[k].op == Op::residual_end && b.skip_source(k) == j);
   return n;
-}
-
-// Backward reads output j: a later layer's rule reads its input j, or j's own rule reads its
-// output (attention).
-constexpr int reader_of(const Block &b, int j);
-constexpr bool read_by_backward(const Block &b, int j) { return is_internal(b, j) && reader_of(b, j) >= 0; }
-
-// The layer whose backward reads output j (j's own, when its kind reads its output; -1: none).
-constexpr int reader_of(const Block &b, int j) {
-  if (kind(b.layers[j].op).reads_output) return j;
-  for (int k = j + 1; k < b.n_layers; ++k)
-    if (b.source(k) == j && kind(b.layers[k].op).reads_input) return k;
-  return -1;
 }
 
 // Where the GEMMs of linear layers run. halide: Halide GEMMs inside the kernels, with fused
@@ -182,7 +166,7 @@ constexpr bool saved(const Block &b, int j, Keep keep, Gemms g = Gemms::halide) 
   switch (keep) {
   case Keep::all: return read_by_backward(b, j);
   case Keep::selective:
-    return read_by_backward(b, j) && materialized(b, j, g) && !kind(b.layers[j].op).recomputed_by_selective;
+    return read_by_backward(b, j) && materialized(b, j, g) && !selective_recomputes(b, j);
   case Keep::nothing: return false;
   }
   return false;
@@ -238,9 +222,9 @@ constexpr LocalTensor product_of(const Block &b, int k) {
   return {cat("dp", k), 2, {b.layers[k].in, -1}, k, false, LocalTensor::Kind::statistic};
 }
 
-constexpr KernelTensors backward_tensors(const Block &b, Keep keep, bool needs_input_grad, Gemms g = Gemms::halide,
-                                         Precision p = Precision::fp32) {
-  KernelTensors t;
+// The outputs a backward under `keep` rebuilds: those it reads but were not saved, and the
+// outputs those depend on.
+constexpr std::array<bool, max_block_layers> rebuilt_by_backward(const Block &b, Keep keep, Gemms g) {
   std::array<bool, max_block_layers> needed{};
   for (int j = 0; j < b.n_layers; ++j) needed[j] = read_by_backward(b, j) && !saved(b, j, keep, g);
   for (int j = b.n_layers - 1; j >= 0; --j) {  // inputs of what is rebuilt are needed too
@@ -248,6 +232,13 @@ constexpr KernelTensors backward_tensors(const Block &b, Keep keep, bool needs_i
     for (int i : {b.source(j), b.layers[j].op == Op::residual_end ? b.skip_source(j) : -1})
       if (i >= 0 && !saved(b, i, keep, g)) needed[i] = true;
   }
+  return needed;
+}
+
+constexpr KernelTensors backward_tensors(const Block &b, Keep keep, bool needs_input_grad, Gemms g = Gemms::halide,
+                                         Precision p = Precision::fp32) {
+  KernelTensors t;
+  const std::array<bool, max_block_layers> needed = rebuilt_by_backward(b, keep, g);
   for (int j = 0; j < b.n_layers; ++j) {
     if (is_internal(b, j) && saved(b, j, keep, g)) t.saved.push_back(output_of(b, j));
     // A rebuilt value that a linear's weight gradient reads is buffered even when cheap: the
@@ -296,15 +287,16 @@ enum class Variant : std::uint8_t {
 
 // The arithmetic of one call of a block's kernel over `rows` rows: its kinds' flops (GEMMs and
 // attention products), backward's multiple of them, and the forward work a variant recomputes.
-constexpr double kernel_flops(const Block &b, Variant v, long long rows) {
+constexpr double kernel_flops(const Block &b, Variant v, long long rows, Gemms g = Gemms::halide) {
   double forward = 0, backward = 0, rebuilt_by_selective = 0;
+  const std::array<bool, max_block_layers> rebuilt = rebuilt_by_backward(b, Keep::selective, g);
   for (int j = 0; j < b.n_layers; ++j) {
     const Kind &k = kind(b.layers[j].op);
     if (!k.flops) continue;
     const double f = double(rows) * k.flops(b.layers[j]);
     forward += f;
     backward += k.backward_flops * f;
-    if (k.recomputed_by_selective) rebuilt_by_selective += f;
+    if (rebuilt[j]) rebuilt_by_selective += f;
   }
   switch (v) {
   case Variant::forward_save:

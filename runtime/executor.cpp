@@ -452,7 +452,8 @@ void Executor::run(Phase phase) {
     auto &b = calls[i];
     const Step &st = steps[i];
     if (trace) std::fprintf(stderr, "kernel %s\n", b->kernel->name);
-    const auto t0 = profile ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
+    const bool timed = profile || time_calls;
+    const auto t0 = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
     if (transfers && phase == Phase::train) transfers->before(st);  // fetches write restored checkpoints
     if (check_free) {
       PausedCounting paused;
@@ -475,7 +476,8 @@ void Executor::run(Phase phase) {
       PausedCounting paused;
       check_after(*b, st, check_free ? &live : nullptr, untouched);
     }
-    if (profile) {
+    if (timed) {
+      if (arena.device() == Device::cuda) arena.synchronize();
       b->seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       ++b->calls;
     }
@@ -598,6 +600,17 @@ Executor::~Executor() {
     std::fprintf(stderr, "profile %-32s %9.3f %6ld %9.1f %5.0f%% %8.1f %5.0f%%\n", name.c_str(), t.seconds, t.calls, gflops,
                  100 * gflops / roofs.gemm_gflops, gbps, 100 * gbps / roofs.memory_gbps);
   }
+}
+
+std::vector<double> Executor::call_seconds(Phase phase) const {
+  std::vector<double> out;
+  for (const auto &b : phase == Phase::train ? train_calls : phase == Phase::optimize ? optimize_calls : eval_calls)
+    out.push_back(b->seconds);
+  return out;
+}
+long Executor::timed_runs(Phase phase) const {
+  const auto &calls = phase == Phase::train ? train_calls : phase == Phase::optimize ? optimize_calls : eval_calls;
+  return calls.empty() ? 0 : calls.front()->calls;
 }
 
 int Executor::find(std::string_view name) const {

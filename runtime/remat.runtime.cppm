@@ -164,6 +164,11 @@ public:
   std::size_t element_size(std::string_view name) const;
   void upload(std::string_view name);
   void download(std::string_view name);
+  // With time_calls set (or REMAT_PROFILE), each call's seconds are summed over the runs: the
+  // seconds of call i of a phase, and how many runs were timed (--calibrate).
+  bool time_calls = false;
+  std::vector<double> call_seconds(Phase phase) const;
+  long timed_runs(Phase phase) const;
 
 private:
   int find(std::string_view name) const;  // the tensor's index; throws for a name the plan lacks

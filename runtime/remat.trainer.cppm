@@ -6,6 +6,7 @@ module;
 #include <cstdio>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -88,10 +89,31 @@ void save_initial(const std::string &path, const Model &model, const Plan &plan,
 // The trainer shared by every example: flags, data, training, evaluation, JSON summary.
 int train_main(int argc, char **argv, const ModelInfo &info);
 
-// Prints every tensor the policy saves for backward (block, name, shape, bytes, why) and totals.
-void print_plan_report(std::FILE *out, const Model &model, const Plan &plan);
+// Prints what each block's kernels do, every tensor the plan saves for backward (block, name,
+// shape, bytes, why), the peak, the recompute arithmetic and the step time `costs` predict.
+void print_plan_report(std::FILE *out, const Model &model, const Plan &plan, const CostModel &costs = {},
+                       std::string_view costs_from = "estimated from FLOPs and bytes");
 
-// Policy from its flag spelling: none | full | every_n_layers=N | sqrt_n | selective.
+// Policies from the command line. One policy: parts joined by '+' and composed (a | b): none,
+// full, every_n_layers=N, sqrt_n, selective, offload. --checkpoint-policy takes one for every
+// stage, or per repeat stage "s1:selective,s3:every_n_layers=2" over `base` (the model's own).
 Policy parse_policy(std::string_view text);
+StagePolicies parse_stage_policies(const Model &model, std::string_view text, StagePolicies base);
+// --memory-budget: bytes with an optional unit (512MiB, 2GB, 1.5GiB, 1000000) or a percentage of
+// the none plan's peak (60%).
+Policy parse_budget(std::string_view text);
+
+// Kernel costs (runtime/costs.cpp). The table is JSON: {machine: {cost_key: {kernel: seconds}}},
+// kernels named kernel_name("", stage, variant, precision).
+std::string machine_name(Device device);  // "CPU <model name>" or "GPU <name>"
+std::string default_cost_table();         // $XDG_CACHE_HOME/remat/costs.json, else ~/.cache/remat/costs.json
+std::string cost_key(std::string_view model, Precision precision, int batch, Device device);
+std::optional<CostModel> load_costs(const std::string &path, const std::string &machine, const std::string &key);
+void save_costs(const std::string &path, const std::string &machine, const std::string &key, const CostModel &costs);
+// Times every kernel of the model (the plans of none, selective and full, and evaluation) on
+// batches from `data`: the median call of each kernel.
+CostModel calibrate(const ModelInfo &info, Device device, Precision precision, int batch, DataSource &data);
+// The median time of a micro-batch (forward, loss, backward) of `plan` here.
+double measured_step_ms(const Plan &plan, const ModelInfo &info, Device device, DataSource &data);
 
 }  // namespace remat::runtime

@@ -6,6 +6,8 @@ module;
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cctype>
+#include <charconv>
 #include <climits>
 #include <chrono>
 #include <cmath>
@@ -38,6 +40,10 @@ struct Options {
   int warmup_steps = 0;
   std::uint64_t seed = 42;
   std::string checkpoint_policy;
+  std::string memory_budget;
+  bool calibrate = false;
+  std::string cost_table;
+  bool sweep = false;
   double dropout = 0;
   std::string data_dir;
   int eval_samples = -1;
@@ -179,9 +185,19 @@ void check_cuda(const ModelInfo &info, std::size_t arena_bytes) {
 
 }  // namespace
 
-void print_plan_report(std::FILE *out, const Model &model, const Plan &plan) {
-  fmt::print(out, "saved for backward under policy {} ({}, batch {}, {} rows):\n", policy_name(plan.policy).view(),
-             precision_name(plan.precision), plan.batch, plan.rows);
+void print_plan_report(std::FILE *out, const Model &model, const Plan &plan, const CostModel &costs, std::string_view costs_from) {
+  fmt::print(out, "plan under policy {} ({}, batch {}, {} rows)\n", plan.policy_label.view(), precision_name(plan.precision),
+             plan.batch, plan.rows);
+  // each block's kernel calls in schedule order; * marks a call that recomputes forward work
+  fmt::print(out, "{:<8} {}\n", "block", "kernel calls in schedule order (* recomputes forward work)");
+  for (const Unit &u : units_of(model)) {
+    std::string calls;
+    for (const Step &st : plan.train)
+      if (st.stage == u.stage && st.block == u.block && st.variant != Variant::loss && st.variant != Variant::adamw)
+        calls += fmt::format("{}{}{}", calls.empty() ? "" : ", ", variant_name(st.variant), st.recompute ? "*" : "");
+    fmt::print(out, "s{}.b{:<4} {}\n", u.stage, u.block, calls);
+  }
+  fmt::print(out, "saved for backward:\n");
   fmt::print(out, "{:<8} {:<22} {:>16} {:>12}  {}\n", "block", "tensor", "shape", "bytes", "why");
   std::size_t total = 0;
   for (const Step &st : plan.train)
@@ -217,9 +233,80 @@ void print_plan_report(std::FILE *out, const Model &model, const Plan &plan) {
                  x.local.view(), shape, x.bytes(), why);
       total += x.bytes();
     }
-  fmt::print(out, "total saved {} B ({}); peak activations {} B; planned arena peak {} B; {} kernel launches ({} recompute)\n",
-             total, mib(total), plan.activation_bytes, plan.peak_bytes, plan.total_launches, plan.recompute_launches);
+  double flops = 0, recompute_flops = 0;
+  for (const Step &st : plan.train) {
+    flops += st.flops;
+    if (!st.recompute) continue;
+    recompute_flops += is_backward(st.variant)
+                           ? st.flops - kernel_flops(model.stages[st.stage], Variant::backward_saved, plan.rows, plan.gemms)
+                           : st.flops;
+  }
+  const Chain chain = chain_of(model, plan.batch, plan.precision, plan.gemms, costs);
+  const Outcome predicted = evaluate(chain, plan.strategy, 0, chain.n());
+  fmt::print(out, "total saved {} B ({}); peak activations {} B; planned arena peak {} B ({}); {} kernel launches ({} recompute)\n",
+             total, mib(total), plan.activation_bytes, plan.peak_bytes, mib(plan.peak_bytes), plan.total_launches,
+             plan.recompute_launches);
+  fmt::print(out, "recompute {:.3f} GFLOP of {:.3f} per micro-batch; predicted forward + loss + backward {:.2f} ms (costs {})\n",
+             recompute_flops / 1e9, flops / 1e9, predicted.seconds * 1e3, costs_from);
 }
+
+namespace {
+// The budget -> step time table, from the smallest plan to none's peak, and its plot (SVG).
+void print_sweep(std::FILE *out, const ModelInfo &info, Device device, Precision precision, int batch, const CostModel &costs,
+                 const Options &o, const std::string &program) {
+  const Model &m = info.model;
+  const Gemms gemms = gemms_of(device, precision);
+  const Chain chain = chain_of(m, batch, precision, gemms, costs);
+  const long long lo = (long long)smallest_plan(m, batch, precision, gemms).peak_bytes;
+  const long long hi = (long long)make_plan(m, none, batch, precision, gemms).peak_bytes;
+  std::unique_ptr<DataSource> data;
+  if (o.calibrate) data = info.data(m, {o.data_dir, batch, o.seed});
+  struct Row { long long budget, peak; double predicted, measured; int launches, recompute; };
+  std::vector<Row> rows;
+  const int points = 9;
+  for (int i = 0; i < points; ++i) {
+    const long long b = lo + (hi - lo) * i / (points - 1);
+    const Planned p = plan_for(m, budget(b), batch, precision, gemms, costs);
+    if (!p.ok()) continue;
+    const double predicted = evaluate(chain, p.plan.strategy, 0, chain.n()).seconds * 1e3;
+    const double measured = data ? measured_step_ms(p.plan, info, device, *data) : 0;
+    rows.push_back({b, (long long)p.plan.peak_bytes, predicted, measured, p.plan.total_launches, p.plan.recompute_launches});
+  }
+  fmt::print(out, "\nbudget sweep ({} to none's peak {} B):\n{:>14} {:>8} {:>14} {:>13} {:>12} {:>9}\n", lo, hi, "budget B",
+             "% none", "planned peak", "predicted ms", o.calibrate ? "measured ms" : "", "launches");
+  for (const Row &r : rows)
+    fmt::print(out, "{:>14} {:>7.1f}% {:>14} {:>13.2f} {:>12} {:>4} ({} re)\n", r.budget, 100.0 * r.budget / hi, r.peak,
+               r.predicted, o.calibrate ? fmt::format("{:.2f}", r.measured) : "", r.launches, r.recompute);
+  // the plot: step time against the budget in MiB
+  const std::string path = program + "-sweep.svg";
+  write_atomically(path, "sweep plot", [&](std::ostream &svg) {
+    const double W = 640, H = 400, L = 70, R = 20, T = 30, B = 50;
+    double tmax = 0;
+    for (const Row &r : rows) tmax = std::max({tmax, r.predicted, r.measured});
+    tmax = tmax > 0 ? tmax * 1.1 : 1;
+    const double x0 = lo / 1048576.0, x1 = std::max(hi / 1048576.0, x0 + 1e-9);
+    auto X = [&](long long b) { return L + (b / 1048576.0 - x0) / (x1 - x0) * (W - L - R); };
+    auto Y = [&](double ms) { return H - B - ms / tmax * (H - T - B); };
+    svg << fmt::format("<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}' font-family='sans-serif' font-size='12'>\n", W, H);
+    svg << fmt::format("<text x='{}' y='18'>{}: step time against the memory budget ({}, batch {})</text>\n", L, info.name,
+                       precision_name(precision), batch);
+    svg << fmt::format("<line x1='{0}' y1='{1}' x2='{2}' y2='{1}' stroke='black'/><line x1='{0}' y1='{3}' x2='{0}' y2='{1}' stroke='black'/>\n",
+                       L, H - B, W - R, T);
+    svg << fmt::format("<text x='{}' y='{}'>budget (MiB): {:.1f} .. {:.1f}</text>\n", L, H - 15, x0, x1);
+    svg << fmt::format("<text x='5' y='{}'>ms (0 .. {:.1f})</text>\n", T - 5 + 15, tmax);
+    for (int series = 0; series < (o.calibrate ? 2 : 1); ++series) {
+      std::string points_attr;
+      for (const Row &r : rows) points_attr += fmt::format("{:.1f},{:.1f} ", X(r.budget), Y(series ? r.measured : r.predicted));
+      svg << fmt::format("<polyline fill='none' stroke='{}' stroke-width='2' points='{}'/>\n", series ? "crimson" : "steelblue",
+                         points_attr);
+      svg << fmt::format("<text x='{}' y='{}' fill='{}'>{}</text>\n", W - R - 150, T + 15 + 15 * series,
+                         series ? "crimson" : "steelblue", series ? "measured" : "predicted");
+    }
+    svg << "</svg>\n";
+  });
+  fmt::print(out, "plot: {}\n", path);
+}
+}  // namespace
 
 int train_main(int argc, char **argv, const ModelInfo &info) {
   const std::string program = std::string("train-") + std::string(info.name);
@@ -243,7 +330,15 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
   app.add_option("--seed", o.seed, "seed for initialization, shuffling and dropout")
       ->check(number([](double v) { return v >= 0 && v == std::floor(v); }, "a whole number >= 0"))
       ->capture_default_str();
-  app.add_option("--checkpoint-policy", o.checkpoint_policy, fmt::format("none | full | every_n_layers=N | sqrt_n | selective (default {})", policy_name(info.default_policy).view()));
+  app.add_option("--checkpoint-policy", o.checkpoint_policy,
+                 fmt::format("none | full | every_n_layers=N | sqrt_n | selective, composed with + (every_n_layers=2+selective); "
+                             "per repeat stage s<i>:POLICY,... (default: the model's, {})",
+                             policies_name(info.model, annotated(info.model, info.default_policy)).view()));
+  app.add_option("--memory-budget", o.memory_budget,
+                 "the fastest plan whose peak fits SIZE (512MiB, 2GB, 1000000) or a percentage of the none plan's peak (60%)");
+  app.add_flag("--calibrate", o.calibrate, "time every kernel here first and store the costs in the cost table, for the budget planner");
+  app.add_option("--cost-table", o.cost_table, fmt::format("the kernel cost table (default {})", default_cost_table()));
+  app.add_flag("--sweep", o.sweep, "with --plan-report: the budget -> step time table from the smallest plan to none, and its plot");
   app.add_option("--dropout", o.dropout, "dropout probability of the model's dropout layers and attention")->check(probability)->capture_default_str();
   app.add_option("--data-dir", o.data_dir, "dataset folder")->capture_default_str();
   app.add_option("--eval-samples", o.eval_samples, "evaluation samples (default all, 0 skips evaluation)")->check(non_negative);
@@ -269,28 +364,59 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
 
   try {
     const Model &model = info.model;
-    Policy policy = o.checkpoint_policy.empty() ? info.default_policy : parse_policy(o.checkpoint_policy);
+    StagePolicies policies = annotated(model, info.default_policy);
+    if (!o.checkpoint_policy.empty()) policies = parse_stage_policies(model, o.checkpoint_policy, policies);
+    if (!o.memory_budget.empty()) {
+      if (!o.checkpoint_policy.empty()) throw InputError("--memory-budget: the budget planner chooses the policy; drop --checkpoint-policy");
+      policies = parse_budget(o.memory_budget);
+    }
     const Device device = o.device == "cuda" ? Device::cuda : Device::cpu;
     if (o.offload && device == Device::cpu)
       throw InputError("--offload: with --device cpu the checkpoints already live in host memory; there is nothing to offload");
-    policy.offload = o.offload;
+    for (Policy &p : policies.stage) p.offload = p.offload || o.offload;
     const int batch = o.batch_size ? o.batch_size : info.default_batch;
     const int micro = o.gradient_accumulation_steps;
     if (long(batch) * model.rows_per_sample() < min_kernel_rows)
       throw InputError(fmt::format("--batch-size {}: the kernels need at least {} rows per micro-batch", batch, min_kernel_rows));
     if (o.dropout > 0 && !has_dropout(model))
       throw InputError(fmt::format("--dropout {}: model {} has no dropout layers", o.dropout, info.name));
+    if (o.sweep && !o.plan_report) throw InputError("--sweep: goes with --plan-report");
     const Precision precision = o.bf16 ? Precision::bf16 : Precision::fp32;
-    const Plan plan = make_plan(model, policy, batch, precision, gemms_of(device, precision));
+    const Gemms gemms = gemms_of(device, precision);
+    // kernel costs: measured now (--calibrate), from the table, or estimated
+    const std::string cost_table = o.cost_table.empty() ? default_cost_table() : o.cost_table;
+    const std::string machine = machine_name(device), key = cost_key(info.name, precision, batch, device);
+    CostModel costs;
+    std::string costs_from = "estimated from FLOPs and bytes (no --calibrate table for this machine)";
+    if (o.calibrate) {
+      if (device == Device::cuda) check_cuda(info, 0);
+      std::unique_ptr<DataSource> data = info.data(model, {o.data_dir, batch, o.seed});
+      costs = calibrate(info, device, precision, batch, *data);
+      save_costs(cost_table, machine, key, costs);
+      costs_from = fmt::format("measured now on {} ({}, {})", machine, cost_table, key);
+      fmt::print(o.json ? stderr : stdout, "{}: calibrated {} kernels on {}; written to {} as {}\n", program,
+                 costs.measured.size(), machine, cost_table, key);
+    } else if (std::optional<CostModel> stored = load_costs(cost_table, machine, key)) {
+      costs = *stored;
+      costs_from = fmt::format("measured on {} ({}, {})", machine, cost_table, key);
+    }
+    const Planned planned = plan_for(model, policies, batch, precision, gemms, costs);
+    if (!planned.ok()) {
+      const std::string why(planned.error.view().substr(std::string_view("remat: ").size()));
+      throw InputError(o.memory_budget.empty() ? fmt::format("the model's policy {}: {}", policies_name(model, policies).view(), why)
+                                               : fmt::format("--memory-budget {}: {}", o.memory_budget, why));
+    }
+    const Plan &plan = planned.plan;
+    const std::string policy_label(plan.policy_label.view());
     for (const Tensor &t : plan.tensors)
       if (t.bytes() > std::size_t(INT32_MAX))
         throw InputError(fmt::format("--batch-size {}: tensor {} would hold {} bytes; kernels take at most 2 GiB per tensor",
                                      batch, t.name.view(), t.bytes()));
     if (o.offload && plan.offload_bytes == 0)
-      throw InputError(fmt::format("--offload: policy {} keeps no checkpoints (use full, every_n_layers=N or sqrt_n)",
-                                   policy_name(policy).view()));
+      throw InputError(fmt::format("--offload: policy {} keeps no checkpoints (use full, every_n_layers=N or sqrt_n)", policy_label));
     if (o.plan_report) {
-      print_plan_report(stdout, model, plan);
+      print_plan_report(stdout, model, plan, costs, costs_from);
+      if (o.sweep) print_sweep(stdout, info, device, precision, batch, costs, o, program);
       return 0;
     }
     const std::size_t arena_bytes = std::max(plan.peak_bytes, plan.eval_peak_bytes);
@@ -357,13 +483,13 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     scalars.weight_decay = float(o.weight_decay);
 
     fmt::print(progress, "{}: {}\n{}: policy {}, {}, batch {} x {}, {} steps, {} parameters, arena {} (activations {}; {} under none)\n",
-               program, data->describe(), program, policy_name(policy).view(), precision_name(precision), batch, micro, max_steps,
+               program, data->describe(), program, policy_label, precision_name(precision), batch, micro, max_steps,
                plan.param_count, mib(plan.peak_bytes), mib(plan.activation_bytes), mib(baseline.activation_bytes));
     std::fflush(progress);
 
     // --save-initial: what another implementation needs to repeat the run's first steps
     const std::map<std::string, std::string> initial_metadata = {
-        {"model", std::string(info.name)}, {"policy", std::string(policy_name(policy).view())},
+        {"model", std::string(info.name)}, {"policy", std::string(policy_label)},
         {"precision", std::string(precision_name(precision))}, {"step", std::to_string(first_step)},
         {"seed", std::to_string(o.seed)}, {"run", run_flags}, {"max_steps", std::to_string(max_steps)},
         {"learning_rate", fmt::format("{}", o.learning_rate)}, {"lr_scheduler_type", o.lr_scheduler_type},
@@ -459,7 +585,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
                "memory: planned peak {} B, measured peak {} B ({}); activations {} under {} vs {} under none ({:.1f}%)\n"
                "speed: {:.0f} samples/s ({:.0f} rows/s), median step {:.1f} ms, {} kernel launches per micro-batch ({} recompute)\n",
                plan.peak_bytes, measured_peak, measured_peak == plan.peak_bytes ? "equal" : "DIFFERENT",
-               mib(plan.activation_bytes), policy_name(policy).view(), mib(baseline.activation_bytes),
+               mib(plan.activation_bytes), policy_label, mib(baseline.activation_bytes),
                100.0 * plan.activation_bytes / baseline.activation_bytes, samples_per_s,
                samples_per_s * model.rows_per_sample(), median, plan.total_launches, plan.recompute_launches);
     ex.download("params");
@@ -468,7 +594,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
       auto optional = [&](auto f) { return eval ? nlohmann::json(f(*eval)) : nlohmann::json(); };
       nlohmann::json j = {
           {"model", std::string(info.name)},
-          {"policy", std::string(policy_name(policy).view())},
+          {"policy", std::string(policy_label)},
           {"device", o.device},
           {"precision", std::string(precision_name(precision))},
           {"offload_bytes", plan.offload_bytes},
@@ -512,25 +638,86 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
 }
 
 Policy parse_policy(std::string_view text) {
-  if (text == "none") return none;
-  if (text == "full") return full;
-  if (text == "sqrt_n") return sqrt_n;
-  if (text == "selective") return selective;
-  constexpr std::string_view every = "every_n_layers=";
-  if (text.starts_with(every)) {
-    const auto digits = text.substr(every.size());
-    int n = 0;
-    bool ok = !digits.empty() && digits.size() < 9;
-    for (char c : digits) {
-      ok = ok && c >= '0' && c <= '9';
-      n = n * 10 + (c - '0');
+  Policy out;
+  std::string_view rest = text;
+  try {
+    while (true) {
+      const std::size_t plus = rest.find('+');
+      const std::string_view part = rest.substr(0, plus);
+      constexpr std::string_view every = "every_n_layers=";
+      if (part == "none") out = out | none;
+      else if (part == "full") out = out | full;
+      else if (part == "sqrt_n") out = out | sqrt_n;
+      else if (part == "selective") out = out | selective;
+      else if (part == "offload") out = out | offload;
+      else if (part.starts_with(every)) {
+        int n = 0;
+        const auto digits = part.substr(every.size());
+        const auto [end, err] = std::from_chars(digits.data(), digits.data() + digits.size(), n);
+        if (digits.empty() || err != std::errc() || end != digits.data() + digits.size() || n < 1)
+          throw InputError(fmt::format("--checkpoint-policy {}: every_n_layers needs a whole number N >= 1", text));
+        out = out | Policy{Policy::Kind::every_n_layers, n};
+      } else {
+        throw InputError(fmt::format("--checkpoint-policy {}: unknown policy {} (use none, full, every_n_layers=N, sqrt_n, "
+                                     "selective or offload, composed with +)", text, part));
+      }
+      if (plus == std::string_view::npos) break;
+      rest = rest.substr(plus + 1);
     }
-    if (!ok || n < 1)
-      throw InputError(fmt::format("--checkpoint-policy {}: every_n_layers needs a whole number N >= 1", text));
-    return {Policy::Kind::every_n_layers, n};
+  } catch (const char *why) {  // two schedules that do not compose
+    throw InputError(fmt::format("--checkpoint-policy {}: {}", text, std::string_view(why).substr(std::string_view("remat: ").size())));
   }
-  throw InputError(fmt::format(
-      "--checkpoint-policy {}: unknown policy (use none, full, every_n_layers=N, sqrt_n or selective)", text));
+  return out;
+}
+
+StagePolicies parse_stage_policies(const Model &model, std::string_view text, StagePolicies base) {
+  if (text.find(':') == std::string_view::npos) return parse_policy(text);
+  std::string repeat_stages;
+  for (int s = 0; s < model.n_stages; ++s)
+    if (model.stages[s].checkpointable) repeat_stages += fmt::format("{}s{}", repeat_stages.empty() ? "" : ", ", s);
+  std::string_view rest = text;
+  while (true) {
+    const std::size_t comma = rest.find(',');
+    const std::string_view item = rest.substr(0, comma);
+    const std::size_t colon = item.find(':');
+    int stage = -1;
+    if (colon != std::string_view::npos && item.starts_with('s')) {
+      const auto [end, err] = std::from_chars(item.data() + 1, item.data() + colon, stage);
+      if (err != std::errc() || end != item.data() + colon) stage = -1;
+    }
+    if (stage < 0 || stage >= model.n_stages || !model.stages[stage].checkpointable)
+      throw InputError(fmt::format("--checkpoint-policy {}: {} names no repeat stage (per stage: s<i>:POLICY,... with i one of {})",
+                                   text, item, repeat_stages.empty() ? "none: the model has no repeat stage" : repeat_stages));
+    Policy p = parse_policy(item.substr(colon + 1));
+    // a stage's selective set is fixed in its kernels: the annotation's
+    p.selection = model.stages[stage].policy.selection;
+    base.stage[stage] = p;
+    if (comma == std::string_view::npos) break;
+    rest = rest.substr(comma + 1);
+  }
+  return base;
+}
+
+Policy parse_budget(std::string_view text) {
+  auto bad = [&] {
+    return InputError(fmt::format("--memory-budget {}: expected bytes with an optional unit (512MiB, 2GB, 1000000) or a "
+                                  "percentage of the none plan's peak (60%)", text));
+  };
+  double value = 0;
+  const auto [end, err] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (err != std::errc() || !(value > 0)) throw bad();
+  std::string unit(end, text.data() + text.size());
+  std::ranges::transform(unit, unit.begin(), [](unsigned char c) { return char(std::tolower(c)); });
+  if (unit == "%") {
+    if (value > 100 || value != std::floor(value)) throw bad();
+    return budget_percent(int(value));
+  }
+  const std::map<std::string, double> units = {{"", 1},         {"b", 1},          {"kb", 1e3},        {"mb", 1e6},
+                                               {"gb", 1e9},     {"kib", 1024.0},   {"mib", 1048576.0}, {"gib", 1073741824.0},
+                                               {"k", 1024.0},   {"m", 1048576.0},  {"g", 1073741824.0}};
+  const auto u = units.find(unit);
+  if (u == units.end() || value * u->second < 1 || value * u->second > 9e18) throw bad();
+  return budget((long long)(value * u->second));
 }
 
 }  // namespace remat::runtime

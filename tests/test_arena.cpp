@@ -199,7 +199,13 @@ BOOST_AUTO_TEST_CASE(real_kernels_keep_the_guarantees) {
   for (const Example &e : models)
     for (Precision precision : {Precision::fp32, Precision::bf16}) {
       std::vector<float> expected;
-      for (Policy p : {none, selective, full, Policy{Policy::Kind::every_n_layers, 2}, sqrt_n, with_offload(sqrt_n)}) {
+      // budgets: the smallest plan's peak, and halfway from it to none's (the budget planner's
+      // strategies: nested recompute, blocks rebuilt twice, mixed keep / selective / checkpoint)
+      const Gemms gemms = runtime::gemms_of(runtime::Device::cpu, precision);
+      const long long least = (long long)smallest_plan(*e.model, e.samples, precision, gemms).peak_bytes;
+      const long long most = (long long)make_plan(*e.model, none, e.samples, precision, gemms).peak_bytes;
+      for (Policy p : {none, selective, full, Policy{Policy::Kind::every_n_layers, 2}, sqrt_n, with_offload(sqrt_n),
+                       budget(least), budget((least + most) / 2)}) {
         BOOST_TEST_CONTEXT(e.name << " batch " << e.samples << " " << policy_name(p).view() << " " << precision_name(precision)) {
           Run run(*e.model, e.name, e.table, p, e.samples, e.dropout, true, runtime::Device::cpu, precision);
           Executor checked(run.plan, e.name, e.table, run.arena, run.scalars, {.free_memory = true});
@@ -217,6 +223,7 @@ BOOST_AUTO_TEST_CASE(real_kernels_keep_the_guarantees) {
               BOOST_ERROR(error.what());
             }
           BOOST_TEST(run.arena.high_water() == run.plan.peak_bytes);
+          if (p.kind == Policy::Kind::budget) BOOST_TEST((long long)run.plan.peak_bytes <= p.budget_bytes);
           BOOST_TEST(runtime::step_heap().allocations == 0u);
           BOOST_TEST(runtime::halide_heap().peak == 0u);
         }

@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <array>
 #include <cstddef>
+#include <functional>
 #include <map>
+#include <random>
 #include <set>
 #include <string>
 #include <string_view>
@@ -14,6 +16,7 @@
 import remat;
 import mlp;
 import gpt;
+import zoo_gated;
 
 using namespace remat;
 
@@ -46,6 +49,11 @@ const std::vector<Policy> all_policies = {none, selective, full, every_2, sqrt_n
 
 std::string str(std::string_view s) { return std::string(s); }
 std::string num(std::size_t v) { return std::to_string(v); }
+std::string fmt_set(const std::set<std::string> &s) {
+  std::string out;
+  for (const std::string &x : s) out += x + " ";
+  return out;
+}
 
 std::string label(const Plan &p) {
   return str(policy_name(p.policy).view()) + " " + str(precision_name(p.precision)) +
@@ -951,4 +959,319 @@ BOOST_AUTO_TEST_CASE(optimizer_updates_every_parameter_once) {
           BOOST_TEST(decayed == linear_weight, t.name.view());
         }
       }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The budget planner
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+// Every (peak, seconds) of every strategy of sub-problem (s, t), by enumeration; with `prune`,
+// only the pairs no other pair beats in both (exact for the least time under a peak bound, as
+// peaks compose by max and + and times add).
+using Pairs = std::vector<std::pair<long long, double>>;
+Pairs outcomes(const Chain &c, int s, int t, bool prune, std::map<std::pair<int, int>, Pairs> &memo) {
+  if (auto it = memo.find({s, t}); it != memo.end()) return it->second;
+  const std::vector<Link> &L = c.links;
+  const int n = c.n();
+  const long long xs = L[s].x, after = t < n ? L[t + 1].dx : 0;
+  Pairs out;
+  if (s == n) {
+    out.push_back({xs + L[n].dx, L[n].forward_time[0]});
+  } else {
+    if (s == t && L[s].can[2]) out.push_back({xs + after + L[s].dx + L[s].backward_temp[2], L[s].backward_time[2]});
+    for (int k = 0; k < 2; ++k) {
+      if (!L[s].can[k]) continue;
+      const long long a = L[s].saved[k], next = s < t ? L[s + 1].dx : after;
+      const long long own = std::max(xs + after + L[s].y + a + L[s].forward_temp[k], xs + a + next + L[s].dx + L[s].backward_temp[k]);
+      const double time = L[s].forward_time[k] + L[s].backward_time[k];
+      if (s == t) out.push_back({own, time});
+      else
+        for (auto [peak, seconds] : outcomes(c, s + 1, t, prune, memo)) out.push_back({std::max(own, xs + a + peak), time + seconds});
+    }
+    long long sweep = 0;
+    double sweep_time = 0;
+    for (int u = s + 1; u <= t; ++u) {
+      const int j = u - 1;
+      sweep = std::max(sweep, xs + after + (j > s ? L[j].x : 0) + L[j].y + L[j].forward_temp[2]);
+      sweep_time += L[j].forward_time[2];
+      const Pairs later = outcomes(c, u, t, prune, memo), again = outcomes(c, s, u - 1, prune, memo);
+      for (auto [p1, t1] : later)
+        for (auto [p2, t2] : again) out.push_back({std::max({sweep, xs + p1, p2}), sweep_time + t1 + t2});
+    }
+  }
+  if (prune) {
+    std::ranges::sort(out);
+    Pairs kept;
+    for (auto pr : out)
+      if (kept.empty() || pr.second < kept.back().second) kept.push_back(pr);
+    out = kept;
+  }
+  return memo[{s, t}] = out;
+}
+
+// A chain of `blocks` random blocks between a loose first unit and a loose head, sizes in
+// multiples of 64 bytes, random times (the cost model the planner would get from a table).
+Chain random_chain(std::mt19937 &rng, int blocks) {
+  auto size = [&](int lo, int hi) { return 64LL * std::uniform_int_distribution<int>(lo, hi)(rng); };
+  auto time = [&] { return std::uniform_real_distribution<double>(0.1, 5)(rng); };
+  Chain c;
+  c.persistent = size(10, 100);
+  const int units = blocks + 2;
+  for (int u = 0; u < units; ++u) {
+    Link l;
+    const bool loose = u == 0 || u == units - 1;
+    l.x = u == 0 ? 0 : c.links.back().y;
+    l.y = size(1, 8);
+    l.dx = u == 0 ? 0 : l.x;
+    l.saved[0] = size(0, 30);
+    l.saved[1] = std::uniform_int_distribution<long long>(0, l.saved[0] / 64)(rng) * 64;
+    for (int k = 0; k < 3; ++k) {
+      l.forward_temp[k] = size(0, 10);
+      l.backward_temp[k] = size(0, 20);
+      l.forward_time[k] = time();
+      l.backward_time[k] = time() + (k == 2 ? l.forward_time[2] : k == 1 ? 0.5 * time() : 0);
+    }
+    l.can = {true, !loose, !loose};
+    c.links.push_back(l);
+  }
+  Link loss;
+  loss.x = c.links.back().y;
+  loss.dx = loss.x;
+  loss.forward_time[0] = time();
+  c.links.push_back(loss);
+  return c;
+}
+
+// The live bytes at the highest point of the training schedule (persistent tensors included,
+// each tensor aligned): what the planner's peak is when its placement leaves no holes.
+std::size_t live_peak(const Plan &plan) {
+  std::size_t live = 0, high = 0;
+  for (const Tensor &t : plan.tensors)
+    if (t.view_of < 0 && is_persistent(t.role)) live += align_up(t.bytes());
+  for (const Step &st : plan.train) {
+    for (int t : st.alloc) live += align_up(plan.tensors[t].bytes());
+    high = std::max(high, live);
+    for (int t : st.free) live -= align_up(plan.tensors[t].bytes());
+  }
+  return high;
+}
+
+}  // namespace
+
+// On random chains of 1 to 8 blocks: the dynamic program's time equals the best of every
+// strategy (all of them enumerated up to 5 blocks, 51530 strategies; 6 to 8 against the pruned
+// enumeration, which agrees with the full one where both run)
+// under budgets from the least feasible peak up, and its strategy's peak is within the budget.
+BOOST_AUTO_TEST_CASE(budget_dp_equals_exhaustive_search_on_random_chains) {
+  std::mt19937 rng(7);
+  int compared = 0, infeasible = 0;
+  for (int trial = 0; trial < 48; ++trial) {
+    const int blocks = 1 + trial % 8;
+    const Chain c = random_chain(rng, blocks);
+    std::map<std::pair<int, int>, Pairs> memo, pruned_memo;
+    const Pairs all = outcomes(c, 0, c.n(), blocks > 5, memo);
+    if (blocks <= 5) {  // the pruned enumeration agrees with the full one
+      const Pairs pruned = outcomes(c, 0, c.n(), true, pruned_memo);
+      for (auto [peak, seconds] : all) {
+        double best = 1e300;
+        for (auto [p, t] : pruned)
+          if (p <= peak) best = std::min(best, t);
+        BOOST_TEST(best <= seconds + 1e-9);
+      }
+    }
+    const BudgetSolution least = least_memory(c);
+    long long lowest = all.front().first, highest = 0;
+    for (auto [peak, seconds] : all) lowest = std::min(lowest, peak), highest = std::max(highest, peak);
+    BOOST_TEST(least.peak == c.persistent + lowest, "blocks " << blocks);
+    for (int step = 0; step <= 6; ++step) {
+      const long long budget = c.persistent + lowest - 64 + (highest - lowest + 128) * step / 6;
+      double best = 1e300;
+      for (auto [peak, seconds] : all)
+        if (c.persistent + peak <= budget) best = std::min(best, seconds);
+      const BudgetSolution dp = fastest_within(c, budget);
+      BOOST_TEST_CONTEXT("blocks " << blocks << " budget " << budget) {
+        BOOST_TEST(dp.feasible == (best < 1e300));
+        if (!dp.feasible) { ++infeasible; continue; }
+        BOOST_TEST(dp.unit == 64);  // exact: every size is a multiple of 64
+        BOOST_TEST(std::abs(dp.seconds - best) <= 1e-9 * best);
+        BOOST_TEST(dp.peak <= budget);
+        const Outcome o = evaluate(c, dp.strategy, 0, c.n());
+        BOOST_TEST(c.persistent + o.peak == dp.peak);
+        ++compared;
+      }
+    }
+  }
+  BOOST_TEST(compared > 200);
+  BOOST_TEST(infeasible > 10);  // the budgets just below the least peak
+}
+
+namespace {
+// Random models: a loose stem, two repeat stages of random kinds and lengths, a loose head.
+Model random_model(std::mt19937 &rng) {
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  const int w1 = 4 * pick(2, 6), w2 = 4 * pick(2, 6), h1 = 4 * pick(2, 8), h2 = 4 * pick(2, 8);
+  const int n1 = pick(1, 4), n2 = pick(1, 4);
+  const Block mlp_block = residual(layer_norm(), linear(w1, h1), gelu(), linear(h1, w1));
+  const Block relu_block = chain(linear(w2, h2), relu(), dropout(), linear(h2, w2));
+  const Block gelu_block = residual(layer_norm(), linear(w2, h2), gelu(), dropout(), linear(h2, w2), dropout());
+  return check(make_model(input(12), linear(12, w1), repeat(n1, mlp_block), layer_norm(), linear(w1, w2),
+                          repeat(n2, pick(0, 1) ? relu_block : gelu_block), layer_norm(), linear(w2, 5),
+                          softmax_cross_entropy()))
+      .model;
+}
+}  // namespace
+
+// Budget plans of real models (the examples, the planner's test models and random ones), fp32
+// and bf16, both GEMM choices: the plan replays cleanly, its peak is within the budget, and the
+// live bytes at its highest point are the dynamic program's peak.
+BOOST_AUTO_TEST_CASE(budget_plans_fit_and_their_peak_is_the_dps) {
+  std::mt19937 rng(11);
+  std::vector<std::pair<std::string, Model>> models = {{"mlp", mlp::model}, {"gpt", gpt::model}, {"small", small_model()},
+                                                       {"repeat_first", repeat_first_model()}, {"two_stacks", two_stacks_model()}};
+  for (int i = 0; i < 6; ++i) models.push_back({"random" + std::to_string(i), random_model(rng)});
+  int plans = 0;
+  long long worst_holes = 0;
+  for (const auto &[name, m] : models)
+    for (Precision pr : {Precision::fp32, Precision::bf16})
+      for (Gemms g : {Gemms::library, Gemms::halide}) {
+        const int batch = 8;
+        const Chain c = chain_of(m, batch, pr, g);
+        const std::size_t lo = smallest_plan(m, batch, pr, g).peak_bytes, hi = make_plan(m, none, batch, pr, g).peak_bytes;
+        BOOST_TEST(lo <= hi);
+        for (int step = 0; step <= 4; ++step) {
+          const long long budget = (long long)(lo + (hi - lo) * step / 4);
+          BOOST_TEST_CONTEXT(name << " " << precision_name(pr) << (g == Gemms::library ? " library" : " halide") << " budget " << budget) {
+            const Planned p = plan_for(m, remat::budget(budget), batch, pr, g);
+            BOOST_TEST_REQUIRE(p.ok(), p.error.view());
+            BOOST_TEST(check_plan(p.plan) == "");
+            BOOST_TEST((long long)p.plan.peak_bytes <= budget);
+            BOOST_TEST((long long)live_peak(p.plan) == c.persistent + evaluate(c, p.plan.strategy, 0, c.n()).peak);
+            worst_holes = std::max(worst_holes, (long long)p.plan.peak_bytes - (long long)live_peak(p.plan));
+            ++plans;
+          }
+        }
+        // below the least peak: no plan, and the message says how much the smallest needs
+        const Planned none_fits = plan_for(m, remat::budget((long long)lo - 1), batch, pr, g);
+        BOOST_TEST(!none_fits.ok());
+        BOOST_TEST(std::string(none_fits.error.view()).find("needs " + std::to_string(lo) + " bytes") != std::string::npos,
+                   none_fits.error.view());
+      }
+  BOOST_TEST(plans == int(models.size()) * 4 * 5);
+  BOOST_TEST_MESSAGE("budget plans: the arena's placement added at most " << worst_holes << " bytes of holes to the live peak");
+}
+
+// The fixed policies, lowered to strategies, give the chain's evaluation the plans' live peaks
+// too: the dynamic program's memory model is the planner's.
+BOOST_AUTO_TEST_CASE(fixed_policies_evaluate_to_their_plans_live_peak) {
+  for (const Model &m : {mlp::model, gpt::model, small_model(), two_stacks_model(), repeat_first_model()})
+    for (const Policy &p : all_policies)
+      for (Gemms g : {Gemms::library, Gemms::halide}) {
+        const Plan plan = make_plan(m, p, 8, Precision::fp32, g);
+        const Chain c = chain_of(m, 8, Precision::fp32, g);
+        if (!p.offload) BOOST_TEST((long long)live_peak(plan) == c.persistent + evaluate(c, plan.strategy, 0, c.n()).peak, label(plan));
+        else BOOST_TEST((long long)live_peak(plan) <= c.persistent + evaluate(c, plan.strategy, 0, c.n()).peak, label(plan));
+      }
+}
+
+// The least-memory plan of a deep stack keeps O(1) checkpoints and recomputes O(n^2) forwards
+// (the memory-poor schedule of the literature), where full keeps n.
+BOOST_AUTO_TEST_CASE(least_memory_is_the_memory_poor_extreme) {
+  const Model deep = check(make_model(input(8), linear(8, 16), repeat(12, residual(layer_norm(), linear(16, 64), gelu(), linear(64, 16))),
+                                      layer_norm(), linear(16, 3), softmax_cross_entropy()))
+                         .model;
+  const Plan least = smallest_plan(deep, 8, Precision::fp32, Gemms::library);
+  const Plan plan_full = make_plan(deep, full, 8, Precision::fp32, Gemms::library);
+  auto most_live_block_inputs = [](const Plan &p) {
+    int live = 0, most = 0;
+    std::vector<char> on(p.tensors.size());
+    for (const Step &st : p.train) {
+      for (int t : st.alloc)
+        if (p.tensors[t].local.view() == "y") on[t] = 1, ++live;
+      most = std::max(most, live);
+      for (int t : st.free)
+        if (on[t]) on[t] = 0, --live;
+    }
+    return most;
+  };
+  BOOST_TEST_MESSAGE("block outputs live at once: least-memory " << most_live_block_inputs(least) << ", full "
+                                                                 << most_live_block_inputs(plan_full) << "; recompute launches "
+                                                                 << least.recompute_launches << " vs " << plan_full.recompute_launches);
+  BOOST_TEST(least.peak_bytes < plan_full.peak_bytes);
+  BOOST_TEST(most_live_block_inputs(least) <= 4);
+  BOOST_TEST(most_live_block_inputs(plan_full) >= 12);
+  BOOST_TEST(least.recompute_launches > 2 * plan_full.recompute_launches);
+}
+
+// A budget fixed in a model module is solved at compile time.
+namespace {
+constexpr Model budget_model = checked<make_model(input(8), linear(8, 16),
+                                                  repeat(6, residual(layer_norm(), linear(16, 32), gelu(), linear(32, 16))),
+                                                  layer_norm(), linear(16, 3), softmax_cross_entropy())>();
+static_assert(feasible<budget_model, budget(200 * KiB), 16>());
+static_assert(make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32, Gemms::library).peak_bytes <= 200 * KiB);
+static_assert(make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32, Gemms::library).peak_bytes >
+              make_plan(budget_model, full, 16, Precision::fp32, Gemms::library).peak_bytes);
+}  // namespace
+BOOST_AUTO_TEST_CASE(a_budget_is_solved_at_compile_time) {
+  constexpr std::size_t peak = make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32, Gemms::library).peak_bytes;
+  BOOST_TEST(peak == make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32, Gemms::library).peak_bytes);
+}
+
+// Annotations produce the plan of the equivalent run-time policy, step for step and byte for
+// byte: zoo_gated's annotated stages (s1 save_only_these_names("rotated", "gate"), s2
+// every_n_layers(2) | recompute_modules(norm)) give the plan of the flag
+// "s1:selective,s2:every_n_layers=2+selective" over none (a stage's selective set is its
+// kernels', the annotation's); a schedule-only annotation gives the plan of the same layers
+// without it under that schedule; and the named selective set keeps exactly the named outputs
+// (and the row statistics).
+namespace {
+void expect_same_plan(const Plan &a, const Plan &b) {
+  BOOST_TEST(a.peak_bytes == b.peak_bytes);
+  BOOST_TEST_REQUIRE(a.train.size() == b.train.size());
+  BOOST_TEST_REQUIRE(a.tensors.size() == b.tensors.size());
+  for (std::size_t t = 0; t < a.tensors.size(); ++t) {
+    BOOST_TEST(a.tensors[t].name.view() == b.tensors[t].name.view());
+    BOOST_TEST(a.tensors[t].offset == b.tensors[t].offset);
+    BOOST_TEST(a.tensors[t].bytes() == b.tensors[t].bytes());
+  }
+  for (std::size_t i = 0; i < a.train.size(); ++i) {
+    BOOST_TEST((a.train[i].variant == b.train[i].variant && a.train[i].stage == b.train[i].stage &&
+                a.train[i].block == b.train[i].block && a.train[i].alloc == b.train[i].alloc && a.train[i].free == b.train[i].free));
+    BOOST_TEST_REQUIRE(a.train[i].args.size() == b.train[i].args.size());
+    for (std::size_t k = 0; k < a.train[i].args.size(); ++k) BOOST_TEST(a.train[i].args[k].tensor == b.train[i].args[k].tensor);
+  }
+}
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(annotations_equal_the_run_time_policy) {
+  const Model &annotated_model = zoo_gated::model;
+  Model plain = annotated_model, scheduled = annotated_model;
+  for (int s = 0; s < plain.n_stages; ++s) {
+    plain.stages[s] = annotated_model.stages[s];
+    plain.stages[s].annotated = false;
+    plain.stages[s].policy = {};
+    scheduled.stages[s] = plain.stages[s];
+  }
+  scheduled.stages[2].annotated = true;
+  scheduled.stages[2].policy = every_n_layers(2);
+  for (Gemms g : {Gemms::library, Gemms::halide}) {
+    StagePolicies flag(none);
+    flag.stage[1] = selective;
+    flag.stage[2] = every_n_layers(2) | selective;
+    expect_same_plan(make_plan(annotated_model, annotated(annotated_model, none), 8, Precision::fp32, g),
+                     make_plan(annotated_model, flag, 8, Precision::fp32, g));
+    StagePolicies schedule(none);
+    schedule.stage[2] = every_n_layers(2);
+    expect_same_plan(make_plan(scheduled, annotated(scheduled, none), 8, Precision::fp32, g),
+                     make_plan(plain, schedule, 8, Precision::fp32, g));
+    BOOST_TEST(policies_name(annotated_model, annotated(annotated_model, none)).view() ==
+               "s1:selective(save:rotated,gate),s2:every_n_layers=2+selective(recompute:norm)");
+    // stage 1 under selective keeps the outputs of the named layers (rope 3, swiglu 10) and the statistics
+    const Plan sel = make_plan(annotated_model, selective, 8, Precision::fp32, g);
+    std::set<std::string> kept;
+    for (const Tensor &t : sel.tensors)
+      if (t.stage == 1 && t.block == 0 && t.role == Role::internal) kept.insert(str(t.local.view()));
+    BOOST_TEST((kept == std::set<std::string>{"h3", "h10", "rstd1", "rstd8", "att4_lse"}), fmt_set(kept));
+  }
 }

@@ -88,7 +88,7 @@ std::string broken_dataset(const std::string &name, const std::string &file, con
 
 BOOST_AUTO_TEST_CASE(policies_agree_and_peaks_are_exact) {
   std::map<std::string, nlohmann::json> runs;
-  for (std::string policy : {"none", "selective", "full", "every_n_layers=2", "sqrt_n"}) {
+  for (std::string policy : {"none", "selective", "full", "every_n_layers=2", "sqrt_n", "s1:every_n_layers=4+selective"}) {
     const Result r = train("--max-steps 1 --batch-size 256 --json --eval-samples 0 --checkpoint-policy " + policy);
     BOOST_TEST_REQUIRE(r.exit_code == 0, r.err);
     runs[policy] = summary(r);
@@ -164,6 +164,80 @@ BOOST_AUTO_TEST_CASE(bad_flags_are_one_line_errors) {
   expect_one_line_error("--device tpu", "--device");
   expect_one_line_error("--offload --max-steps 1", "nothing to offload");
   expect_one_line_error("--device cuda --offload --checkpoint-policy none", "keeps no checkpoints");
+  expect_one_line_error("--checkpoint-policy full+sqrt_n", "at most one recompute schedule");
+  expect_one_line_error("--checkpoint-policy s0:full", "s0:full names no repeat stage");
+  expect_one_line_error("--checkpoint-policy s1:full,s9:none", "s9:none names no repeat stage");
+  expect_one_line_error("--memory-budget 1KiB", "the smallest plan of this model needs");
+  expect_one_line_error("--memory-budget lots", "--memory-budget lots");
+  expect_one_line_error("--memory-budget 0%", "--memory-budget 0%");
+  expect_one_line_error("--memory-budget 101%", "--memory-budget 101%");
+  expect_one_line_error("--memory-budget 3XB", "--memory-budget 3XB");
+  expect_one_line_error("--memory-budget 50% --checkpoint-policy full", "drop --checkpoint-policy");
+  expect_one_line_error("--sweep", "--plan-report");
+}
+
+// --memory-budget as a user runs it: every budget from the smallest plan's peak up trains with
+// none's gradients (dropout on), the measured peak is the planned one and within the budget; the
+// smallest plan (nested recompute) runs many more recompute launches than full.
+BOOST_AUTO_TEST_CASE(memory_budgets_train_with_nones_gradients) {
+  const std::string args = "--max-steps 1 --json --eval-samples 0 --dropout 0.1";
+  const Result base = train_gpt(args + " --checkpoint-policy none");
+  BOOST_TEST_REQUIRE(base.exit_code == 0, base.err);
+  const auto none_run = summary(base);
+  const Result tiny = train_gpt("--memory-budget 1MiB");
+  BOOST_TEST_REQUIRE(tiny.exit_code == 2);
+  const std::string needs = "needs ";
+  const auto at = tiny.err.find(needs);
+  BOOST_TEST_REQUIRE(at != std::string::npos, tiny.err);
+  const long long least = std::stoll(tiny.err.substr(at + needs.size()));
+  const long long most = none_run["planned_peak_bytes"].get<long long>();
+  BOOST_TEST(least < most / 2);
+  const Result full = train_gpt(args + " --checkpoint-policy full");
+  BOOST_TEST_REQUIRE(full.exit_code == 0, full.err);
+  for (const std::string &budget : {std::to_string(least), std::to_string((least + most) / 2), std::string("80%")}) {
+    const Result r = train_gpt(args + " --memory-budget " + budget);
+    BOOST_TEST_REQUIRE(r.exit_code == 0, r.err);
+    const auto j = summary(r);
+    BOOST_TEST(j["grad_digest"] == none_run["grad_digest"], budget);
+    BOOST_TEST(j["measured_peak_bytes"] == j["planned_peak_bytes"], budget);
+    const long long limit = budget.ends_with('%') ? most * 80 / 100 : std::stoll(budget);
+    BOOST_TEST(j["planned_peak_bytes"].get<long long>() <= limit, budget);
+    BOOST_TEST(j["step_heap_allocations"] == 0, budget);
+    if (budget == std::to_string(least))
+      BOOST_TEST(j["recompute_launches"].get<int>() > summary(full)["recompute_launches"].get<int>(), budget);
+  }
+  // one budget of the Llama-style model too
+  const Result llama_none = run(TRAIN_LLAMA, args + " --batch-size 4 --checkpoint-policy none");
+  const Result llama_budget = run(TRAIN_LLAMA, args + " --batch-size 4 --memory-budget 85%");
+  BOOST_TEST_REQUIRE(llama_none.exit_code == 0, llama_none.err);
+  BOOST_TEST_REQUIRE(llama_budget.exit_code == 0, llama_budget.err);
+  BOOST_TEST(summary(llama_budget)["grad_digest"] == summary(llama_none)["grad_digest"]);
+  BOOST_TEST(summary(llama_budget)["measured_peak_bytes"] == summary(llama_budget)["planned_peak_bytes"]);
+}
+
+// The plan report of a budget plan: each block's kernel calls, the predicted step time; --sweep
+// prints the budget table and writes its plot; --calibrate stores a cost table that a later run
+// reads.
+BOOST_AUTO_TEST_CASE(plan_report_shows_decisions_and_sweep) {
+  const std::string table = (scratch_dir() / "costs.json").string();
+  const Result r = train("--plan-report --sweep --memory-budget 95% --cost-table " + table);
+  BOOST_TEST_REQUIRE(r.exit_code == 0, r.err);
+  BOOST_TEST(r.out.find("kernel calls in schedule order") != std::string::npos, r.out);
+  BOOST_TEST(r.out.find("s1.b0 ") != std::string::npos, r.out);
+  BOOST_TEST(r.out.find("predicted forward + loss + backward") != std::string::npos, r.out);
+  BOOST_TEST(r.out.find("estimated from FLOPs and bytes") != std::string::npos, r.out);
+  BOOST_TEST(r.out.find("budget sweep") != std::string::npos, r.out);
+  BOOST_TEST(fs::exists("train-mlp-sweep.svg"));
+  const Result cal = train("--plan-report --memory-budget 95% --calibrate --batch-size 64 --cost-table " + table);
+  BOOST_TEST_REQUIRE(cal.exit_code == 0, cal.err);
+  BOOST_TEST(cal.out.find("calibrated") != std::string::npos, cal.out);
+  BOOST_TEST(fs::exists(table));
+  const auto stored = nlohmann::json::parse(slurp(table));
+  BOOST_TEST(stored.size() == 1u);
+  BOOST_TEST(stored.begin().value().contains("mlp/fp32/batch64/cpu"));
+  const Result later = train("--plan-report --memory-budget 95% --batch-size 64 --cost-table " + table);
+  BOOST_TEST_REQUIRE(later.exit_code == 0, later.err);
+  BOOST_TEST(later.out.find("costs measured on") != std::string::npos, later.out);
 }
 
 // Without a GPU, --device cuda is one line naming why (before anything is allocated); with one,

@@ -3,7 +3,10 @@
 // attention (6 query heads of 2 features, not a power of two, sharing 2 key / value heads) and a
 // SwiGLU gated MLP (linear(C, 2H) -> swiglu -> linear(H, C)); widths no multiple of 8 (12, 20,
 // 28, 14, 18); a second repeat stage of another kind (LayerNorm, GELU, dropout after the
-// activation and after the GEMM); an RMSNorm head without bias.
+// activation and after the GEMM); an RMSNorm head without bias. Both repeat stages carry their own
+// policy: the first's selective kernels keep only the outputs named "rotated" and "gate" (so
+// they rebuild the attention, both RMSNorms and the gate / up GEMM), the second is checkpointed
+// every 2 blocks and its selective kernels rebuild the LayerNorm output.
 export module zoo_gated;
 import remat.language;
 
@@ -14,11 +17,14 @@ inline constexpr int qkv_width = (heads + 2 * kv_heads) * (width / heads);
 inline constexpr remat::Model model = remat::checked<remat::make_model(
     remat::tokens(vocab, block_size), remat::token_embedding(vocab, width),
     remat::repeat(3, remat::chain(remat::residual(remat::rms_norm(), remat::linear(width, qkv_width, remat::no_bias),
-                                                  remat::rope(heads, kv_heads), remat::causal_self_attention(heads, kv_heads),
+                                                  remat::name("rotated", remat::rope(heads, kv_heads)),
+                                                  remat::causal_self_attention(heads, kv_heads),
                                                   remat::linear(width, width, remat::no_bias)),
                                   remat::residual(remat::rms_norm(), remat::linear(width, 2 * hidden, remat::no_bias),
-                                                  remat::swiglu(), remat::linear(hidden, width, remat::no_bias)))),
+                                                  remat::name("gate", remat::swiglu()), remat::linear(hidden, width, remat::no_bias))),
+                  remat::save_only_these_names("rotated", "gate")),
     remat::repeat(2, remat::residual(remat::layer_norm(), remat::linear(width, 18), remat::gelu(), remat::dropout(),
-                                     remat::linear(18, width), remat::dropout())),
+                                     remat::linear(18, width), remat::dropout()),
+                  remat::every_n_layers(2) | remat::recompute_modules(remat::norm)),
     remat::rms_norm(), remat::linear(width, vocab, remat::no_bias), remat::softmax_cross_entropy(vocab))>();
 }  // namespace zoo_gated

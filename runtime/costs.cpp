@@ -1,0 +1,152 @@
+// Kernel costs for the budget planner: the table --calibrate measures and later runs read (a JSON
+// file keyed by machine, then by model / precision / batch / device), and the step times of plans
+// measured on this machine (--plan-report --sweep --calibrate).
+module;
+#include "cuda_device.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+module remat.trainer;
+import remat;
+
+namespace remat::runtime {
+
+std::string machine_name(Device device) {
+  if (device == Device::cuda) {
+    const cuda::DeviceInfo d = cuda::probe();
+    return d.error.empty() ? "GPU " + d.name : "GPU ?";
+  }
+  std::ifstream in("/proc/cpuinfo");
+  for (std::string line; std::getline(in, line);)
+    if (line.starts_with("model name")) {
+      const auto colon = line.find(':');
+      if (colon != std::string::npos) return "CPU " + line.substr(line.find_first_not_of(' ', colon + 1));
+    }
+  return "CPU ?";
+}
+
+std::string default_cost_table() {
+  if (const char *cache = std::getenv("XDG_CACHE_HOME"); cache && *cache) return std::string(cache) + "/remat/costs.json";
+  if (const char *home = std::getenv("HOME"); home && *home) return std::string(home) + "/.cache/remat/costs.json";
+  return "remat-costs.json";
+}
+
+std::string cost_key(std::string_view model, Precision precision, int batch, Device device) {
+  return fmt::format("{}/{}/batch{}/{}", model, precision_name(precision), batch, device == Device::cuda ? "cuda" : "cpu");
+}
+
+namespace {
+nlohmann::json read_table(const std::string &path) {
+  std::ifstream in(path);
+  if (!in) return nlohmann::json::object();
+  try {
+    nlohmann::json j = nlohmann::json::parse(in);
+    if (!j.is_object()) throw InputError(fmt::format("cost table {}: not a JSON object", path));
+    return j;
+  } catch (const nlohmann::json::exception &e) {
+    throw InputError(fmt::format("cost table {}: {}", path, e.what()));
+  }
+}
+}  // namespace
+
+std::optional<CostModel> load_costs(const std::string &path, const std::string &machine, const std::string &key) {
+  const nlohmann::json table = read_table(path);
+  if (!table.contains(machine) || !table[machine].contains(key)) return std::nullopt;
+  CostModel costs;
+  try {
+    for (const auto &[kernel, seconds] : table[machine][key].items()) {
+      if (!seconds.is_number() || seconds.get<double>() < 0)
+        throw InputError(fmt::format("cost table {}: {} / {} / {} is not a number of seconds", path, machine, key, kernel));
+      costs.measured.push_back({Name(kernel.c_str()), seconds.get<double>()});
+    }
+  } catch (const nlohmann::json::exception &e) {
+    throw InputError(fmt::format("cost table {}: {}", path, e.what()));
+  }
+  return costs;
+}
+
+void save_costs(const std::string &path, const std::string &machine, const std::string &key, const CostModel &costs) {
+  nlohmann::json table = read_table(path);
+  nlohmann::json entry = nlohmann::json::object();
+  for (const KernelTime &k : costs.measured) entry[std::string(k.kernel.view())] = k.seconds;
+  table[machine][key] = entry;
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path().empty() ? "." : std::filesystem::path(path).parent_path());
+  write_atomically(path, "cost table", [&](std::ostream &out) { out << table.dump(2) << "\n"; });
+}
+
+namespace {
+// Runs `plan` on data from `data`: one untimed micro-batch, then `runs` timed ones (and as many
+// evaluations); returns the engine, whose executor holds the call times.
+std::unique_ptr<Engine> timed_engine(const Plan &plan, const ModelInfo &info, Device device, DataSource &data, int runs) {
+  auto engine = std::make_unique<Engine>(plan, info.name, device == Device::cuda ? info.cuda_kernels : info.kernels,
+                                         Engine::Options{.device = device});
+  engine->init_params(1);
+  engine->scalars.grad_scale = float(1.0 / double(plan.rows));
+  data.next_train_batch(engine->executor);
+  engine->train();
+  engine->evaluate();
+  engine->arena.synchronize();
+  engine->executor.time_calls = true;
+  for (int r = 0; r < runs; ++r) {
+    engine->train();
+    engine->evaluate();
+  }
+  engine->arena.synchronize();
+  return engine;
+}
+}  // namespace
+
+CostModel calibrate(const ModelInfo &info, Device device, Precision precision, int batch, DataSource &data) {
+  const Model &m = info.model;
+  const Gemms gemms = gemms_of(device, precision);
+  std::map<std::string, std::vector<double>> per_call;  // kernel key -> seconds of each call
+  // none, selective and full run every block kernel of the repeat stages; the evaluation runs
+  // every stage's forward_discard
+  for (const Policy &p : {none, selective, full}) {
+    const Plan plan = make_plan(m, p, batch, precision, gemms);
+    const int runs = 3;
+    const auto engine = timed_engine(plan, info, device, data, runs);
+    for (auto [phase, steps] : {std::pair{Executor::Phase::train, &plan.train}, {Executor::Phase::eval, &plan.eval}}) {
+      const std::vector<double> seconds = engine->executor.call_seconds(phase);
+      for (std::size_t i = 0; i < steps->size(); ++i) {
+        const Step &st = (*steps)[i];
+        per_call[std::string(kernel_name("", st.stage, st.variant, precision).view())].push_back(seconds[i] / runs);
+      }
+    }
+  }
+  CostModel costs;
+  for (auto &[kernel, calls] : per_call) {
+    std::ranges::sort(calls);
+    costs.measured.push_back({Name(kernel.c_str()), calls[calls.size() / 2]});
+  }
+  return costs;
+}
+
+double measured_step_ms(const Plan &plan, const ModelInfo &info, Device device, DataSource &data) {
+  auto engine = std::make_unique<Engine>(plan, info.name, device == Device::cuda ? info.cuda_kernels : info.kernels,
+                                         Engine::Options{.device = device});
+  engine->init_params(1);
+  engine->scalars.grad_scale = float(1.0 / double(plan.rows));
+  data.next_train_batch(engine->executor);
+  std::vector<double> ms;
+  for (int r = 0; r < 6; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    engine->train();
+    engine->arena.synchronize();
+    if (r > 0) ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::ranges::sort(ms);
+  return ms[ms.size() / 2];
+}
+
+}  // namespace remat::runtime
