@@ -142,6 +142,33 @@ void bench(const ModelInfo &info, int rounds) {
   fmt::print("\n");
 }
 
+// How long the dynamic program takes on a chain of 100 blocks (a 100-block residual MLP; no
+// kernels run), at budgets between its smallest plan's peak and none's.
+void solve_time() {
+  const Model deep = check(make_model(input(64), linear(64, 128),
+                                      repeat(100, residual(layer_norm(), linear(128, 512), gelu(), linear(512, 128))),
+                                      layer_norm(), linear(128, 10), softmax_cross_entropy()))
+                         .model;
+  const int batch = 256;
+  const Gemms gemms = Gemms::library;
+  const Chain chain = chain_of(deep, batch, Precision::fp32, gemms);
+  auto t0 = std::chrono::steady_clock::now();
+  const BudgetSolution least = least_memory(chain);
+  const double least_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  const long long none_peak = (long long)make_plan(deep, none, batch, Precision::fp32, gemms).peak_bytes;
+  fmt::print("solve time, a chain of {} blocks ({} units with stem, head and loss): least_memory {:.1f} ms (peak {} B; none {} B)\n",
+             deep.n_blocks(), chain.links.size(), least_ms, least.peak, none_peak);
+  for (int percent : {25, 50, 75}) {
+    const long long budget = least.peak + (none_peak - least.peak) * percent / 100;
+    t0 = std::chrono::steady_clock::now();
+    const BudgetSolution sol = fastest_within(chain, budget);
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    fmt::print("  budget {} B ({}% of the way to none): fastest_within {:.1f} ms, memory unit {} B ({} slots), feasible {}, "
+               "predicted {:.1f} ms\n", budget, percent, ms, sol.unit, (budget - chain.persistent) / sol.unit, sol.feasible,
+               sol.seconds * 1e3);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char **argv) try {
@@ -151,6 +178,7 @@ int main(int argc, char **argv) try {
     return 2;
   }
   fmt::print("bench-budget on {}\n", cpu());
+  solve_time();
   bench({.name = "gpt", .model = gpt::model, .default_policy = gpt::policy, .kernels = gpt_kernels::table,
          .data = text_corpus, .default_data_dir = "/usr/share/games/fortunes", .default_batch = gpt::default_batch},
         rounds);
