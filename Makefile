@@ -61,6 +61,7 @@ test: build
 
 bench: build
 	$(BUILD)/bin/bench-policies 20
+	$(BUILD)/bin/bench-budget 20
 	$(BUILD)/bin/bench-gemm 30
 	$(BUILD)/bin/bench-gpu
 

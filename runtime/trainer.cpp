@@ -373,6 +373,8 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     const Device device = o.device == "cuda" ? Device::cuda : Device::cpu;
     if (o.offload && device == Device::cpu)
       throw InputError("--offload: with --device cpu the checkpoints already live in host memory; there is nothing to offload");
+    if (o.offload && !o.memory_budget.empty())
+      throw InputError("--offload: the budget planner does not offload checkpoints (it keeps them in device memory)");
     for (Policy &p : policies.stage) p.offload = p.offload || o.offload;
     const int batch = o.batch_size ? o.batch_size : info.default_batch;
     const int micro = o.gradient_accumulation_steps;
