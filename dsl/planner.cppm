@@ -836,26 +836,46 @@ constexpr Chain chain_of(const Model &m, int batch, Precision precision, Gemms g
   return c;
 }
 
+// The live bytes of a decision's own steps in sub-problem (s, t), above what its caller holds (the
+// input of s and the gradient of t's output are counted): one place for the memory model that
+// evaluate, least_memory and fastest_within share.
+constexpr long long gradient_after(const Chain &c, int t) { return t < c.n() ? c.links[t + 1].dx : 0; }
+constexpr long long loss_peak(const Chain &c) { return c.links[c.n()].x + c.links[c.n()].dx; }
+constexpr long long recompute_peak(const Chain &c, int s, int t) {
+  const Link &l = c.links[s];
+  return l.x + gradient_after(c, t) + l.dx + l.backward_temp[2];
+}
+// keep (Keep k): its forward's step and its backward's step
+constexpr long long keep_peak(const Chain &c, int s, int t, int k) {
+  const Link &l = c.links[s];
+  const long long next = s < t ? c.links[s + 1].dx : gradient_after(c, t);
+  return std::max(l.x + gradient_after(c, t) + l.y + l.saved[k] + l.forward_temp[k],
+                  l.x + l.saved[k] + next + l.dx + l.backward_temp[k]);
+}
+// ... and what stays live beside its sub-problem (s + 1, t)
+constexpr long long keep_held(const Chain &c, int s, int k) { return c.links[s].x + c.links[s].saved[k]; }
+// checkpoint: forward_discard of unit j (s <= j) in its sweep
+constexpr long long sweep_peak(const Chain &c, int s, int t, int j) {
+  const Link &l = c.links[j];
+  return c.links[s].x + gradient_after(c, t) + (j > s ? l.x : 0) + l.y + l.forward_temp[2];
+}
+
 // The peak (live bytes above the persistent ones) and the seconds of sub-problem (s, t) run by
 // `st`, counted as the planner schedules it: a step's new tensors are live with everything live
 // before it, and die after it. Offloaded checkpoints are counted as kept.
 struct Outcome { long long peak = 0; double seconds = 0; };
 constexpr Outcome evaluate(const Chain &c, const Strategy &st, int s, int t) {
-  const std::vector<Link> &L = c.links;
-  const int n = c.n();
+  const Link &l = c.links[s];
   const Decision &d = st.at(s, t);
-  const long long xs = L[s].x, after = t < n ? L[t + 1].dx : 0;
   switch (d.op) {
-  case Decision::Op::loss: return {xs + L[n].dx, L[n].forward_time[0]};
-  case Decision::Op::recompute: return {xs + after + L[s].dx + L[s].backward_temp[2], L[s].backward_time[2]};
+  case Decision::Op::loss: return {loss_peak(c), l.forward_time[0]};
+  case Decision::Op::recompute: return {recompute_peak(c, s, t), l.backward_time[2]};
   case Decision::Op::keep: {
     const int k = int(d.keep);
-    const long long a = L[s].saved[k], next = s < t ? L[s + 1].dx : after;
-    Outcome o{std::max(xs + after + L[s].y + a + L[s].forward_temp[k], xs + a + next + L[s].dx + L[s].backward_temp[k]),
-              L[s].forward_time[k] + L[s].backward_time[k]};
+    Outcome o{keep_peak(c, s, t, k), l.forward_time[k] + l.backward_time[k]};
     if (s < t) {
       const Outcome rest = evaluate(c, st, s + 1, t);
-      o.peak = std::max(o.peak, xs + a + rest.peak);
+      o.peak = std::max(o.peak, keep_held(c, s, k) + rest.peak);
       o.seconds += rest.seconds;
     }
     return o;
@@ -863,11 +883,11 @@ constexpr Outcome evaluate(const Chain &c, const Strategy &st, int s, int t) {
   case Decision::Op::checkpoint: {
     Outcome o;
     for (int j = s; j < d.until; ++j) {
-      o.peak = std::max(o.peak, xs + after + (j > s ? L[j].x : 0) + L[j].y + L[j].forward_temp[2]);
-      o.seconds += L[j].forward_time[2];
+      o.peak = std::max(o.peak, sweep_peak(c, s, t, j));
+      o.seconds += c.links[j].forward_time[2];
     }
     const Outcome later = evaluate(c, st, d.until, t), again = evaluate(c, st, s, d.until - 1);
-    return {std::max({o.peak, xs + later.peak, again.peak}), o.seconds + later.seconds + again.seconds};
+    return {std::max({o.peak, l.x + later.peak, again.peak}), o.seconds + later.seconds + again.seconds};
   }
   case Decision::Op::unset: break;
   }
@@ -894,23 +914,20 @@ constexpr BudgetSolution least_memory(const Chain &c) {
   for (int len = 0; len <= n; ++len)
     for (int s = 0; s + len <= n; ++s) {
       const int t = s + len;
-      const long long xs = L[s].x, after = t < n ? L[t + 1].dx : 0;
       Outcome o{-1, 0};
       Decision pick;
       auto offer = [&](Outcome cand, Decision dec) {
         if (o.peak < 0 || cand.peak < o.peak || (cand.peak == o.peak && cand.seconds < o.seconds)) { o = cand; pick = dec; }
       };
       if (s == n) {
-        offer({xs + L[n].dx, L[n].forward_time[0]}, {Decision::Op::loss});
+        offer({loss_peak(c), L[n].forward_time[0]}, {Decision::Op::loss});
       } else {
-        if (s == t && L[s].can[2]) offer({xs + after + L[s].dx + L[s].backward_temp[2], L[s].backward_time[2]}, {Decision::Op::recompute});
+        if (s == t && L[s].can[2]) offer({recompute_peak(c, s, t), L[s].backward_time[2]}, {Decision::Op::recompute});
         for (int k = 0; k < 2; ++k) {
           if (!L[s].can[k]) continue;
-          const long long a = L[s].saved[k], next = s < t ? L[s + 1].dx : after;
-          Outcome cand{std::max(xs + after + L[s].y + a + L[s].forward_temp[k], xs + a + next + L[s].dx + L[s].backward_temp[k]),
-                       L[s].forward_time[k] + L[s].backward_time[k]};
+          Outcome cand{keep_peak(c, s, t, k), L[s].forward_time[k] + L[s].backward_time[k]};
           if (s < t) {
-            cand.peak = std::max(cand.peak, xs + a + at(s + 1, t).peak);
+            cand.peak = std::max(cand.peak, keep_held(c, s, k) + at(s + 1, t).peak);
             cand.seconds += at(s + 1, t).seconds;
           }
           offer(cand, {Decision::Op::keep, Keep(k)});
@@ -918,12 +935,10 @@ constexpr BudgetSolution least_memory(const Chain &c) {
         long long sweep = 0;
         double sweep_time = 0;
         for (int u = s + 1; u <= t; ++u) {
-          const int j = u - 1;
-          sweep = std::max(sweep, xs + after + (j > s ? L[j].x : 0) + L[j].y + L[j].forward_temp[2]);
-          sweep_time += L[j].forward_time[2];
+          sweep = std::max(sweep, sweep_peak(c, s, t, u - 1));
+          sweep_time += L[u - 1].forward_time[2];
           const Outcome later = at(u, t), again = at(s, u - 1);
-          if (later.peak < 0 || again.peak < 0) continue;
-          offer({std::max({sweep, xs + later.peak, again.peak}), sweep_time + later.seconds + again.seconds},
+          offer({std::max({sweep, L[s].x + later.peak, again.peak}), sweep_time + later.seconds + again.seconds},
                 {Decision::Op::checkpoint, Keep::all, u});
         }
       }
@@ -974,7 +989,14 @@ constexpr BudgetSolution fastest_within(const Chain &c, long long budget) {
   long long unit = g;
   if (avail / unit > max_slots) unit = (avail + max_slots - 1) / max_slots;
   const int M = int(avail / unit);
-  auto slot = [&](long long bytes) { return (bytes + unit - 1) / unit; };
+  // the chain in memory units, each size rounded up
+  Chain u = c;
+  for (Link &l : u.links) {
+    for (long long *v : {&l.x, &l.y, &l.dx}) *v = (*v + unit - 1) / unit;
+    for (int k = 0; k < 3; ++k)
+      for (long long *v : {&l.saved[k], &l.forward_temp[k], &l.backward_temp[k]}) *v = (*v + unit - 1) / unit;
+  }
+  const std::vector<Link> &U = u.links;
   const double inf = 1e300;
   const std::size_t width = std::size_t(M) + 1;
   std::vector<double> cost;
@@ -989,47 +1011,41 @@ constexpr BudgetSolution fastest_within(const Chain &c, long long budget) {
   for (int len = 0; len <= n; ++len)
     for (int s = 0; s + len <= n; ++s) {
       const int t = s + len;
-      const long long xs = slot(L[s].x), after = t < n ? slot(L[t + 1].dx) : 0;
-      // per keep: the peaks of its own two steps, what its sub-problem is left with, its time
-      long long keep_steps[2]{}, keep_held[2]{};
+      long long keep_steps[2]{}, held[2]{};
       double keep_time[2]{};
       for (int k = 0; k < 2; ++k) {
-        const long long a = slot(L[s].saved[k]), next = s < t ? slot(L[s + 1].dx) : after;
-        keep_steps[k] = std::max(xs + after + slot(L[s].y) + a + slot(L[s].forward_temp[k]),
-                                 xs + a + next + slot(L[s].dx) + slot(L[s].backward_temp[k]));
-        keep_held[k] = xs + a;
+        keep_steps[k] = keep_peak(u, s, t, k);
+        held[k] = keep_held(u, s, k);
         keep_time[k] = L[s].forward_time[k] + L[s].backward_time[k];
       }
-      // per checkpoint until u: the forward sweep's peak and time
+      // per checkpoint until v: the forward sweep's peak and time
       std::vector<long long> sweep;
       std::vector<double> sweep_time;
-      for (int u = s + 1, j = s; u <= t; ++u, ++j) {
-        const long long here = xs + after + (j > s ? slot(L[j].x) : 0) + slot(L[j].y) + slot(L[j].forward_temp[2]);
-        sweep.push_back(std::max(sweep.empty() ? 0 : sweep.back(), here));
-        sweep_time.push_back((sweep_time.empty() ? 0 : sweep_time.back()) + L[j].forward_time[2]);
+      for (int v = s + 1; v <= t; ++v) {
+        sweep.push_back(std::max(sweep.empty() ? 0 : sweep.back(), sweep_peak(u, s, t, v - 1)));
+        sweep_time.push_back((sweep_time.empty() ? 0 : sweep_time.back()) + L[v - 1].forward_time[2]);
       }
-      const long long recompute_peak = xs + after + slot(L[s].dx) + slot(L[s].backward_temp[2]);
+      const long long own_recompute = s < n ? recompute_peak(u, s, t) : 0, own_loss = loss_peak(u);
       for (long long m = 0; m <= M; ++m) {
         double best = inf;
         int pick = -1;
         if (s == n) {
-          if (xs + slot(L[n].dx) <= m) { best = L[n].forward_time[0]; pick = 3; }
+          if (own_loss <= m) { best = L[n].forward_time[0]; pick = 3; }
         } else {
-          if (s == t && L[s].can[2] && recompute_peak <= m) { best = L[s].backward_time[2]; pick = 2; }
+          if (s == t && L[s].can[2] && own_recompute <= m) { best = L[s].backward_time[2]; pick = 2; }
           for (int k = 0; k < 2; ++k) {
             if (!L[s].can[k] || keep_steps[k] > m) continue;
             double cand = keep_time[k];
             if (s < t) {
-              const long long left = m - keep_held[k];
-              if (left < 0) continue;
-              cand += cost[idx(s + 1, t, left)];
+              if (m - held[k] < 0) continue;
+              cand += cost[idx(s + 1, t, m - held[k])];
             }
             if (cand < best) { best = cand; pick = k; }
           }
-          for (int u = s + 1; u <= t; ++u) {
-            if (sweep[u - s - 1] > m || m - xs < 0) continue;
-            const double cand = sweep_time[u - s - 1] + cost[idx(u, t, m - xs)] + cost[idx(s, u - 1, m)];
-            if (cand < best) { best = cand; pick = 4 + u; }
+          for (int v = s + 1; v <= t; ++v) {
+            if (sweep[v - s - 1] > m || m - U[s].x < 0) continue;
+            const double cand = sweep_time[v - s - 1] + cost[idx(v, t, m - U[s].x)] + cost[idx(s, v - 1, m)];
+            if (cand < best) { best = cand; pick = 4 + v; }
           }
         }
         cost[idx(s, t, m)] = best;
@@ -1044,12 +1060,12 @@ constexpr BudgetSolution fastest_within(const Chain &c, long long budget) {
     else if (pick == 2) st.at(s, t) = {Decision::Op::recompute};
     else if (pick < 2) {
       st.at(s, t) = {Decision::Op::keep, Keep(pick)};
-      if (s < t) self(self, s + 1, t, m - slot(L[s].x) - slot(L[s].saved[pick]));
+      if (s < t) self(self, s + 1, t, m - keep_held(u, s, pick));
     } else {
-      const int u = pick - 4;
-      st.at(s, t) = {Decision::Op::checkpoint, Keep::all, u};
-      self(self, u, t, m - slot(L[s].x));
-      self(self, s, u - 1, m);
+      const int v = pick - 4;
+      st.at(s, t) = {Decision::Op::checkpoint, Keep::all, v};
+      self(self, v, t, m - U[s].x);
+      self(self, s, v - 1, m);
     }
   };
   rebuild(rebuild, 0, n, M);
