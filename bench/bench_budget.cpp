@@ -69,10 +69,7 @@ void bench(const ModelInfo &info, int rounds) {
     if (!c) {
       c = std::make_unique<Candidate>();
       c->name = name;
-      c->engine = std::make_unique<Engine>(std::move(plan), info.name, info.kernels);
-      c->engine->init_params(1);
-      c->engine->scalars.grad_scale = float(1.0 / double(c->engine->plan.rows));
-      data->next_train_batch(c->engine->executor);
+      c->engine = engine_for_timing(std::move(plan), info, Device::cpu, *data);
     }
     return *c;
   };
@@ -131,13 +128,7 @@ void bench(const ModelInfo &info, int rounds) {
   for (const Row &row : rows) {
     fmt::print("budget {}% plan, kernel calls per block:\n", row.percent);
     const Plan &plan = engines.at(row.budget_name)->engine->plan;
-    for (const Unit &u : units_of(m)) {
-      std::string calls;
-      for (const Step &st : plan.train)
-        if (st.stage == u.stage && st.block == u.block && st.variant != Variant::loss)
-          calls += fmt::format("{}{}{}", calls.empty() ? "" : ", ", variant_name(st.variant), st.recompute ? "*" : "");
-      fmt::print("  s{}.b{}: {}\n", u.stage, u.block, calls);
-    }
+    for (const Unit &u : units_of(m)) fmt::print("  s{}.b{}: {}\n", u.stage, u.block, block_calls(plan, u));
   }
   fmt::print("\n");
 }

@@ -945,20 +945,8 @@ constexpr BudgetSolution least_memory(const Chain &c) {
       at(s, t) = o;
       st.at(s, t) = pick;
     }
-  // keep only the decisions the tree reaches (the table holds every sub-problem's)
-  Strategy used(n);
-  auto copy = [&](auto &self, int s, int t) -> void {
-    const Decision d = st.at(s, t);
-    used.at(s, t) = d;
-    if (d.op == Decision::Op::keep && s < t) self(self, s + 1, t);
-    if (d.op == Decision::Op::checkpoint) {
-      self(self, d.until, t);
-      self(self, s, d.until - 1);
-    }
-  };
-  copy(copy, 0, n);
   const Outcome top = at(0, n);
-  return {used, true, c.persistent + top.peak, top.seconds, 1};
+  return {st, true, c.persistent + top.peak, top.seconds, 1};  // (decisions of unreached sub-problems are never read)
 }
 
 constexpr long long gcd(long long a, long long b) {

@@ -84,15 +84,28 @@ void save_costs(const std::string &path, const std::string &machine, const std::
   write_atomically(path, "cost table", [&](std::ostream &out) { out << table.dump(2) << "\n"; });
 }
 
+std::unique_ptr<Engine> engine_for_timing(Plan plan, const ModelInfo &info, Device device, DataSource &data) {
+  auto engine = std::make_unique<Engine>(std::move(plan), info.name, device == Device::cuda ? info.cuda_kernels : info.kernels,
+                                         Engine::Options{.device = device});
+  engine->init_params(1);
+  engine->scalars.grad_scale = float(1.0 / double(engine->plan.rows));
+  data.next_train_batch(engine->executor);
+  return engine;
+}
+
+std::string block_calls(const Plan &plan, const Unit &unit) {
+  std::string calls;
+  for (const Step &st : plan.train)
+    if (st.stage == unit.stage && st.block == unit.block && st.variant != Variant::loss && st.variant != Variant::adamw)
+      calls += fmt::format("{}{}{}", calls.empty() ? "" : ", ", variant_name(st.variant), st.recompute ? "*" : "");
+  return calls;
+}
+
 namespace {
 // Runs `plan` on data from `data`: one untimed micro-batch, then `runs` timed ones (and as many
 // evaluations); returns the engine, whose executor holds the call times.
 std::unique_ptr<Engine> timed_engine(const Plan &plan, const ModelInfo &info, Device device, DataSource &data, int runs) {
-  auto engine = std::make_unique<Engine>(plan, info.name, device == Device::cuda ? info.cuda_kernels : info.kernels,
-                                         Engine::Options{.device = device});
-  engine->init_params(1);
-  engine->scalars.grad_scale = float(1.0 / double(plan.rows));
-  data.next_train_batch(engine->executor);
+  auto engine = engine_for_timing(plan, info, device, data);
   engine->train();
   engine->evaluate();
   engine->arena.synchronize();
@@ -133,11 +146,7 @@ CostModel calibrate(const ModelInfo &info, Device device, Precision precision, i
 }
 
 double measured_step_ms(const Plan &plan, const ModelInfo &info, Device device, DataSource &data) {
-  auto engine = std::make_unique<Engine>(plan, info.name, device == Device::cuda ? info.cuda_kernels : info.kernels,
-                                         Engine::Options{.device = device});
-  engine->init_params(1);
-  engine->scalars.grad_scale = float(1.0 / double(plan.rows));
-  data.next_train_batch(engine->executor);
+  auto engine = engine_for_timing(plan, info, device, data);
   std::vector<double> ms;
   for (int r = 0; r < 6; ++r) {
     const auto t0 = std::chrono::steady_clock::now();

@@ -113,6 +113,11 @@ void save_costs(const std::string &path, const std::string &machine, const std::
 // Times every kernel of the model (the plans of none, selective and full, and evaluation) on
 // batches from `data`: the median call of each kernel.
 CostModel calibrate(const ModelInfo &info, Device device, Precision precision, int batch, DataSource &data);
+// An engine for `plan` ready to time: parameters initialized (seed 1), a batch from `data` loaded.
+std::unique_ptr<Engine> engine_for_timing(Plan plan, const ModelInfo &info, Device device, DataSource &data);
+// What each block's kernels do in `plan`: "forward_discard, forward_save*, backward_saved" (in
+// schedule order; * marks a call that recomputes forward work).
+std::string block_calls(const Plan &plan, const Unit &unit);
 // The median time of a micro-batch (forward, loss, backward) of `plan` here.
 double measured_step_ms(const Plan &plan, const ModelInfo &info, Device device, DataSource &data);
 

@@ -190,13 +190,7 @@ void print_plan_report(std::FILE *out, const Model &model, const Plan &plan, con
              plan.batch, plan.rows);
   // each block's kernel calls in schedule order; * marks a call that recomputes forward work
   fmt::print(out, "{:<8} {}\n", "block", "kernel calls in schedule order (* recomputes forward work)");
-  for (const Unit &u : units_of(model)) {
-    std::string calls;
-    for (const Step &st : plan.train)
-      if (st.stage == u.stage && st.block == u.block && st.variant != Variant::loss && st.variant != Variant::adamw)
-        calls += fmt::format("{}{}{}", calls.empty() ? "" : ", ", variant_name(st.variant), st.recompute ? "*" : "");
-    fmt::print(out, "s{}.b{:<4} {}\n", u.stage, u.block, calls);
-  }
+  for (const Unit &u : units_of(model)) fmt::print(out, "s{}.b{:<4} {}\n", u.stage, u.block, block_calls(plan, u));
   fmt::print(out, "saved for backward:\n");
   fmt::print(out, "{:<8} {:<22} {:>16} {:>12}  {}\n", "block", "tensor", "shape", "bytes", "why");
   std::size_t total = 0;
