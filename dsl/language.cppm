@@ -9,6 +9,7 @@ module;
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <string_view>
 #include <vector>
 export module remat.language;
@@ -320,10 +321,18 @@ struct Selection {
   std::array<Tag, max_policy_names> names{};
   int n_names = 0;
   std::uint8_t modules = 0;  // bit 1 << Module
-  constexpr bool names_tag(const Tag &t) const {
+  // names: bit i set: names[i] is kept in pinned host memory between the forward that makes it and
+  // the backward that reads it (copied out after the forward, brought back one step ahead).
+  std::uint8_t offloaded = 0;
+  constexpr int index_of(const Tag &t) const {
     for (int i = 0; i < n_names; ++i)
-      if (t.size() > 0 && names[i] == t) return true;
-    return false;
+      if (t.size() > 0 && names[i] == t) return i;
+    return -1;
+  }
+  constexpr bool names_tag(const Tag &t) const { return index_of(t) >= 0; }
+  constexpr bool offloads_tag(const Tag &t) const {
+    const int i = index_of(t);
+    return i >= 0 && ((offloaded >> i) & 1u);
   }
   constexpr bool operator==(const Selection &) const = default;
 };
@@ -382,6 +391,23 @@ template <class... Names> constexpr Policy save_only_these_names(Names... names)
   ((p.selection.names[p.selection.n_names++] = Tag(names)), ...);
   return p;
 }
+// Selective blocks keep the outputs of the layers named in `saved` in device memory and those named
+// in `offloaded` in pinned host memory until their backward; every other internal is rebuilt (JAX's
+// save_and_offload_only_these_names). Offloading is for CUDA; the CPU runs the same plan with copies.
+constexpr Policy save_and_offload_only_these_names(std::initializer_list<const char *> saved,
+                                                   std::initializer_list<const char *> offloaded) {
+  if (saved.size() + offloaded.size() > std::size_t(max_policy_names))
+    throw "remat: save_and_offload_only_these_names takes at most 6 names";
+  if (offloaded.size() == 0) throw "remat: save_and_offload_only_these_names needs a name to offload";
+  Policy p{.selective = true};
+  p.selection.rule = Selection::Rule::names;
+  for (const char *n : saved) p.selection.names[p.selection.n_names++] = Tag(n);
+  for (const char *n : offloaded) {
+    p.selection.offloaded |= std::uint8_t(1u << p.selection.n_names);
+    p.selection.names[p.selection.n_names++] = Tag(n);
+  }
+  return p;
+}
 // Selective blocks rebuild the outputs of these modules and keep the rest (Megatron's
 // recompute_modules: core_attn, layernorm -> norm, mlp's activation -> activation).
 template <class... Modules> constexpr Policy recompute_modules(Modules... modules) {
@@ -433,7 +459,13 @@ constexpr Message policy_name(const Policy &p) {
     const Selection &s = p.selection;
     if (s.rule == Selection::Rule::names) {
       out.append("(save:");
-      for (int i = 0; i < s.n_names; ++i) out.append(i ? "," : "").append(s.names[i]);
+      for (int i = 0, first = 1; i < s.n_names; ++i)
+        if (!((s.offloaded >> i) & 1u)) { out.append(first ? "" : ",").append(s.names[i]); first = 0; }
+      if (s.offloaded) {
+        out.append(";offload:");
+        for (int i = 0, first = 1; i < s.n_names; ++i)
+          if ((s.offloaded >> i) & 1u) { out.append(first ? "" : ",").append(s.names[i]); first = 0; }
+      }
       out.append(")");
     } else if (s.rule == Selection::Rule::modules) {
       constexpr std::string_view names[] = {"none", "core_attn", "activation", "norm", "projection", "rope"};
@@ -670,15 +702,17 @@ constexpr Checked check(Model m) {
       const Policy &p = b.policy;
       if (p.kind == Policy::Kind::budget)
         return fail(cat<Message>("stage ", s, ": a memory budget is the whole model's policy, not a stage's"));
+      const std::string_view rule = p.selection.offloaded ? "save_and_offload_only_these_names" : "save_only_these_names";
       for (int i = 0; i < p.selection.n_names; ++i) {
         const Tag &t = p.selection.names[i];
+        const std::string_view what = (p.selection.offloaded >> i) & 1u ? "offload" : "save";
         int k = 0;
         while (k < b.n_layers && !(b.layers[k].tag == t)) ++k;
         if (k == b.n_layers)
-          return fail(cat<Message>("stage ", s, ": save_only_these_names(\"", t, "\"): no layer of the block is named so"));
+          return fail(cat<Message>("stage ", s, ": ", rule, "(\"", t, "\"): no layer of the block is named so"));
         if (!read_by_backward(b, k))
-          return fail(cat<Message>("stage ", s, ": save_only_these_names(\"", t, "\"): the output of layer ", k, " (",
-                                   op_name(b.layers[k].op), ") is not read by backward; there is nothing to save"));
+          return fail(cat<Message>("stage ", s, ": ", rule, "(\"", t, "\"): the output of layer ", k, " (",
+                                   op_name(b.layers[k].op), ") is not read by backward; there is nothing to ", what));
       }
     }
     if (b.repeat > 1 && width != block_in)

@@ -249,11 +249,12 @@ struct Step {
   std::vector<Arg> args;
   std::vector<int> alloc;  // tensors that become live before the kernel runs
   std::vector<int> free;   // tensors that die after it
-  // Offload (Policy::offload): transfers between arena tensors and the pinned host buffer, on a
-  // copy stream ordered by events. Before the kernel: wait for the copy-out of `await_out` (their
-  // memory is about to be reused), start bringing back each `fetch` pair {host copy of tensor a,
-  // into tensor b} (b is in `alloc`), and wait for the arrival of `await_in`. After it: copy each
-  // `offload` tensor out.
+  // Offload (checkpoints, named internals): transfers between arena tensors and the pinned host
+  // buffer, on a copy stream ordered by events. Before the kernel: wait for the copy-out of
+  // `await_out` (their memory is about to be reused), start copying each `offload` tensor out
+  // (written by an earlier step; it dies after this one), start bringing back each `fetch` pair
+  // {host copy of tensor a, into tensor b} (b is in `alloc`), and wait for the arrival of
+  // `await_in`.
   std::vector<int> await_out, await_in, offload;
   std::vector<std::pair<int, int>> fetch;
 };
@@ -489,10 +490,12 @@ struct Builder {
       // written, and read back when accumulating (in place)
       case ArgRole::gradient: return grad_args[u.stage][u.block][a.access == Access::read ? n_prev++ : n_grads++];
       case ArgRole::input_grad: return dx = live(st, local(st, Role::gradient, a));
-      case ArgRole::saved:
+      case ArgRole::saved: {
         if (n_saved == int(kept.size())) return -1;
-        st.free.push_back(kept[n_saved]);
-        return kept[n_saved++];
+        const int t = bring_back(kept[n_saved++]);
+        st.free.push_back(t);
+        return t;
+      }
       case ArgRole::scratch: return live(st, local(st, Role::recomputed, a), true);
       case ArgRole::workspace: return live(st, local(st, Role::scratch, a), true);
       default: return -1;
@@ -525,39 +528,48 @@ struct Builder {
   }
 
   // ---- offload ----
-  // A checkpoint x read by the forward of the last step: copied out after it; its arena memory
-  // is freed one step later (the copy overlaps that step), and the step after waits for the copy
-  // before anything can reuse the memory.
-  std::vector<std::pair<int, int>> offloaded{};  // {tensor, train step that copied it out}
-  constexpr void offload_after(int x) {
-    const int at = int(plan.train.size()) - 1;
-    plan.train[at].offload.push_back(x);
-    plan.tensors[x].host_offset = plan.offload_bytes;
-    plan.offload_bytes += align_up(plan.tensors[x].bytes());
-    offloaded.push_back({x, at});
-  }
-  constexpr int offloaded_at(int x) const {
-    for (auto [t, at] : offloaded)
-      if (t == x) return at;
-    return -1;
-  }
-  // Called when the backward schedule reaches the first step that reads x: a restored copy is
-  // allocated one step earlier (the fetch overlaps that step) and awaited by the reader.
+  // A tensor x (a checkpoint, or an internal its stage's policy names for offload) is copied out
+  // before the kernel of step `at` (a checkpoint: the forward that reads it; an internal: the step
+  // after the forward that made it), so that the copy overlaps that step; x dies after it, and
+  // the next step waits for the copy before anything can reuse the memory.
+  std::vector<std::pair<int, int>> offloaded{};  // {tensor, step at}
+  constexpr void offload(int x, int at) { offloaded.push_back({x, at}); }
+  // Called when the schedule reaches the step that reads x next (about to be pushed): a restored
+  // copy is allocated one step earlier (the fetch overlaps that step) and awaited by the reader.
+  // Where no step would lie between x's death and the restored copy's allocation, offloading
+  // would save nothing: x stays in the arena and is returned itself.
   std::vector<std::pair<int, int>> restored{};  // {restored tensor, original}
   constexpr int bring_back(int x) {
-    Tensor copy = plan.tensors[x];
-    copy.role = Role::block_input;
-    const int r = add(copy);
+    const auto it = std::find_if(offloaded.begin(), offloaded.end(), [&](auto o) { return o.first == x; });
+    if (it == offloaded.end()) return x;
+    if (int(plan.train.size()) < it->second + 3) {
+      offloaded.erase(it);
+      return x;
+    }
+    const int r = add(plan.tensors[x]);
     restored.push_back({r, x});
     return r;
   }
-  // After the schedule is built: place the frees, waits and fetches described above.
+  // Offloads the internals of a forward that keeps them selectively and whose stage's policy names
+  // them for offload (save_and_offload_only_these_names).
+  constexpr void offload_named(const Unit &u, Keep keep, const std::vector<int> &kept) {
+    if (keep != Keep::selective) return;
+    const Selection &named = policies.stage[u.stage].selection;
+    for (int t : kept) {
+      const int layer = plan.tensors[t].layer;
+      if (layer >= 0 && named.offloads_tag(m.stages[u.stage].layers[layer].tag)) offload(t, int(plan.train.size()));
+    }
+  }
+  // After the schedule is built: place the frees, waits and fetches described above, and the
+  // host copies in the pinned buffer.
   constexpr void schedule_transfers() {
     auto &train = plan.train;
     for (auto [x, at] : offloaded) {
-      const int release = std::min(at + 1, int(train.size()) - 1);
-      train[release].free.push_back(x);
-      if (release + 1 < int(train.size())) train[release + 1].await_out.push_back(x);
+      train[at].offload.push_back(x);
+      train[at].free.push_back(x);
+      if (at + 1 < int(train.size())) train[at + 1].await_out.push_back(x);
+      plan.tensors[x].host_offset = plan.offload_bytes;
+      plan.offload_bytes += align_up(plan.tensors[x].bytes());
     }
     for (auto [r, x] : restored) {
       int reader = -1;
@@ -606,6 +618,7 @@ struct Builder {
     case Decision::Op::keep: {
       std::vector<int> kept;
       const int y = forward_call(units[s], x, d.keep, again, &kept);
+      offload_named(units[s], d.keep, kept);
       int dy_s = dy;
       if (s < t) dy_s = solve(s + 1, t, y, dy, again);
       else train.back().free.push_back(y);  // the gradient of its output is given: y has no reader
@@ -620,12 +633,11 @@ struct Builder {
       for (int j = s; j < d.until; ++j) {
         const int y = forward_call(units[j], z, Keep::nothing, again, nullptr);
         if (j > s) free_activation(train.back(), z);
-        else if (d.offload && plan.tensors[x].role != Role::data) offload_after(x);
+        else if (d.offload && plan.tensors[x].role != Role::data) offload(x, int(train.size()) - 1);
         z = y;
       }
       const int d_until = solve(d.until, t, z, dy, again);
-      const int back = offloaded_at(x) >= 0 ? bring_back(x) : x;
-      return solve(s, d.until - 1, back, d_until, true);
+      return solve(s, d.until - 1, bring_back(x), d_until, true);
     }
     case Decision::Op::unset: break;
     }
@@ -758,6 +770,9 @@ struct CostModel {
   double flop_rate = 5e10;  // flop/s
   double byte_rate = 1e10;  // bytes/s of arguments read and written
   double launch = 5e-6;     // seconds per call
+  // bytes/s each way between device memory and pinned host memory; 0: checkpoints are not
+  // offloaded (the CPU, whose arena is host memory already)
+  double transfer_rate = 0;
   std::vector<KernelTime> measured{};
   constexpr double seconds(const Name &kernel, double flops, double bytes) const {
     for (const KernelTime &k : measured)
@@ -778,6 +793,7 @@ struct Link {
   std::array<long long, 3> backward_temp{};  // a backward's ([nothing]: the fused recompute's)
   std::array<double, 3> forward_time{}, backward_time{};  // loss: forward_time[0]
   std::array<bool, 3> can{};  // keep all, keep selective, recompute: whether the kernels exist
+  double offload_time = -1;   // seconds to copy its input out and back (< 0: not offloaded)
 };
 struct Chain {
   std::vector<Link> links;  // the units, then the loss
@@ -810,6 +826,7 @@ constexpr Chain chain_of(const Model &m, int batch, Precision precision, Gemms g
     Link l;
     l.stage = u.stage;
     l.x = c.links.empty() ? 0 : c.links.back().y;
+    if (costs.transfer_rate > 0 && l.x > 0) l.offload_time = 2.0 * double(l.x) / costs.transfer_rate;
     for (Keep keep : {Keep::all, Keep::selective, Keep::nothing}) {
       const int k = int(keep);
       l.can[k] = has_kernel(m, u.stage, backward_variant(keep));
@@ -852,6 +869,13 @@ constexpr long long keep_peak(const Chain &c, int s, int t, int k) {
   return std::max(l.x + gradient_after(c, t) + l.y + l.saved[k] + l.forward_temp[k],
                   l.x + l.saved[k] + next + l.dx + l.backward_temp[k]);
 }
+// the last step of a sub-problem whose first unit s ends with backward k (keep all, keep selective,
+// recompute) or, for s == n, with the loss: what an offloaded checkpoint's fetch overlaps
+constexpr long long last_peak(const Chain &c, int s, int k) {
+  if (s == c.n()) return loss_peak(c);
+  const Link &l = c.links[s];
+  return k == 2 ? recompute_peak(c, s, s) : l.x + l.saved[k] + c.links[s + 1].dx + l.dx + l.backward_temp[k];
+}
 // ... and what stays live beside its sub-problem (s + 1, t)
 constexpr long long keep_held(const Chain &c, int s, int k) { return c.links[s].x + c.links[s].saved[k]; }
 // checkpoint: forward_discard of unit j (s <= j) in its sweep
@@ -860,34 +884,49 @@ constexpr long long sweep_peak(const Chain &c, int s, int t, int j) {
   return c.links[s].x + gradient_after(c, t) + (j > s ? l.x : 0) + l.y + l.forward_temp[2];
 }
 
+// An offloaded checkpoint (the input of s, copied out beside the forward of s, fetched beside the
+// last step of sub-problem (v, t)) saves memory only if some step lies between the two: the
+// sweep s..v-1 and (v, t) take at least three steps. `steps_after` counts (v, t)'s, up to 3.
+constexpr bool offload_helps(int s, int v, int steps_after) { return (v - s) + steps_after >= 3; }
+
 // The peak (live bytes above the persistent ones) and the seconds of sub-problem (s, t) run by
 // `st`, counted as the planner schedules it: a step's new tensors are live with everything live
-// before it, and die after it. Offloaded checkpoints are counted as kept.
-struct Outcome { long long peak = 0; double seconds = 0; };
+// before it, and die after it. Also the live bytes of its last step and its steps (up to 3).
+struct Outcome {
+  long long peak = 0;
+  double seconds = 0;
+  long long last = 0;
+  int steps = 0;
+};
 constexpr Outcome evaluate(const Chain &c, const Strategy &st, int s, int t) {
   const Link &l = c.links[s];
   const Decision &d = st.at(s, t);
   switch (d.op) {
-  case Decision::Op::loss: return {loss_peak(c), l.forward_time[0]};
-  case Decision::Op::recompute: return {recompute_peak(c, s, t), l.backward_time[2]};
+  case Decision::Op::loss: return {loss_peak(c), l.forward_time[0], loss_peak(c), 1};
+  case Decision::Op::recompute: return {recompute_peak(c, s, t), l.backward_time[2], recompute_peak(c, s, t), 1};
   case Decision::Op::keep: {
     const int k = int(d.keep);
-    Outcome o{keep_peak(c, s, t, k), l.forward_time[k] + l.backward_time[k]};
+    Outcome o{keep_peak(c, s, t, k), l.forward_time[k] + l.backward_time[k], last_peak(c, s, k), 2};
     if (s < t) {
       const Outcome rest = evaluate(c, st, s + 1, t);
       o.peak = std::max(o.peak, keep_held(c, s, k) + rest.peak);
       o.seconds += rest.seconds;
+      o.steps = 3;
     }
     return o;
   }
   case Decision::Op::checkpoint: {
-    Outcome o;
+    const Outcome later = evaluate(c, st, d.until, t), again = evaluate(c, st, s, d.until - 1);
+    const bool offloaded = d.offload && l.x > 0 && offload_helps(s, d.until, later.steps);
+    Outcome o{0, 0, again.last, 3};
     for (int j = s; j < d.until; ++j) {
-      o.peak = std::max(o.peak, sweep_peak(c, s, t, j));
+      o.peak = std::max(o.peak, sweep_peak(c, s, t, j) - (offloaded && j > s ? l.x : 0));
       o.seconds += c.links[j].forward_time[2];
     }
-    const Outcome later = evaluate(c, st, d.until, t), again = evaluate(c, st, s, d.until - 1);
-    return {std::max({o.peak, l.x + later.peak, again.peak}), o.seconds + later.seconds + again.seconds};
+    const long long during = offloaded ? std::max(later.peak, later.last + l.x) : l.x + later.peak;
+    o.peak = std::max({o.peak, during, again.peak});
+    o.seconds += later.seconds + again.seconds + (offloaded ? std::max(l.offload_time, 0.0) : 0);
+    return o;
   }
   case Decision::Op::unset: break;
   }
@@ -958,6 +997,10 @@ constexpr long long gcd(long long a, long long b) {
 // al. over sub-problems (s, t) and the memory left m, in units of the greatest common divisor of
 // the chain's sizes (exact) or, where that makes the table too large for the chain's length, of
 // budget / max_slots (sizes rounded up: the plans found fit, a few near the budget may be missed).
+// Where the chain's links can be offloaded (a transfer rate in the costs), a checkpoint may wait in
+// host memory: then the sub-problem after it runs without it but for its last step (the fetch),
+// so the table keeps, per (s, t, m), the best time for each way unit s's last backward runs
+// (keep all, keep selective, recompute; the loss for s = n): that step's bytes are known.
 constexpr BudgetSolution fastest_within(const Chain &c, long long budget) {
   const int n = c.n();
   const std::vector<Link> &L = c.links;
@@ -972,7 +1015,7 @@ constexpr BudgetSolution fastest_within(const Chain &c, long long budget) {
       for (long long v : {l.saved[k], l.forward_temp[k], l.backward_temp[k]}) g = gcd(g, v);
   }
   if (g == 0) g = 1;
-  const double work = double(n + 1) * (n + 1) * (n + 3) / 6.0;
+  const double work = 3.0 * double(n + 1) * (n + 1) * (n + 3) / 6.0;
   const long long max_slots = std::clamp((long long)(2e7 / work), 32LL, 4096LL);
   long long unit = g;
   if (avail / unit > max_slots) unit = (avail + max_slots - 1) / max_slots;
@@ -986,16 +1029,31 @@ constexpr BudgetSolution fastest_within(const Chain &c, long long budget) {
   }
   const std::vector<Link> &U = u.links;
   const double inf = 1e300;
-  const std::size_t width = std::size_t(M) + 1;
-  std::vector<double> cost;
-  std::vector<int> choice;  // -1 none, 0 keep all, 1 keep selective, 2 recompute, 3 loss, 4 + until: checkpoint
-  cost.reserve(std::size_t((n + 1) * (n + 1)) * width);
-  choice.reserve(std::size_t((n + 1) * (n + 1)) * width);
-  for (std::size_t i = 0; i < std::size_t((n + 1) * (n + 1)) * width; ++i) {
+  const std::size_t width = std::size_t(M) + 1, cells = std::size_t((n + 1) * (n + 1)) * width;
+  // per cell and last backward k: the best time, and its decision: -1 none, 0 keep all, 1 keep
+  // selective, 2 recompute, 3 loss, 4 + 2 v: checkpoint until v, 5 + 2 v: the same offloaded
+  std::vector<double> cost, best_of;  // best_of: the least over k
+  std::vector<int> choice;
+  cost.reserve(3 * cells);
+  choice.reserve(3 * cells);
+  best_of.reserve(cells);
+  for (std::size_t i = 0; i < 3 * cells; ++i) {
     cost.push_back(inf);
     choice.push_back(-1);
   }
+  for (std::size_t i = 0; i < cells; ++i) best_of.push_back(inf);
   auto idx = [&](int s, int t, long long m) { return std::size_t(s * (n + 1) + t) * width + std::size_t(m); };
+  // the last backward class of (v, t)'s best time within m, among those that allow offloading
+  // the input of s (its fetch beside that step fits, and some step lies between)
+  auto offload_after = [&](int s, int v, int t, long long m, int &k_out) {
+    double best = inf;
+    for (int k = 0; k < 3; ++k) {
+      const int steps = v < t ? 3 : v == n || k == 2 ? 1 : 2;  // (v, v): the loss, a recompute or keep's two
+      if (!offload_helps(s, v, steps) || last_peak(u, v, k) + U[s].x > m) continue;
+      if (cost[3 * idx(v, t, m) + std::size_t(k)] < best) { best = cost[3 * idx(v, t, m) + std::size_t(k)]; k_out = k; }
+    }
+    return best;
+  };
   for (int len = 0; len <= n; ++len)
     for (int s = 0; s + len <= n; ++s) {
       const int t = s + len;
@@ -1006,57 +1064,86 @@ constexpr BudgetSolution fastest_within(const Chain &c, long long budget) {
         held[k] = keep_held(u, s, k);
         keep_time[k] = L[s].forward_time[k] + L[s].backward_time[k];
       }
-      // per checkpoint until v: the forward sweep's peak and time
-      std::vector<long long> sweep;
+      // per checkpoint until v: the forward sweep's peak (offloaded: the input of s dies after the
+      // first forward) and time
+      const bool can_offload = s < n && L[s].offload_time >= 0;
+      std::vector<long long> sweep, sweep_offloaded;
       std::vector<double> sweep_time;
       for (int v = s + 1; v <= t; ++v) {
-        sweep.push_back(std::max(sweep.empty() ? 0 : sweep.back(), sweep_peak(u, s, t, v - 1)));
+        const long long at = sweep_peak(u, s, t, v - 1);
+        sweep.push_back(std::max(sweep.empty() ? 0 : sweep.back(), at));
+        sweep_offloaded.push_back(std::max(sweep_offloaded.empty() ? 0 : sweep_offloaded.back(), v - 1 > s ? at - U[s].x : at));
         sweep_time.push_back((sweep_time.empty() ? 0 : sweep_time.back()) + L[v - 1].forward_time[2]);
       }
       const long long own_recompute = s < n ? recompute_peak(u, s, t) : 0, own_loss = loss_peak(u);
       for (long long m = 0; m <= M; ++m) {
-        double best = inf;
-        int pick = -1;
+        double best[3] = {inf, inf, inf};
+        int pick[3] = {-1, -1, -1};
+        auto offer = [&](int k, double cand, int decision) {
+          if (cand < best[k]) { best[k] = cand; pick[k] = decision; }
+        };
         if (s == n) {
-          if (own_loss <= m) { best = L[n].forward_time[0]; pick = 3; }
+          if (own_loss <= m) offer(0, L[n].forward_time[0], 3);
         } else {
-          if (s == t && L[s].can[2] && own_recompute <= m) { best = L[s].backward_time[2]; pick = 2; }
+          if (s == t && L[s].can[2] && own_recompute <= m) offer(2, L[s].backward_time[2], 2);
           for (int k = 0; k < 2; ++k) {
             if (!L[s].can[k] || keep_steps[k] > m) continue;
-            double cand = keep_time[k];
-            if (s < t) {
-              if (m - held[k] < 0) continue;
-              cand += cost[idx(s + 1, t, m - held[k])];
-            }
-            if (cand < best) { best = cand; pick = k; }
+            if (s == t) offer(k, keep_time[k], k);
+            else if (m - held[k] >= 0) offer(k, keep_time[k] + best_of[idx(s + 1, t, m - held[k])], k);
           }
           for (int v = s + 1; v <= t; ++v) {
-            if (sweep[v - s - 1] > m || m - U[s].x < 0) continue;
-            const double cand = sweep_time[v - s - 1] + cost[idx(v, t, m - U[s].x)] + cost[idx(s, v - 1, m)];
-            if (cand < best) { best = cand; pick = 4 + v; }
+            const double *again = &cost[3 * idx(s, v - 1, m)];
+            if (sweep[v - s - 1] <= m && m - U[s].x >= 0) {
+              const double later = best_of[idx(v, t, m - U[s].x)];
+              for (int k = 0; k < 3; ++k) offer(k, sweep_time[v - s - 1] + later + again[k], 4 + 2 * v);
+            }
+            if (can_offload && sweep_offloaded[v - s - 1] <= m) {
+              int k_later = 0;
+              const double later = offload_after(s, v, t, m, k_later) + L[s].offload_time;
+              for (int k = 0; k < 3; ++k) offer(k, sweep_time[v - s - 1] + later + again[k], 5 + 2 * v);
+            }
           }
         }
-        cost[idx(s, t, m)] = best;
-        choice[idx(s, t, m)] = best < inf ? pick : -1;
+        for (int k = 0; k < 3; ++k) {
+          cost[3 * idx(s, t, m) + std::size_t(k)] = best[k];
+          choice[3 * idx(s, t, m) + std::size_t(k)] = best[k] < inf ? pick[k] : -1;
+          best_of[idx(s, t, m)] = std::min(best_of[idx(s, t, m)], best[k]);
+        }
       }
     }
-  if (choice[idx(0, n, M)] < 0) return fail;
+  auto best_class = [&](int s, int t, long long m) {
+    int k = 0;
+    for (int j = 1; j < 3; ++j)
+      if (cost[3 * idx(s, t, m) + std::size_t(j)] < cost[3 * idx(s, t, m) + std::size_t(k)]) k = j;
+    return k;
+  };
+  if (best_of[idx(0, n, M)] >= inf) return fail;
   Strategy st(n);
-  auto rebuild = [&](auto &self, int s, int t, long long m) -> void {
-    const int pick = choice[idx(s, t, m)];
+  auto rebuild = [&](auto &self, int s, int t, long long m, int k) -> void {
+    const int pick = choice[3 * idx(s, t, m) + std::size_t(k)];
     if (pick == 3) st.at(s, t) = {Decision::Op::loss};
     else if (pick == 2) st.at(s, t) = {Decision::Op::recompute};
     else if (pick < 2) {
       st.at(s, t) = {Decision::Op::keep, Keep(pick)};
-      if (s < t) self(self, s + 1, t, m - keep_held(u, s, pick));
+      if (s < t) {
+        const long long rest = m - keep_held(u, s, pick);
+        self(self, s + 1, t, rest, best_class(s + 1, t, rest));
+      }
     } else {
-      const int v = pick - 4;
-      st.at(s, t) = {Decision::Op::checkpoint, Keep::all, v};
-      self(self, v, t, m - U[s].x);
-      self(self, s, v - 1, m);
+      const int v = (pick - 4) / 2;
+      const bool offloaded = (pick - 4) % 2 == 1;
+      st.at(s, t) = {Decision::Op::checkpoint, Keep::all, v, offloaded};
+      if (offloaded) {
+        int k_later = 0;
+        offload_after(s, v, t, m, k_later);
+        self(self, v, t, m, k_later);
+      } else {
+        self(self, v, t, m - U[s].x, best_class(v, t, m - U[s].x));
+      }
+      self(self, s, v - 1, m, k);
     }
   };
-  rebuild(rebuild, 0, n, M);
+  rebuild(rebuild, 0, n, M, best_class(0, n, M));
   const Outcome o = evaluate(c, st, 0, n);
   return {st, true, c.persistent + o.peak, o.seconds, unit};
 }

@@ -96,8 +96,14 @@ std::unique_ptr<Engine> engine_for_timing(Plan plan, const ModelInfo &info, Devi
 std::string block_calls(const Plan &plan, const Unit &unit) {
   std::string calls;
   for (const Step &st : plan.train)
-    if (st.stage == unit.stage && st.block == unit.block && st.variant != Variant::loss && st.variant != Variant::adamw)
-      calls += fmt::format("{}{}{}", calls.empty() ? "" : ", ", variant_name(st.variant), st.recompute ? "*" : "");
+    if (st.stage == unit.stage && st.block == unit.block && st.variant != Variant::loss && st.variant != Variant::adamw) {
+      // a forward that copies its input (a checkpoint) out to host memory: "(offloads input)"
+      const bool offloads_input = std::ranges::any_of(st.offload, [&](int t) {
+        return std::ranges::any_of(st.args, [&](const Arg &a) { return a.tensor == t && a.access == Access::read; });
+      });
+      calls += fmt::format("{}{}{}{}", calls.empty() ? "" : ", ", variant_name(st.variant), st.recompute ? "*" : "",
+                           offloads_input ? " (offloads input)" : "");
+    }
   return calls;
 }
 

@@ -217,12 +217,12 @@ void *scalar_field(Scalars &s, Scalar which) {
 }
 }  // namespace
 
-// ---- Offload: checkpoints to the pinned host buffer and back ---------------------------------
-// CUDA: every copy runs on the copy stream. Copy-out: the copy stream waits for the kernel that
-// read the checkpoint (an event on the compute stream), copies, records `out_done`; the compute
-// stream waits for that event only before the step that may reuse the memory. Fetch: the copy
-// stream waits for everything queued before the fetching step, copies into the restored tensor,
-// records `in_done`; the reader waits for it. No device-wide synchronization. CPU: plain copies.
+// ---- Offload: checkpoints and named internals to the pinned host buffer and back ------------
+// CUDA: every copy runs on the copy stream, which first waits for everything queued on the compute
+// stream before the step. Copy-out: copies, records `done`; the compute stream waits for that
+// event only before the step after (which may reuse the memory). Fetch: copies into the restored
+// tensor, records `done`; the reader waits for it. No device-wide synchronization. Other
+// devices: plain copies (the host copy of the arena is the truth there).
 struct Executor::Transfers {
   Transfers(const Plan &plan, Arena &arena) : plan(plan), arena(arena), bytes(plan.offload_bytes) {
     cuda_device = arena.device() == Device::cuda;
@@ -249,25 +249,7 @@ struct Executor::Transfers {
   void before(const Step &st) {
     for (int t : st.await_out)
       if (cuda_device) cuda::wait(cuda::Stream::compute, done.at(t));
-    if (!st.fetch.empty() && cuda_device) {
-      cuda::record(ready, cuda::Stream::compute);
-      cuda::wait(cuda::Stream::copy, ready);
-    }
-    for (auto [from, to] : st.fetch) {
-      const std::byte *src = host + plan.tensors[from].host_offset;
-      if (cuda_device) {
-        cuda::copy_to_device(device_at(to), src, plan.tensors[to].bytes(), cuda::Stream::copy);
-        cuda::record(done.at(to), cuda::Stream::copy);
-      } else {
-        std::memcpy(device_at(to), src, plan.tensors[to].bytes());
-      }
-    }
-    for (int t : st.await_in)
-      if (cuda_device) cuda::wait(cuda::Stream::compute, done.at(t));
-  }
-  void after(const Step &st) {
-    if (st.offload.empty()) return;
-    if (cuda_device) {
+    if ((!st.offload.empty() || !st.fetch.empty()) && cuda_device) {
       cuda::record(ready, cuda::Stream::compute);
       cuda::wait(cuda::Stream::copy, ready);
     }
@@ -280,6 +262,17 @@ struct Executor::Transfers {
         std::memcpy(dst, device_at(t), plan.tensors[t].bytes());
       }
     }
+    for (auto [from, to] : st.fetch) {
+      const std::byte *src = host + plan.tensors[from].host_offset;
+      if (cuda_device) {
+        cuda::copy_to_device(device_at(to), src, plan.tensors[to].bytes(), cuda::Stream::copy);
+        cuda::record(done.at(to), cuda::Stream::copy);
+      } else {
+        std::memcpy(device_at(to), src, plan.tensors[to].bytes());
+      }
+    }
+    for (int t : st.await_in)
+      if (cuda_device) cuda::wait(cuda::Stream::compute, done.at(t));
   }
 
   const Plan &plan;
@@ -454,7 +447,7 @@ void Executor::run(Phase phase) {
     if (trace) std::fprintf(stderr, "kernel %s\n", b->kernel->name);
     const bool timed = profile || time_calls;
     const auto t0 = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
-    if (transfers && phase == Phase::train) transfers->before(st);  // fetches write restored checkpoints
+    if (transfers && phase == Phase::train) transfers->before(st);  // copies out, fetches into restored tensors
     if (check_free) {
       PausedCounting paused;
       live.insert(live.end(), st.alloc.begin(), st.alloc.end());
@@ -466,7 +459,6 @@ void Executor::run(Phase phase) {
     int err = b->kernel->argv(b->argv.data());
     if (host_driven)
       for (int a : b->outputs) err = err ? err : halide_copy_to_host(nullptr, &b->buffers[a]);
-    if (err == 0 && transfers && phase == Phase::train) transfers->after(st);
     if (err != 0) {
       const std::string message = remat_halide_error;
       remat_halide_error[0] = 0;

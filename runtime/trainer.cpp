@@ -20,6 +20,7 @@ module;
 #include <memory>
 #include <optional>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 module remat.trainer;
@@ -72,6 +73,10 @@ CLI::Validator number(bool (*ok)(double), const char *what) {
       },
       what);
 }
+// What the budget planner assumes of copies between a GPU and pinned host memory, each way: a
+// PCIe 4/5 x16 link sustains 20-50 GB/s; the low end, so that offload is not chosen on optimism.
+constexpr double cuda_host_transfer_rate = 2e10;
+
 const CLI::Validator positive = number([](double v) { return v > 0; }, "a positive number");
 const CLI::Validator non_negative = number([](double v) { return v >= 0; }, "a number >= 0");
 const CLI::Validator probability = number([](double v) { return v >= 0 && v < 1; }, "a probability in [0, 1)");
@@ -194,6 +199,9 @@ void print_plan_report(std::FILE *out, const Model &model, const Plan &plan, con
   fmt::print(out, "saved for backward:\n");
   fmt::print(out, "{:<8} {:<22} {:>16} {:>12}  {}\n", "block", "tensor", "shape", "bytes", "why");
   std::size_t total = 0;
+  std::set<int> fetched;  // restored copies of offloaded tensors
+  for (const Step &st : plan.train)
+    for (auto [host, into] : st.fetch) fetched.insert(into);
   for (const Step &st : plan.train)
     for (int t : st.alloc) {
       const Tensor &x = plan.tensors[t];
@@ -222,6 +230,7 @@ void print_plan_report(std::FILE *out, const Model &model, const Plan &plan, con
           why = fmt::format("{} output, read by the backward of {} (layer {})", op_name(l.op),
                             op_name(blk.layers[x.read_by].op), x.read_by);
       }
+      if (fetched.contains(t)) why += "; waits in pinned host memory between forward and backward (offload)";
       const std::string shape = x.dims == 1 ? fmt::format("[{}]", x.extent[0]) : fmt::format("[{}, {}]", x.extent[1], x.extent[0]);
       fmt::print(out, "s{}.b{:<4} {:<22} {:>16} {:>12}  {}\n", x.stage, x.block,
                  x.local.view(), shape, x.bytes(), why);
@@ -240,6 +249,8 @@ void print_plan_report(std::FILE *out, const Model &model, const Plan &plan, con
   fmt::print(out, "total saved {} B ({}); peak activations {} B; planned arena peak {} B ({}); {} kernel launches ({} recompute)\n",
              total, mib(total), plan.activation_bytes, plan.peak_bytes, mib(plan.peak_bytes), plan.total_launches,
              plan.recompute_launches);
+  if (plan.offload_bytes > 0)
+    fmt::print(out, "offloaded {} tensors to {} B ({}) of pinned host memory\n", fetched.size(), plan.offload_bytes, mib(plan.offload_bytes));
   fmt::print(out, "recompute {:.3f} GFLOP of {:.3f} per micro-batch; predicted forward + loss + backward {:.2f} ms (costs {})\n",
              recompute_flops / 1e9, flops / 1e9, predicted.seconds * 1e3, costs_from);
 }
@@ -368,8 +379,15 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     if (o.offload && device == Device::cpu)
       throw InputError("--offload: with --device cpu the checkpoints already live in host memory; there is nothing to offload");
     if (o.offload && !o.memory_budget.empty())
-      throw InputError("--offload: the budget planner does not offload checkpoints (it keeps them in device memory)");
-    for (Policy &p : policies.stage) p.offload = p.offload || o.offload;
+      throw InputError("--offload: with --memory-budget the budget planner decides which checkpoints to offload");
+    for (Policy &p : policies.stage) {
+      p.offload = p.offload || o.offload;
+      // on the CPU the arena is host memory: what a model's policy offloads stays in it
+      if (device == Device::cpu) {
+        p.offload = false;
+        p.selection.offloaded = 0;
+      }
+    }
     const int batch = o.batch_size ? o.batch_size : info.default_batch;
     const int micro = o.gradient_accumulation_steps;
     if (long(batch) * model.rows_per_sample() < min_kernel_rows)
@@ -396,6 +414,8 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
       costs = *stored;
       costs_from = fmt::format("measured on {} ({}, {})", machine, cost_table, key);
     }
+    // the budget planner may offload checkpoints to pinned host memory on a GPU
+    if (device == Device::cuda) costs.transfer_rate = cuda_host_transfer_rate;
     const Planned planned = plan_for(model, policies, batch, precision, gemms, costs);
     if (!planned.ok()) {
       const std::string why(planned.error.view().substr(std::string_view("remat: ").size()));
@@ -667,7 +687,12 @@ Policy parse_policy(std::string_view text) {
 }
 
 StagePolicies parse_stage_policies(const Model &model, std::string_view text, StagePolicies base) {
-  if (text.find(':') == std::string_view::npos) return parse_policy(text);
+  if (text.find(':') == std::string_view::npos) {
+    StagePolicies every(parse_policy(text));
+    // a stage's selective set (and what it offloads) is fixed in its kernels: the annotation's
+    for (int s = 0; s < model.n_stages; ++s) every.stage[s].selection = model.stages[s].policy.selection;
+    return every;
+  }
   std::string repeat_stages;
   for (int s = 0; s < model.n_stages; ++s)
     if (model.stages[s].checkpointable) repeat_stages += fmt::format("{}s{}", repeat_stages.empty() ? "" : ", ", s);

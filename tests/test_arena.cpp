@@ -196,6 +196,7 @@ BOOST_AUTO_TEST_CASE(a_write_into_another_gradient_is_caught) {
 BOOST_AUTO_TEST_CASE(real_kernels_keep_the_guarantees) {
   std::vector<Example> models(std::begin(examples), std::end(examples));
   models.insert(models.end(), std::begin(zoo), std::end(zoo));
+  int offloading_budgets = 0, offloading_others = 0;  // runs whose plan offloads
   for (const Example &e : models)
     for (Precision precision : {Precision::fp32, Precision::bf16}) {
       std::vector<float> expected;
@@ -204,10 +205,20 @@ BOOST_AUTO_TEST_CASE(real_kernels_keep_the_guarantees) {
       const Gemms gemms = runtime::gemms_of(runtime::Device::cpu, precision);
       const long long least = (long long)smallest_plan(*e.model, e.samples, precision, gemms).peak_bytes;
       const long long most = (long long)make_plan(*e.model, none, e.samples, precision, gemms).peak_bytes;
-      for (Policy p : {none, selective, full, Policy{Policy::Kind::every_n_layers, 2}, sqrt_n, with_offload(sqrt_n),
-                       budget(least), budget((least + most) / 2)}) {
-        BOOST_TEST_CONTEXT(e.name << " batch " << e.samples << " " << policy_name(p).view() << " " << precision_name(precision)) {
-          Run run(*e.model, e.name, e.table, p, e.samples, e.dropout, true, runtime::Device::cpu, precision);
+      // ... the halfway budget again where offloading is an option (a GPU's transfer rate: the
+      // CPU runs the copies), and the model's own annotations (zoo_gated offloads named internals)
+      const CostModel offloading{.transfer_rate = 2e10};
+      struct Case {
+        StagePolicies p;
+        CostModel costs{};
+      };
+      for (const auto &[p, costs] : std::vector<Case>{{none}, {selective}, {full}, {Policy{Policy::Kind::every_n_layers, 2}},
+                                                      {sqrt_n}, {with_offload(sqrt_n)}, {budget(least)},
+                                                      {budget((least + most) / 2)}, {budget((least + most) / 2), offloading},
+                                                      {annotated(*e.model, none)}, {annotated(*e.model, selective)}}) {
+        BOOST_TEST_CONTEXT(e.name << " batch " << e.samples << " " << policies_name(*e.model, p).view()
+                                  << (costs.transfer_rate > 0 ? " (may offload)" : "") << " " << precision_name(precision)) {
+          Run run(*e.model, e.name, e.table, p, e.samples, e.dropout, true, runtime::Device::cpu, precision, costs);
           Executor checked(run.plan, e.name, e.table, run.arena, run.scalars, {.free_memory = true});
           runtime::reset_step_heap();
           runtime::reset_halide_heap_peak();
@@ -223,12 +234,17 @@ BOOST_AUTO_TEST_CASE(real_kernels_keep_the_guarantees) {
               BOOST_ERROR(error.what());
             }
           BOOST_TEST(run.arena.high_water() == run.plan.peak_bytes);
-          if (p.kind == Policy::Kind::budget) BOOST_TEST((long long)run.plan.peak_bytes <= p.budget_bytes);
+          if (run.plan.offload_bytes > 0) ++(costs.transfer_rate > 0 ? offloading_budgets : offloading_others);
+          if (const Policy *b = budget_of(*e.model, p)) BOOST_TEST((long long)run.plan.peak_bytes <= b->budget_bytes);
           BOOST_TEST(runtime::step_heap().allocations == 0u);
           BOOST_TEST(runtime::halide_heap().peak == 0u);
         }
       }
     }
+  // the budget planner offloaded somewhere, and zoo_gated's annotation and sqrt_n+offload did
+  BOOST_TEST(offloading_budgets > 0);
+  BOOST_TEST(offloading_others > int(models.size()) * 2);
+  BOOST_TEST_MESSAGE("runs that offload: " << offloading_budgets << " budget plans, " << offloading_others << " others");
 }
 
 // Heap allocations during a phase are counted, whoever makes them (here a planted malloc inside

@@ -80,7 +80,8 @@ std::string phase_name(Phase phase) {
 // - dataflow: every argument a kernel reads is persistent, or was written by an earlier step of
 //   the phase (or fetched into by this step or an earlier one) and not freed since;
 // - offload: a fetch brings back a tensor copied out earlier, into a live tensor of its size; no
-//   kernel binds a fetched tensor before a step awaits its arrival; a tensor freed while its
+//   kernel binds a fetched tensor before a step awaits its arrival; copy-outs start before the
+//   kernel, of tensors written earlier; a tensor freed while its
 //   copy-out may still run is awaited (await_out) by the very next step, before anything reuses
 //   its memory;
 // - layout: live tensors never overlap, and the highest byte they reach is the phase's planned
@@ -130,6 +131,11 @@ std::string check_schedule(const Plan &plan, Phase phase) {
       if (!valid(t) || !in_flight[t]) return at + "awaits the arrival of " + name(t) + ", which nothing fetches";
       in_flight[t] = 0;
     }
+    for (int t : st.offload) {
+      if (!valid(t) || !live[t] || !written[t]) return at + "copies out " + name(t) + ", which holds no value";
+      if (persistent(t)) return at + "copies out " + name(t) + ", a persistent tensor";
+      on_host[t] = copying_out[t] = 1;
+    }
     // The kernel: its reads see the state before it, then its writes land.
     for (const Arg &a : st.args) {
       const std::string arg = "argument " + str(a.name.view()) + " (" + name(a.tensor) + ")";
@@ -159,12 +165,7 @@ std::string check_schedule(const Plan &plan, Phase phase) {
         if (!(x.offset + x.bytes() <= y.offset || y.offset + y.bytes() <= x.offset))
           return at + name(now[a]) + " overlaps " + name(now[b]);
       }
-    // After the kernel: copy-outs start, tensors die.
-    for (int t : st.offload) {
-      if (!valid(t) || !live[t] || !written[t]) return at + "copies out " + name(t) + ", which holds no value";
-      if (persistent(t)) return at + "copies out " + name(t) + ", a persistent tensor";
-      on_host[t] = copying_out[t] = 1;
-    }
+    // After the kernel: tensors die.
     for (int t : st.free) {
       if (!valid(t) || !live[t]) return at + "frees " + name(t) + ", already dead (freed while dead)";
       if (persistent(t)) return at + "frees " + name(t) + ", a persistent tensor";
@@ -848,9 +849,9 @@ BOOST_AUTO_TEST_CASE(gpt_never_stores_attention_matrices) {
   }
 }
 
-// Offload: each checkpoint is copied out after the forward that reads it, stays in the arena one
-// more step (the copy overlaps it) and the step after waits for the copy before its memory can be
-// reused; its restored copy is allocated and fetched one step ahead of the first step that reads
+// Offload: each checkpoint is copied out beside the forward that reads it (the copy overlaps
+// it), dies after it, and the step after waits for the copy before its memory can be reused
+// (the last block's is not offloaded: its restored copy would be needed at once); its restored copy is allocated and fetched one step ahead of the first step that reads
 // it, which waits for the arrival. Only checkpoints travel, and fewer of them are on the device
 // at once than without offload. Under selective nothing is checkpointed: nothing travels.
 BOOST_AUTO_TEST_CASE(offload_schedules_transfers_one_step_ahead) {
@@ -874,9 +875,9 @@ BOOST_AUTO_TEST_CASE(offload_schedules_transfers_one_step_ahead) {
         offloaded += plan.tensors[x].bytes();
         BOOST_TEST((plan.tensors[x].role == Role::block_input));
         BOOST_TEST(reads(train[i], x));
-        BOOST_TEST_REQUIRE(i + 2 < int(train.size()));
-        BOOST_TEST(has(train[i + 1].free, x));
-        BOOST_TEST(has(train[i + 2].await_out, x));
+        BOOST_TEST_REQUIRE(i + 1 < int(train.size()));
+        BOOST_TEST(has(train[i].free, x));
+        BOOST_TEST(has(train[i + 1].await_out, x));
         for (int j = i + 1; j < int(train.size()); ++j) BOOST_TEST(!binds(train[j], x), "bound after offload");
       }
       for (auto [x, r] : train[i].fetch) {
@@ -966,10 +967,19 @@ BOOST_AUTO_TEST_CASE(optimizer_updates_every_parameter_once) {
 // ---------------------------------------------------------------------------------------------
 namespace {
 
-// Every (peak, seconds) of every strategy of sub-problem (s, t), by enumeration; with `prune`,
-// only the pairs no other pair beats in both (exact for the least time under a peak bound, as
-// peaks compose by max and + and times add).
-using Pairs = std::vector<std::pair<long long, double>>;
+// Every outcome of every strategy of sub-problem (s, t), by enumeration: its peak, seconds, the
+// live bytes of its last step and its steps (counted up to 3); with `prune`, only those no other
+// of as many steps beats in peak, last step and seconds together (exact for the least time under
+// a peak bound: peaks compose by max and +, times add, and the last step and the steps are all an
+// offloaded checkpoint's caller reads). Independent of the planner's code: the memory model
+// restated from the schedule the Builder makes.
+struct Outcomes {
+  long long peak;
+  double seconds;
+  long long last;
+  int steps;
+};
+using Pairs = std::vector<Outcomes>;
 Pairs outcomes(const Chain &c, int s, int t, bool prune, std::map<std::pair<int, int>, Pairs> &memo) {
   if (auto it = memo.find({s, t}); it != memo.end()) return it->second;
   const std::vector<Link> &L = c.links;
@@ -977,34 +987,50 @@ Pairs outcomes(const Chain &c, int s, int t, bool prune, std::map<std::pair<int,
   const long long xs = L[s].x, after = t < n ? L[t + 1].dx : 0;
   Pairs out;
   if (s == n) {
-    out.push_back({xs + L[n].dx, L[n].forward_time[0]});
+    out.push_back({xs + L[n].dx, L[n].forward_time[0], xs + L[n].dx, 1});
   } else {
-    if (s == t && L[s].can[2]) out.push_back({xs + after + L[s].dx + L[s].backward_temp[2], L[s].backward_time[2]});
+    const long long recompute = xs + after + L[s].dx + L[s].backward_temp[2];
+    if (s == t && L[s].can[2]) out.push_back({recompute, L[s].backward_time[2], recompute, 1});
     for (int k = 0; k < 2; ++k) {
       if (!L[s].can[k]) continue;
       const long long a = L[s].saved[k], next = s < t ? L[s + 1].dx : after;
-      const long long own = std::max(xs + after + L[s].y + a + L[s].forward_temp[k], xs + a + next + L[s].dx + L[s].backward_temp[k]);
+      const long long forward = xs + after + L[s].y + a + L[s].forward_temp[k];
+      const long long backward = xs + a + next + L[s].dx + L[s].backward_temp[k];
       const double time = L[s].forward_time[k] + L[s].backward_time[k];
-      if (s == t) out.push_back({own, time});
+      if (s == t) out.push_back({std::max(forward, backward), time, backward, 2});
       else
-        for (auto [peak, seconds] : outcomes(c, s + 1, t, prune, memo)) out.push_back({std::max(own, xs + a + peak), time + seconds});
+        for (const Outcomes &rest : outcomes(c, s + 1, t, prune, memo))
+          out.push_back({std::max({forward, backward, xs + a + rest.peak}), time + rest.seconds, backward, 3});
     }
-    long long sweep = 0;
+    // checkpoints: the forward sweep s..u-1 keeps the input of u; offloaded, the input of s is
+    // copied out beside the first forward and dies after it, and is fetched beside the last step
+    // of (u, t), which must not be the step right after the sweep (nothing would be saved)
+    long long sweep = 0, sweep_offloaded = 0;
     double sweep_time = 0;
     for (int u = s + 1; u <= t; ++u) {
       const int j = u - 1;
-      sweep = std::max(sweep, xs + after + (j > s ? L[j].x : 0) + L[j].y + L[j].forward_temp[2]);
+      const long long at = xs + after + (j > s ? L[j].x : 0) + L[j].y + L[j].forward_temp[2];
+      sweep = std::max(sweep, at);
+      sweep_offloaded = std::max(sweep_offloaded, j > s ? at - xs : at);
       sweep_time += L[j].forward_time[2];
       const Pairs later = outcomes(c, u, t, prune, memo), again = outcomes(c, s, u - 1, prune, memo);
-      for (auto [p1, t1] : later)
-        for (auto [p2, t2] : again) out.push_back({std::max({sweep, xs + p1, p2}), sweep_time + t1 + t2});
+      for (const Outcomes &l : later)
+        for (const Outcomes &r : again) {
+          out.push_back({std::max({sweep, xs + l.peak, r.peak}), sweep_time + l.seconds + r.seconds, r.last, 3});
+          if (L[s].offload_time >= 0 && (u - s) + l.steps >= 3)
+            out.push_back({std::max({sweep_offloaded, l.peak, l.last + xs, r.peak}),
+                           sweep_time + l.seconds + r.seconds + L[s].offload_time, r.last, 3});
+        }
     }
   }
   if (prune) {
-    std::ranges::sort(out);
+    std::ranges::sort(out, {}, [](const Outcomes &o) { return std::tuple(o.steps, o.peak, o.last, o.seconds); });
     Pairs kept;
-    for (auto pr : out)
-      if (kept.empty() || pr.second < kept.back().second) kept.push_back(pr);
+    for (const Outcomes &o : out)
+      if (std::ranges::none_of(kept, [&](const Outcomes &k) {
+            return k.steps == o.steps && k.peak <= o.peak && k.last <= o.last && k.seconds <= o.seconds;
+          }))
+        kept.push_back(o);
     out = kept;
   }
   return memo[{s, t}] = out;
@@ -1033,6 +1059,8 @@ Chain random_chain(std::mt19937 &rng, int blocks) {
       l.backward_time[k] = time() + (k == 2 ? l.forward_time[2] : k == 1 ? 0.5 * time() : 0);
     }
     l.can = {true, !loose, !loose};
+    // some inputs may wait in host memory (the first unit's is the batch)
+    if (u > 0 && std::uniform_int_distribution<int>(0, 2)(rng) > 0) l.offload_time = 0.5 * time();
     c.links.push_back(l);
   }
   Link loss;
@@ -1059,13 +1087,15 @@ std::size_t live_peak(const Plan &plan) {
 
 }  // namespace
 
-// On random chains of 1 to 8 blocks: the dynamic program's time equals the best of every
-// strategy (all of them enumerated up to 5 blocks, 51530 strategies; 6 to 8 against the pruned
-// enumeration, which agrees with the full one where both run)
-// under budgets from the least feasible peak up, and its strategy's peak is within the budget.
+// On random chains of 1 to 8 blocks, most of whose inputs can be offloaded: the dynamic program's
+// time equals the best of every strategy (all of them enumerated up to 5 blocks; 6 to 8 against
+// the pruned enumeration, which agrees with the full one where both run) under budgets from the
+// least feasible peak up, its strategy's peak is within the budget, and evaluating its strategy
+// gives its peak. The least-memory strategy (which does not offload) has the least peak of the
+// strategies without offload.
 BOOST_AUTO_TEST_CASE(budget_dp_equals_exhaustive_search_on_random_chains) {
   std::mt19937 rng(7);
-  int compared = 0, infeasible = 0;
+  int compared = 0, infeasible = 0, offloading = 0;
   for (int trial = 0; trial < 48; ++trial) {
     const int blocks = 1 + trial % 8;
     const Chain c = random_chain(rng, blocks);
@@ -1073,22 +1103,27 @@ BOOST_AUTO_TEST_CASE(budget_dp_equals_exhaustive_search_on_random_chains) {
     const Pairs all = outcomes(c, 0, c.n(), blocks > 5, memo);
     if (blocks <= 5) {  // the pruned enumeration agrees with the full one
       const Pairs pruned = outcomes(c, 0, c.n(), true, pruned_memo);
-      for (auto [peak, seconds] : all) {
+      for (const Outcomes &o : all) {
         double best = 1e300;
-        for (auto [p, t] : pruned)
-          if (p <= peak) best = std::min(best, t);
-        BOOST_TEST(best <= seconds + 1e-9);
+        for (const Outcomes &p : pruned)
+          if (p.peak <= o.peak) best = std::min(best, p.seconds);
+        BOOST_TEST(best <= o.seconds + 1e-9);
       }
     }
-    const BudgetSolution least = least_memory(c);
-    long long lowest = all.front().first, highest = 0;
-    for (auto [peak, seconds] : all) lowest = std::min(lowest, peak), highest = std::max(highest, peak);
-    BOOST_TEST(least.peak == c.persistent + lowest, "blocks " << blocks);
+    Chain kept_on_device = c;
+    for (Link &l : kept_on_device.links) l.offload_time = -1;
+    std::map<std::pair<int, int>, Pairs> device_memo;
+    long long least_on_device = -1;
+    for (const Outcomes &o : outcomes(kept_on_device, 0, c.n(), true, device_memo))
+      if (least_on_device < 0 || o.peak < least_on_device) least_on_device = o.peak;
+    BOOST_TEST(least_memory(kept_on_device).peak == c.persistent + least_on_device, "blocks " << blocks);
+    long long lowest = all.front().peak, highest = 0;
+    for (const Outcomes &o : all) lowest = std::min(lowest, o.peak), highest = std::max(highest, o.peak);
     for (int step = 0; step <= 6; ++step) {
       const long long budget = c.persistent + lowest - 64 + (highest - lowest + 128) * step / 6;
       double best = 1e300;
-      for (auto [peak, seconds] : all)
-        if (c.persistent + peak <= budget) best = std::min(best, seconds);
+      for (const Outcomes &o : all)
+        if (c.persistent + o.peak <= budget) best = std::min(best, o.seconds);
       const BudgetSolution dp = fastest_within(c, budget);
       BOOST_TEST_CONTEXT("blocks " << blocks << " budget " << budget) {
         BOOST_TEST(dp.feasible == (best < 1e300));
@@ -1098,12 +1133,15 @@ BOOST_AUTO_TEST_CASE(budget_dp_equals_exhaustive_search_on_random_chains) {
         BOOST_TEST(dp.peak <= budget);
         const Outcome o = evaluate(c, dp.strategy, 0, c.n());
         BOOST_TEST(c.persistent + o.peak == dp.peak);
+        offloading += ranges::any_of(dp.strategy.table, [](const Decision &d) { return d.offload; }) ? 1 : 0;
         ++compared;
       }
     }
   }
   BOOST_TEST(compared > 200);
   BOOST_TEST(infeasible > 10);  // the budgets just below the least peak
+  BOOST_TEST(offloading > 20);  // plans that offload were among those compared
+  BOOST_TEST_MESSAGE("budget DP vs enumeration: " << compared << " budgets compared, " << offloading << " of their plans offload");
 }
 
 namespace {
@@ -1123,54 +1161,61 @@ Model random_model(std::mt19937 &rng) {
 }  // namespace
 
 // Budget plans of real models (the examples, the planner's test models and random ones), fp32
-// and bf16, both GEMM choices: the plan replays cleanly, its peak is within the budget, and the
+// and bf16, both GEMM choices, with and without offloading as an option: the plan replays cleanly
+// (transfers included), its peak is within the budget, and the
 // live bytes at its highest point are the dynamic program's peak.
 BOOST_AUTO_TEST_CASE(budget_plans_fit_and_their_peak_is_the_dps) {
   std::mt19937 rng(11);
   std::vector<std::pair<std::string, Model>> models = {{"mlp", mlp::model}, {"gpt", gpt::model}, {"small", small_model()},
                                                        {"repeat_first", repeat_first_model()}, {"two_stacks", two_stacks_model()}};
   for (int i = 0; i < 6; ++i) models.push_back({"random" + std::to_string(i), random_model(rng)});
-  int plans = 0;
+  int plans = 0, offloading = 0;
   long long worst_holes = 0;
   for (const auto &[name, m] : models)
     for (Precision pr : {Precision::fp32, Precision::bf16})
-      for (Gemms g : {Gemms::library, Gemms::halide}) {
-        const int batch = 8;
-        const Chain c = chain_of(m, batch, pr, g);
-        const std::size_t lo = smallest_plan(m, batch, pr, g).peak_bytes, hi = make_plan(m, none, batch, pr, g).peak_bytes;
-        BOOST_TEST(lo <= hi);
-        for (int step = 0; step <= 4; ++step) {
-          const long long budget = (long long)(lo + (hi - lo) * step / 4);
-          BOOST_TEST_CONTEXT(name << " " << precision_name(pr) << (g == Gemms::library ? " library" : " halide") << " budget " << budget) {
-            const Planned p = plan_for(m, remat::budget(budget), batch, pr, g);
-            BOOST_TEST_REQUIRE(p.ok(), p.error.view());
-            BOOST_TEST(check_plan(p.plan) == "");
-            BOOST_TEST((long long)p.plan.peak_bytes <= budget);
-            BOOST_TEST((long long)live_peak(p.plan) == c.persistent + evaluate(c, p.plan.strategy, 0, c.n()).peak);
-            worst_holes = std::max(worst_holes, (long long)p.plan.peak_bytes - (long long)live_peak(p.plan));
-            ++plans;
+      for (Gemms g : {Gemms::library, Gemms::halide})
+        for (double rate : {0.0, 2e10}) {  // checkpoints kept on the device; offloading an option (a GPU's)
+          const int batch = 8;
+          const CostModel costs{.transfer_rate = rate};
+          const Chain c = chain_of(m, batch, pr, g, costs);
+          const std::size_t lo = smallest_plan(m, batch, pr, g).peak_bytes, hi = make_plan(m, none, batch, pr, g).peak_bytes;
+          BOOST_TEST(lo <= hi);
+          for (int step = 0; step <= 4; ++step) {
+            const long long budget = (long long)(lo + (hi - lo) * step / 4);
+            BOOST_TEST_CONTEXT(name << " " << precision_name(pr) << (g == Gemms::library ? " library" : " halide") << " budget " << budget
+                                    << " transfer rate " << rate) {
+              const Planned p = plan_for(m, remat::budget(budget), batch, pr, g, costs);
+              BOOST_TEST_REQUIRE(p.ok(), p.error.view());
+              BOOST_TEST(check_plan(p.plan) == "");
+              if (rate == 0) BOOST_TEST(p.plan.offload_bytes == 0u);
+              offloading += p.plan.offload_bytes > 0 ? 1 : 0;
+              BOOST_TEST((long long)p.plan.peak_bytes <= budget);
+              BOOST_TEST((long long)live_peak(p.plan) == c.persistent + evaluate(c, p.plan.strategy, 0, c.n()).peak);
+              worst_holes = std::max(worst_holes, (long long)p.plan.peak_bytes - (long long)live_peak(p.plan));
+              ++plans;
+            }
           }
+          // below the least peak: no plan, and the message says how much the smallest needs
+          const Planned none_fits = plan_for(m, remat::budget((long long)lo - 1), batch, pr, g);
+          BOOST_TEST(!none_fits.ok());
+          BOOST_TEST(std::string(none_fits.error.view()).find("needs " + std::to_string(lo) + " bytes") != std::string::npos,
+                     none_fits.error.view());
         }
-        // below the least peak: no plan, and the message says how much the smallest needs
-        const Planned none_fits = plan_for(m, remat::budget((long long)lo - 1), batch, pr, g);
-        BOOST_TEST(!none_fits.ok());
-        BOOST_TEST(std::string(none_fits.error.view()).find("needs " + std::to_string(lo) + " bytes") != std::string::npos,
-                   none_fits.error.view());
-      }
-  BOOST_TEST(plans == int(models.size()) * 4 * 5);
-  BOOST_TEST_MESSAGE("budget plans: the arena's placement added at most " << worst_holes << " bytes of holes to the live peak");
+  BOOST_TEST(plans == int(models.size()) * 4 * 2 * 5);
+  BOOST_TEST(offloading > 20);
+  BOOST_TEST_MESSAGE("budget plans: " << offloading << " of " << plans << " offload; the arena's placement added at most "
+                                      << worst_holes << " bytes of holes to the live peak");
 }
 
 // The fixed policies, lowered to strategies, give the chain's evaluation the plans' live peaks
-// too: the dynamic program's memory model is the planner's.
+// too, offload included: the dynamic program's memory model is the planner's.
 BOOST_AUTO_TEST_CASE(fixed_policies_evaluate_to_their_plans_live_peak) {
   for (const Model &m : {mlp::model, gpt::model, small_model(), two_stacks_model(), repeat_first_model()})
     for (const Policy &p : all_policies)
       for (Gemms g : {Gemms::library, Gemms::halide}) {
         const Plan plan = make_plan(m, p, 8, Precision::fp32, g);
         const Chain c = chain_of(m, 8, Precision::fp32, g);
-        if (!p.offload) BOOST_TEST((long long)live_peak(plan) == c.persistent + evaluate(c, plan.strategy, 0, c.n()).peak, label(plan));
-        else BOOST_TEST((long long)live_peak(plan) <= c.persistent + evaluate(c, plan.strategy, 0, c.n()).peak, label(plan));
+        BOOST_TEST((long long)live_peak(plan) == c.persistent + evaluate(c, plan.strategy, 0, c.n()).peak, label(plan));
       }
 }
 
@@ -1219,10 +1264,10 @@ BOOST_AUTO_TEST_CASE(a_budget_is_solved_at_compile_time) {
 }
 
 // Annotations produce the plan of the equivalent run-time policy, step for step and byte for
-// byte: zoo_gated's annotated stages (s1 save_only_these_names("rotated", "gate"), s2
-// every_n_layers(2) | recompute_modules(norm)) give the plan of the flag
-// "s1:selective,s2:every_n_layers=2+selective" over none (a stage's selective set is its
-// kernels', the annotation's); a schedule-only annotation gives the plan of the same layers
+// byte: zoo_gated's annotated stages (s1 save_and_offload_only_these_names({"rotated"}, {"gate"}),
+// s2 every_n_layers(2) | recompute_modules(norm)) give the plan of the same values set per stage
+// at run time over none (the flag "s1:selective,s2:every_n_layers=2+selective" does the same:
+// a stage's selective set is its kernels', the annotation's); a schedule-only annotation gives the plan of the same layers
 // without it under that schedule; and the named selective set keeps exactly the named outputs
 // (and the row statistics).
 namespace {
@@ -1257,7 +1302,7 @@ BOOST_AUTO_TEST_CASE(annotations_equal_the_run_time_policy) {
   scheduled.stages[2].policy = every_n_layers(2);
   for (Gemms g : {Gemms::library, Gemms::halide}) {
     StagePolicies flag(none);
-    flag.stage[1] = selective;
+    flag.stage[1] = save_and_offload_only_these_names({"rotated"}, {"gate"});
     flag.stage[2] = every_n_layers(2) | selective;
     expect_same_plan(make_plan(annotated_model, annotated(annotated_model, none), 8, Precision::fp32, g),
                      make_plan(annotated_model, flag, 8, Precision::fp32, g));
@@ -1266,12 +1311,51 @@ BOOST_AUTO_TEST_CASE(annotations_equal_the_run_time_policy) {
     expect_same_plan(make_plan(scheduled, annotated(scheduled, none), 8, Precision::fp32, g),
                      make_plan(plain, schedule, 8, Precision::fp32, g));
     BOOST_TEST(policies_name(annotated_model, annotated(annotated_model, none)).view() ==
-               "s1:selective(save:rotated,gate),s2:every_n_layers=2+selective(recompute:norm)");
+               "s1:selective(save:rotated;offload:gate),s2:every_n_layers=2+selective(recompute:norm)");
     // stage 1 under selective keeps the outputs of the named layers (rope 3, swiglu 10) and the statistics
     const Plan sel = make_plan(annotated_model, selective, 8, Precision::fp32, g);
     std::set<std::string> kept;
     for (const Tensor &t : sel.tensors)
       if (t.stage == 1 && t.block == 0 && t.role == Role::internal) kept.insert(str(t.local.view()));
     BOOST_TEST((kept == std::set<std::string>{"h3", "h10", "rstd1", "rstd8", "att4_lse"}), fmt_set(kept));
+  }
+}
+
+// Named internals offload (save_and_offload_only_these_names): zoo_gated's first stage keeps
+// "rotated" (h3) and offloads "gate" (h10). Each block's h10 is copied out after its forward and
+// fetched into a copy that its backward reads; the schedule replays clean (transfers included);
+// the activations live at once drop, against the same plan with nothing offloaded.
+BOOST_AUTO_TEST_CASE(named_internals_are_offloaded) {
+  for (Gemms g : {Gemms::library, Gemms::halide}) {
+    const StagePolicies with = annotated(zoo_gated::model, selective);
+    StagePolicies without = with;
+    without.stage[1].selection.offloaded = 0;
+    const Plan a = make_plan(zoo_gated::model, with, 8, Precision::fp32, g);
+    const Plan b = make_plan(zoo_gated::model, without, 8, Precision::fp32, g);
+    for (Phase phase : {Phase::train, Phase::optimize, Phase::eval}) BOOST_TEST(check_schedule(a, phase) == "");
+    std::set<std::string> out, in;
+    std::size_t host_bytes = 0;
+    for (const Step &st : a.train) {
+      for (int t : st.offload) {
+        out.insert(str(a.tensors[t].name.view()));
+        host_bytes += align_up(a.tensors[t].bytes());
+      }
+      for (auto [host, into] : st.fetch) {
+        in.insert(str(a.tensors[host].name.view()));
+        // the restored copy is read by its own block's selective backward, and by nothing before it
+        int reader = -1;
+        for (int i = 0; i < int(a.train.size()) && reader < 0; ++i)
+          for (const Arg &arg : a.train[i].args)
+            if (arg.tensor == into) reader = i;
+        BOOST_TEST_REQUIRE(reader >= 0);
+        BOOST_TEST((a.train[reader].variant == Variant::backward_selective && a.train[reader].stage == 1 &&
+                    a.train[reader].block == a.tensors[host].block));
+      }
+    }
+    BOOST_TEST((out == std::set<std::string>{"s1.b0.h10", "s1.b1.h10", "s1.b2.h10"}), fmt_set(out));
+    BOOST_TEST(in == out, fmt_set(in));
+    BOOST_TEST(a.offload_bytes == host_bytes);
+    BOOST_TEST(b.offload_bytes == 0u);
+    BOOST_TEST(a.activation_bytes < b.activation_bytes);
   }
 }

@@ -5,7 +5,8 @@
 // 28, 14, 18); a second repeat stage of another kind (LayerNorm, GELU, dropout after the
 // activation and after the GEMM); an RMSNorm head without bias. Both repeat stages carry their own
 // policy: the first's selective kernels keep only the outputs named "rotated" and "gate" (so
-// they rebuild the attention, both RMSNorms and the gate / up GEMM), the second is checkpointed
+// they rebuild the attention, both RMSNorms and the gate / up GEMM), "gate" offloaded to host
+// memory between forward and backward (the CPU runs the copies), the second is checkpointed
 // every 2 blocks and its selective kernels rebuild the LayerNorm output.
 export module zoo_gated;
 import remat.language;
@@ -22,7 +23,7 @@ inline constexpr remat::Model model = remat::checked<remat::make_model(
                                                   remat::linear(width, width, remat::no_bias)),
                                   remat::residual(remat::rms_norm(), remat::linear(width, 2 * hidden, remat::no_bias),
                                                   remat::name("gate", remat::swiglu()), remat::linear(hidden, width, remat::no_bias))),
-                  remat::save_only_these_names("rotated", "gate")),
+                  remat::save_and_offload_only_these_names({"rotated"}, {"gate"})),
     remat::repeat(2, remat::residual(remat::layer_norm(), remat::linear(width, 18), remat::gelu(), remat::dropout(),
                                      remat::linear(18, width), remat::dropout()),
                   remat::every_n_layers(2) | remat::recompute_modules(remat::norm)),
