@@ -174,7 +174,7 @@ BOOST_AUTO_TEST_CASE(bad_flags_are_one_line_errors) {
   expect_one_line_error("--memory-budget 3XB", "--memory-budget 3XB");
   expect_one_line_error("--memory-budget 50% --checkpoint-policy full", "drop --checkpoint-policy");
   expect_one_line_error("--sweep", "--plan-report");
-  expect_one_line_error("--device cuda --offload --memory-budget 90%", "does not offload");
+  expect_one_line_error("--device cuda --offload --memory-budget 90%", "decides which checkpoints to offload");
 }
 
 // --memory-budget as a user runs it: every budget from the smallest plan's peak up trains with
