@@ -993,7 +993,7 @@ constexpr long long gcd(long long a, long long b) {
   return a;
 }
 
-// The fastest strategy whose peak is at most `budget` bytes: the dynamic program of Beaumont et
+// The fastest strategy within `budget` bytes that one table finds: the dynamic program of Beaumont et
 // al. over sub-problems (s, t) and the memory left m, in units of the greatest common divisor of
 // the chain's sizes (exact) or, where that makes the table too large for the chain's length, of
 // budget / max_slots (sizes rounded up: the plans found fit, a few near the budget may be missed).
@@ -1001,7 +1001,7 @@ constexpr long long gcd(long long a, long long b) {
 // host memory: then the sub-problem after it runs without it but for its last step (the fetch),
 // so the table keeps, per (s, t, m), the best time for each way unit s's last backward runs
 // (keep all, keep selective, recompute; the loss for s = n): that step's bytes are known.
-constexpr BudgetSolution fastest_within(const Chain &c, long long budget) {
+constexpr BudgetSolution fastest_within_one_table(const Chain &c, long long budget) {
   const int n = c.n();
   const std::vector<Link> &L = c.links;
   const long long avail = budget - c.persistent;
@@ -1015,7 +1015,10 @@ constexpr BudgetSolution fastest_within(const Chain &c, long long budget) {
       for (long long v : {l.saved[k], l.forward_temp[k], l.backward_temp[k]}) g = gcd(g, v);
   }
   if (g == 0) g = 1;
-  const double work = 3.0 * double(n + 1) * (n + 1) * (n + 3) / 6.0;
+  // classes of the last backward: three where a checkpoint can be offloaded, else one (the best)
+  const bool offloadable = std::ranges::any_of(L, [](const Link &l) { return l.offload_time >= 0; });
+  const int K = offloadable ? 3 : 1;
+  const double work = K * double(n + 1) * (n + 1) * (n + 3) / 6.0;
   const long long max_slots = std::clamp((long long)(2e7 / work), 32LL, 4096LL);
   long long unit = g;
   if (avail / unit > max_slots) unit = (avail + max_slots - 1) / max_slots;
@@ -1034,15 +1037,16 @@ constexpr BudgetSolution fastest_within(const Chain &c, long long budget) {
   // selective, 2 recompute, 3 loss, 4 + 2 v: checkpoint until v, 5 + 2 v: the same offloaded
   std::vector<double> cost, best_of;  // best_of: the least over k
   std::vector<int> choice;
-  cost.reserve(3 * cells);
-  choice.reserve(3 * cells);
+  cost.reserve(std::size_t(K) * cells);
+  choice.reserve(std::size_t(K) * cells);
   best_of.reserve(cells);
-  for (std::size_t i = 0; i < 3 * cells; ++i) {
+  for (std::size_t i = 0; i < std::size_t(K) * cells; ++i) {
     cost.push_back(inf);
     choice.push_back(-1);
   }
   for (std::size_t i = 0; i < cells; ++i) best_of.push_back(inf);
   auto idx = [&](int s, int t, long long m) { return std::size_t(s * (n + 1) + t) * width + std::size_t(m); };
+  auto at = [&](int s, int t, long long m, int k) { return std::size_t(K) * idx(s, t, m) + std::size_t(k % K); };
   // the last backward class of (v, t)'s best time within m, among those that allow offloading
   // the input of s (its fetch beside that step fits, and some step lies between)
   auto offload_after = [&](int s, int v, int t, long long m, int &k_out) {
@@ -1050,7 +1054,7 @@ constexpr BudgetSolution fastest_within(const Chain &c, long long budget) {
     for (int k = 0; k < 3; ++k) {
       const int steps = v < t ? 3 : v == n || k == 2 ? 1 : 2;  // (v, v): the loss, a recompute or keep's two
       if (!offload_helps(s, v, steps) || last_peak(u, v, k) + U[s].x > m) continue;
-      if (cost[3 * idx(v, t, m) + std::size_t(k)] < best) { best = cost[3 * idx(v, t, m) + std::size_t(k)]; k_out = k; }
+      if (cost[at(v, t, m, k)] < best) { best = cost[at(v, t, m, k)]; k_out = k; }
     }
     return best;
   };
@@ -1080,7 +1084,7 @@ constexpr BudgetSolution fastest_within(const Chain &c, long long budget) {
         double best[3] = {inf, inf, inf};
         int pick[3] = {-1, -1, -1};
         auto offer = [&](int k, double cand, int decision) {
-          if (cand < best[k]) { best[k] = cand; pick[k] = decision; }
+          if (cand < best[k % K]) { best[k % K] = cand; pick[k % K] = decision; }
         };
         if (s == n) {
           if (own_loss <= m) offer(0, L[n].forward_time[0], 3);
@@ -1092,35 +1096,35 @@ constexpr BudgetSolution fastest_within(const Chain &c, long long budget) {
             else if (m - held[k] >= 0) offer(k, keep_time[k] + best_of[idx(s + 1, t, m - held[k])], k);
           }
           for (int v = s + 1; v <= t; ++v) {
-            const double *again = &cost[3 * idx(s, v - 1, m)];
+            const double *again = &cost[at(s, v - 1, m, 0)];
             if (sweep[v - s - 1] <= m && m - U[s].x >= 0) {
               const double later = best_of[idx(v, t, m - U[s].x)];
-              for (int k = 0; k < 3; ++k) offer(k, sweep_time[v - s - 1] + later + again[k], 4 + 2 * v);
+              for (int k = 0; k < K; ++k) offer(k, sweep_time[v - s - 1] + later + again[k], 4 + 2 * v);
             }
             if (can_offload && sweep_offloaded[v - s - 1] <= m) {
               int k_later = 0;
               const double later = offload_after(s, v, t, m, k_later) + L[s].offload_time;
-              for (int k = 0; k < 3; ++k) offer(k, sweep_time[v - s - 1] + later + again[k], 5 + 2 * v);
+              for (int k = 0; k < K; ++k) offer(k, sweep_time[v - s - 1] + later + again[k], 5 + 2 * v);
             }
           }
         }
-        for (int k = 0; k < 3; ++k) {
-          cost[3 * idx(s, t, m) + std::size_t(k)] = best[k];
-          choice[3 * idx(s, t, m) + std::size_t(k)] = best[k] < inf ? pick[k] : -1;
+        for (int k = 0; k < K; ++k) {
+          cost[at(s, t, m, k)] = best[k];
+          choice[at(s, t, m, k)] = best[k] < inf ? pick[k] : -1;
           best_of[idx(s, t, m)] = std::min(best_of[idx(s, t, m)], best[k]);
         }
       }
     }
   auto best_class = [&](int s, int t, long long m) {
     int k = 0;
-    for (int j = 1; j < 3; ++j)
-      if (cost[3 * idx(s, t, m) + std::size_t(j)] < cost[3 * idx(s, t, m) + std::size_t(k)]) k = j;
+    for (int j = 1; j < K; ++j)
+      if (cost[at(s, t, m, j)] < cost[at(s, t, m, k)]) k = j;
     return k;
   };
   if (best_of[idx(0, n, M)] >= inf) return fail;
   Strategy st(n);
   auto rebuild = [&](auto &self, int s, int t, long long m, int k) -> void {
-    const int pick = choice[3 * idx(s, t, m) + std::size_t(k)];
+    const int pick = choice[at(s, t, m, k)];
     if (pick == 3) st.at(s, t) = {Decision::Op::loss};
     else if (pick == 2) st.at(s, t) = {Decision::Op::recompute};
     else if (pick < 2) {
@@ -1146,6 +1150,20 @@ constexpr BudgetSolution fastest_within(const Chain &c, long long budget) {
   rebuild(rebuild, 0, n, M, best_class(0, n, M));
   const Outcome o = evaluate(c, st, 0, n);
   return {st, true, c.persistent + o.peak, o.seconds, unit};
+}
+
+// The fastest strategy whose peak is at most `budget` bytes. Where offloading is an option its
+// table has three times the cells and, on a long chain, a coarser memory unit that can miss plans
+// a finer one finds: the strategy without offload (a table of its own) is solved too, and the
+// faster one kept, so that offering offload never makes a plan slower.
+constexpr BudgetSolution fastest_within(const Chain &c, long long budget) {
+  BudgetSolution best = fastest_within_one_table(c, budget);
+  if (std::ranges::none_of(c.links, [](const Link &l) { return l.offload_time >= 0; })) return best;
+  Chain on_device = c;
+  for (Link &l : on_device.links) l.offload_time = -1;
+  BudgetSolution kept = fastest_within_one_table(on_device, budget);
+  if (kept.feasible && (!best.feasible || kept.seconds < best.seconds)) best = std::move(kept);
+  return best;
 }
 
 // A plan, or why there is none (an infeasible memory budget).
@@ -1195,7 +1213,9 @@ constexpr Planned plan_for(const Model &m, const StagePolicies &policies, int ba
   if (budget->budget_percent > 0) bytes = (long long)build(lower(m, none)).peak_bytes * budget->budget_percent / 100;
   const Chain chain = chain_of(m, batch, precision, gemms, costs);
   Plan smallest = smallest_plan(m, policies, batch, precision, gemms);
-  if ((long long)smallest.peak_bytes > bytes)
+  // below the smallest plan that keeps its checkpoints on the device only offloading can fit
+  const bool offloadable = std::ranges::any_of(chain.links, [](const Link &l) { return l.offload_time >= 0; });
+  if ((long long)smallest.peak_bytes > bytes && !offloadable)
     return {{}, cat<Message>("remat: a memory budget of ", bytes, " bytes is infeasible at batch ", batch,
                              ": the smallest plan of this model needs ", (long long)smallest.peak_bytes, " bytes")};
   long long target = bytes;
@@ -1206,6 +1226,10 @@ constexpr Planned plan_for(const Model &m, const StagePolicies &policies, int ba
     if ((long long)plan.peak_bytes <= bytes) return {std::move(plan), {}};
     target -= (long long)plan.peak_bytes - bytes;
   }
+  if ((long long)smallest.peak_bytes > bytes)
+    return {{}, cat<Message>("remat: a memory budget of ", bytes, " bytes is infeasible at batch ", batch,
+                             ": the smallest plan of this model needs ", (long long)smallest.peak_bytes,
+                             " bytes (offloading checkpoints did not fit either)")};
   return {std::move(smallest), {}};
 }
 
