@@ -241,6 +241,21 @@ BOOST_AUTO_TEST_CASE(plan_report_shows_decisions_and_sweep) {
   BOOST_TEST(later.out.find("costs measured on") != std::string::npos, later.out);
 }
 
+// On a GPU the budget planner may offload checkpoints to pinned host memory: the plan report
+// (which needs no GPU) marks them; on the CPU, whose arena is host memory, the same budget
+// offloads nothing. Costs estimated (an empty table), so the plans do not depend on this machine.
+BOOST_AUTO_TEST_CASE(budget_plans_offload_on_a_gpu_only) {
+  const std::string table = (scratch_dir() / "no-costs.json").string();
+  const Result gpu = train_gpt("--device cuda --memory-budget 55% --plan-report --cost-table " + table);
+  BOOST_TEST_REQUIRE(gpu.exit_code == 0, gpu.err);
+  BOOST_TEST(gpu.out.find("forward_discard (offloads input)") != std::string::npos, gpu.out);
+  BOOST_TEST(gpu.out.find("waits in pinned host memory between forward and backward (offload)") != std::string::npos, gpu.out);
+  BOOST_TEST(gpu.out.find("B (2.0 MiB) of pinned host memory") != std::string::npos, gpu.out);
+  const Result cpu = train_gpt("--memory-budget 55% --plan-report --cost-table " + table);
+  BOOST_TEST_REQUIRE(cpu.exit_code == 0, cpu.err);
+  BOOST_TEST(cpu.out.find("offload") == std::string::npos, cpu.out);
+}
+
 // Without a GPU, --device cuda is one line naming why (before anything is allocated); with one,
 // a short run succeeds.
 // Without the CUDA toolkit at build time the error says the build has no CUDA support.
