@@ -547,17 +547,24 @@ struct Builder {
       return x;
     }
     const int r = add(plan.tensors[x]);
-    restored.push_back({r, x});
+    restored.push_back({r, original(x)});
     return r;
+  }
+  // The tensor whose host copy a restored copy came from (itself for others).
+  constexpr int original(int x) const {
+    for (auto [r, from] : restored)
+      if (r == x) return from;
+    return x;
   }
   // Offloads the internals of a forward that keeps them selectively and whose stage's policy names
   // them for offload (save_and_offload_only_these_names).
   constexpr void offload_named(const Unit &u, Keep keep, const std::vector<int> &kept) {
     if (keep != Keep::selective) return;
     const Selection &named = policies.stage[u.stage].selection;
-    for (int t : kept) {
-      const int layer = plan.tensors[t].layer;
-      if (layer >= 0 && named.offloads_tag(m.stages[u.stage].layers[layer].tag)) offload(t, int(plan.train.size()));
+    for (int t : kept) {  // the named layer's output; its row statistics (small) stay
+      const Tensor &x = plan.tensors[t];
+      if (x.layer >= 0 && x.kind == LocalTensor::Kind::activation && named.offloads_tag(m.stages[u.stage].layers[x.layer].tag))
+        offload(t, int(plan.train.size()));
     }
   }
   // After the schedule is built: place the frees, waits and fetches described above, and the
@@ -565,8 +572,10 @@ struct Builder {
   constexpr void schedule_transfers() {
     auto &train = plan.train;
     for (auto [x, at] : offloaded) {
-      train[at].offload.push_back(x);
       train[at].free.push_back(x);
+      // a restored copy offloaded again (a nested checkpoint): the host still holds the original
+      if (original(x) != x) continue;
+      train[at].offload.push_back(x);
       if (at + 1 < int(train.size())) train[at + 1].await_out.push_back(x);
       plan.tensors[x].host_offset = plan.offload_bytes;
       plan.offload_bytes += align_up(plan.tensors[x].bytes());
