@@ -808,6 +808,10 @@ struct Chain {
   std::vector<Link> links;  // the units, then the loss
   long long persistent = 0;  // parameters, gradients, moments, batch, metrics
   constexpr int n() const { return int(links.size()) - 1; }
+  // whether some checkpoint may wait in host memory (the costs carry a transfer rate)
+  constexpr bool offloadable() const {
+    return std::ranges::any_of(links, [](const Link &l) { return l.offload_time >= 0; });
+  }
 };
 
 constexpr Chain chain_of(const Model &m, int batch, Precision precision, Gemms gemms, const CostModel &costs = {}) {
@@ -1025,8 +1029,7 @@ constexpr BudgetSolution fastest_within_one_table(const Chain &c, long long budg
   }
   if (g == 0) g = 1;
   // classes of the last backward: three where a checkpoint can be offloaded, else one (the best)
-  const bool offloadable = std::ranges::any_of(L, [](const Link &l) { return l.offload_time >= 0; });
-  const int K = offloadable ? 3 : 1;
+  const int K = c.offloadable() ? 3 : 1;
   const double work = K * double(n + 1) * (n + 1) * (n + 3) / 6.0;
   const long long max_slots = std::clamp((long long)(2e7 / work), 32LL, 4096LL);
   long long unit = g;
@@ -1058,7 +1061,7 @@ constexpr BudgetSolution fastest_within_one_table(const Chain &c, long long budg
   auto at = [&](int s, int t, long long m, int k) { return std::size_t(K) * idx(s, t, m) + std::size_t(k % K); };
   // the last backward class of (v, t)'s best time within m, among those that allow offloading
   // the input of s (its fetch beside that step fits, and some step lies between)
-  auto offload_after = [&](int s, int v, int t, long long m, int &k_out) {
+  auto best_after_offload = [&](int s, int v, int t, long long m, int &k_out) {
     double best = inf;
     for (int k = 0; k < 3; ++k) {
       const int steps = v < t ? 3 : v == n || k == 2 ? 1 : 2;  // (v, v): the loss, a recompute or keep's two
@@ -1112,7 +1115,7 @@ constexpr BudgetSolution fastest_within_one_table(const Chain &c, long long budg
             }
             if (can_offload && sweep_offloaded[v - s - 1] <= m) {
               int k_later = 0;
-              const double later = offload_after(s, v, t, m, k_later) + L[s].offload_time;
+              const double later = best_after_offload(s, v, t, m, k_later) + L[s].offload_time;
               for (int k = 0; k < K; ++k) offer(k, sweep_time[v - s - 1] + later + again[k], 5 + 2 * v);
             }
           }
@@ -1148,7 +1151,7 @@ constexpr BudgetSolution fastest_within_one_table(const Chain &c, long long budg
       st.at(s, t) = {Decision::Op::checkpoint, Keep::all, v, offloaded};
       if (offloaded) {
         int k_later = 0;
-        offload_after(s, v, t, m, k_later);
+        best_after_offload(s, v, t, m, k_later);
         self(self, v, t, m, k_later);
       } else {
         self(self, v, t, m - U[s].x, best_class(v, t, m - U[s].x));
@@ -1167,7 +1170,7 @@ constexpr BudgetSolution fastest_within_one_table(const Chain &c, long long budg
 // faster one kept, so that offering offload never makes a plan slower.
 constexpr BudgetSolution fastest_within(const Chain &c, long long budget) {
   BudgetSolution best = fastest_within_one_table(c, budget);
-  if (std::ranges::none_of(c.links, [](const Link &l) { return l.offload_time >= 0; })) return best;
+  if (!c.offloadable()) return best;
   Chain on_device = c;
   for (Link &l : on_device.links) l.offload_time = -1;
   BudgetSolution kept = fastest_within_one_table(on_device, budget);
@@ -1223,8 +1226,7 @@ constexpr Planned plan_for(const Model &m, const StagePolicies &policies, int ba
   const Chain chain = chain_of(m, batch, precision, gemms, costs);
   Plan smallest = smallest_plan(m, policies, batch, precision, gemms);
   // below the smallest plan that keeps its checkpoints on the device only offloading can fit
-  const bool offloadable = std::ranges::any_of(chain.links, [](const Link &l) { return l.offload_time >= 0; });
-  if ((long long)smallest.peak_bytes > bytes && !offloadable)
+  if ((long long)smallest.peak_bytes > bytes && !chain.offloadable())
     return {{}, cat<Message>("remat: a memory budget of ", bytes, " bytes is infeasible at batch ", batch,
                              ": the smallest plan of this model needs ", (long long)smallest.peak_bytes, " bytes")};
   long long target = bytes;
