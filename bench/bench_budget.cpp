@@ -60,8 +60,10 @@ void bench(const ModelInfo &info, int rounds) {
   const CostModel costs = calibrate(info, Device::cpu, precision, batch, *data);
   const double calibrate_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const Plan none_plan = make_plan(m, none, batch, precision, gemms);
-  std::vector<std::pair<std::string, Policy>> uniform = {{"none", none}, {"selective", selective}, {"sqrt_n", sqrt_n}, {"full", full}};
-  for (int n = 2; n <= m.n_blocks(); ++n) uniform.push_back({fmt::format("every_n_layers={}", n), Policy{Policy::Kind::every_n_layers, n}});
+  std::vector<std::pair<std::string, Policy>> uniform = {
+      {"none", none}, {"selective", selective}, {"sqrt_n", sqrt_n}, {"full", full}};
+  for (int n = 2; n <= m.n_blocks(); ++n)
+    uniform.push_back({fmt::format("every_n_layers={}", n), Policy{Policy::Kind::every_n_layers, n}});
   // the engines: every uniform policy once, and the budget plans
   std::map<std::string, std::unique_ptr<Candidate>> engines;
   auto engine_for = [&](const std::string &name, Plan plan) -> Candidate & {
@@ -80,7 +82,8 @@ void bench(const ModelInfo &info, int rounds) {
   };
   std::vector<Row> rows;
   for (int percent : {30, 50, 70}) {
-    const long long budget = (long long)none_plan.peak_bytes - (long long)none_plan.activation_bytes * (100 - percent) / 100;
+    const long long budget =
+        (long long)none_plan.peak_bytes - (long long)none_plan.activation_bytes * (100 - percent) / 100;
     Row row{percent, budget, fmt::format("budget {}%", percent)};
     for (const auto &[name, p] : uniform) {
       Plan plan = make_plan(m, p, batch, precision, gemms);
@@ -102,9 +105,10 @@ void bench(const ModelInfo &info, int rounds) {
         throw std::runtime_error(fmt::format("{} {}: measured peak {} B, planned {} B", info.name, name,
                                              c->engine->arena.high_water(), c->engine->plan.peak_bytes));
     }
-  fmt::print("{}: batch {} ({} rows), fp32; none: peak {} B, activations {} B; kernel costs measured first ({:.1f} s); "
-             "median of {} interleaved steps (forward, backward, AdamW)\n",
-             info.name, batch, none_plan.rows, none_plan.peak_bytes, none_plan.activation_bytes, calibrate_s, rounds);
+  fmt::print(
+      "{}: batch {} ({} rows), fp32; none: peak {} B, activations {} B; kernel costs measured first ({:.1f} s); "
+      "median of {} interleaved steps (forward, backward, AdamW)\n",
+      info.name, batch, none_plan.rows, none_plan.peak_bytes, none_plan.activation_bytes, calibrate_s, rounds);
   fmt::print("{:<8} {:>12} {:>12} {:>10} {:>24} {:>10} {:>10} {:>8}\n", "act", "budget B", "plan peak", "budget ms",
              "best uniform that fits", "its ms", "its peak", "ratio");
   for (const Row &row : rows) {
@@ -117,12 +121,13 @@ void bench(const ModelInfo &info, int rounds) {
     }
     const double bms = median(b.ms);
     if (!best) {
-      fmt::print("{:<8} {:>12} {:>12} {:>10.1f} {:>24} {:>10} {:>10} {:>8}\n", fmt::format("{}%", row.percent), row.budget,
-                 b.engine->plan.peak_bytes, bms, "(none fits)", "", "", "");
+      fmt::print("{:<8} {:>12} {:>12} {:>10.1f} {:>24} {:>10} {:>10} {:>8}\n", fmt::format("{}%", row.percent),
+                 row.budget, b.engine->plan.peak_bytes, bms, "(none fits)", "", "", "");
       continue;
     }
-    fmt::print("{:<8} {:>12} {:>12} {:>10.1f} {:>24} {:>10.1f} {:>10} {:>8.3f}\n", fmt::format("{}%", row.percent), row.budget,
-               b.engine->plan.peak_bytes, bms, best->name, median(best->ms), best->engine->plan.peak_bytes, bms / median(best->ms));
+    fmt::print("{:<8} {:>12} {:>12} {:>10.1f} {:>24} {:>10.1f} {:>10} {:>8.3f}\n", fmt::format("{}%", row.percent),
+               row.budget, b.engine->plan.peak_bytes, bms, best->name, median(best->ms), best->engine->plan.peak_bytes,
+               bms / median(best->ms));
     fmt::print("ratio step(budget {}%)/step({}) = {:.3f}\n", row.percent, best->name, bms / median(best->ms));
   }
   for (const Row &row : rows) {
@@ -149,8 +154,10 @@ void solve_time() {
   const BudgetSolution least = least_memory(chain);
   const double least_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   const long long none_peak = (long long)make_plan(deep, none, batch, Precision::fp32, gemms).peak_bytes;
-  fmt::print("solve time, a chain of {} blocks ({} units with stem, head and loss): least_memory {:.1f} ms (peak {} B; none {} B)\n",
-             deep.n_blocks(), chain.links.size(), least_ms, least.peak, none_peak);
+  fmt::print(
+      "solve time, a chain of {} blocks ({} units with stem, head and loss): least_memory {:.1f} ms (peak {} B; none "
+      "{} B)\n",
+      deep.n_blocks(), chain.links.size(), least_ms, least.peak, none_peak);
   for (int percent : {25, 50, 75})
     for (const Chain *c : {&chain, &offloadable}) {
       const long long budget = least.peak + (none_peak - least.peak) * percent / 100;
@@ -159,10 +166,12 @@ void solve_time() {
       const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
       int offloaded = 0;
       for (const Decision &d : sol.strategy.table) offloaded += d.offload ? 1 : 0;
-      fmt::print("  budget {} B ({}% of the way to none){}: fastest_within {:.1f} ms, memory unit {} B ({} slots), feasible {}, "
-                 "predicted {:.1f} ms{}\n", budget, percent, c == &chain ? "" : ", offload an option", ms, sol.unit,
-                 (budget - c->persistent) / sol.unit, sol.feasible, sol.seconds * 1e3,
-                 c == &chain ? "" : fmt::format(", {} checkpoints offloaded", offloaded));
+      fmt::print(
+          "  budget {} B ({}% of the way to none){}: fastest_within {:.1f} ms, memory unit {} B ({} slots), feasible "
+          "{}, "
+          "predicted {:.1f} ms{}\n",
+          budget, percent, c == &chain ? "" : ", offload an option", ms, sol.unit, (budget - c->persistent) / sol.unit,
+          sol.feasible, sol.seconds * 1e3, c == &chain ? "" : fmt::format(", {} checkpoints offloaded", offloaded));
     }
 }
 
@@ -176,11 +185,21 @@ int main(int argc, char **argv) try {
   }
   fmt::print("bench-budget on {}\n", cpu());
   solve_time();
-  bench({.name = "gpt", .model = gpt::model, .default_policy = gpt::policy, .kernels = gpt_kernels::table,
-         .data = text_corpus, .default_data_dir = "/usr/share/games/fortunes", .default_batch = gpt::default_batch},
+  bench({.name = "gpt",
+         .model = gpt::model,
+         .default_policy = gpt::policy,
+         .kernels = gpt_kernels::table,
+         .data = text_corpus,
+         .default_data_dir = "/usr/share/games/fortunes",
+         .default_batch = gpt::default_batch},
         rounds);
-  bench({.name = "llama", .model = llama::model, .default_policy = llama::policy, .kernels = llama_kernels::table,
-         .data = text_corpus, .default_data_dir = "/usr/share/games/fortunes", .default_batch = llama::default_batch},
+  bench({.name = "llama",
+         .model = llama::model,
+         .default_policy = llama::policy,
+         .kernels = llama_kernels::table,
+         .data = text_corpus,
+         .default_data_dir = "/usr/share/games/fortunes",
+         .default_batch = llama::default_batch},
         rounds);
   return 0;
 } catch (const std::exception &e) {

@@ -34,7 +34,8 @@ void add_linear(std::vector<Shape> &to, const std::string &where, int rows, int 
   to.push_back({where + " dW", in, out, rows, true, false});
 }
 
-template <class F> double median_ms(F run, int reps) {
+template <class F>
+double median_ms(F run, int reps) {
   std::vector<double> ms;
   run();  // warm-up
   for (int r = 0; r < reps; ++r) {
@@ -52,7 +53,8 @@ int main(int argc, char **argv) {
   int reps = 20;
   bool json = false;
   for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--json")) json = true;
+    if (!std::strcmp(argv[i], "--json"))
+      json = true;
     else if ((reps = std::atoi(argv[i])) < 1) {
       std::fprintf(stderr, "usage: bench-gemm [REPETITIONS >= 1] [--json]\n");
       return 2;
@@ -61,26 +63,30 @@ int main(int argc, char **argv) {
   halide_do_par_for(nullptr, [](void *, int, std::uint8_t *) { return 0; }, 0, 256, nullptr);
   remat::gemm_warm_up();
   std::vector<Shape> shapes;
-  for (auto [name, in, out] : {std::tuple{"MLP stem", 784, 256}, {"MLP fc1", 256, 512}, {"MLP fc2", 512, 256},
-                               {"MLP head", 256, 10}})
+  for (auto [name, in, out] :
+       {std::tuple{"MLP stem", 784, 256}, {"MLP fc1", 256, 512}, {"MLP fc2", 512, 256}, {"MLP head", 256, 10}})
     add_linear(shapes, name, 256, in, out);
-  for (auto [name, in, out] : {std::tuple{"GPT qkv", 128, 384}, {"GPT attn proj", 128, 128}, {"GPT fc", 128, 512},
-                               {"GPT fc proj", 512, 128}, {"GPT head", 128, 128}})
+  for (auto [name, in, out] : {std::tuple{"GPT qkv", 128, 384},
+                               {"GPT attn proj", 128, 128},
+                               {"GPT fc", 128, 512},
+                               {"GPT fc proj", 512, 128},
+                               {"GPT head", 128, 128}})
     add_linear(shapes, name, 2048, in, out);
 
   const Halide::Target target(REMAT_CPU_TARGET);
   if (!json)
-    fmt::print("out[m, n] = op(a) op(b) over k, fp32, median of {} runs, {} threads; Halide schedule (pinned {}) at "
-               "forward shapes\n{:<20} {:>5} {:>5} {:>5} {:>9} {:>9} {:>11} {:>11}\n",
-               reps, remat::gemm_thread_count(), REMAT_CPU_TARGET, "shape", "m", "n", "k", "remat ms", "halide ms",
-               "remat GF/s", "halide GF/s");
+    fmt::print(
+        "out[m, n] = op(a) op(b) over k, fp32, median of {} runs, {} threads; Halide schedule (pinned {}) at "
+        "forward shapes\n{:<20} {:>5} {:>5} {:>5} {:>9} {:>9} {:>11} {:>11}\n",
+        reps, remat::gemm_thread_count(), REMAT_CPU_TARGET, "shape", "m", "n", "k", "remat ms", "halide ms",
+        "remat GF/s", "halide GF/s");
   nlohmann::json rows = nlohmann::json::array();
   std::mt19937 rng(1);
   std::uniform_real_distribution<float> u(-1, 1);
   for (const Shape &s : shapes) {
     // a[m, k] (or [k, m]), b[k, n] (or [n, k]), 64-byte aligned as arena tensors are
-    Halide::Buffer<float> a(s.trans_a ? s.m : s.k, s.trans_a ? s.k : s.m), b(s.trans_b ? s.k : s.n, s.trans_b ? s.n : s.k),
-        out(s.n, s.m), check(s.n, s.m);
+    Halide::Buffer<float> a(s.trans_a ? s.m : s.k, s.trans_a ? s.k : s.m),
+        b(s.trans_b ? s.k : s.n, s.trans_b ? s.n : s.k), out(s.n, s.m), check(s.n, s.m);
     a.for_each_value([&](float &x) { x = u(rng); });
     b.for_each_value([&](float &x) { x = u(rng); });
     remat::GemmCall g;
@@ -92,7 +98,8 @@ int main(int argc, char **argv) {
     for (int i = 0; i < s.m; i += 7)
       for (int j = 0; j < s.n; j += 5) {
         double sum = 0;
-        for (int p = 0; p < s.k; ++p) sum += double(s.trans_a ? a(i, p) : a(p, i)) * double(s.trans_b ? b(p, j) : b(j, p));
+        for (int p = 0; p < s.k; ++p)
+          sum += double(s.trans_a ? a(i, p) : a(p, i)) * double(s.trans_b ? b(p, j) : b(j, p));
         worst = std::max(worst, std::abs(sum - out(j, i)));
       }
     if (worst > 1e-3 * s.k) {
@@ -112,8 +119,14 @@ int main(int argc, char **argv) {
       halide_ms = median_ms([&] { p.realize(check); }, reps);
     }
     const double gflop = 2.0 * s.m * s.n * s.k / 1e9;
-    rows.push_back({{"shape", s.where}, {"m", s.m}, {"n", s.n}, {"k", s.k}, {"trans_a", s.trans_a}, {"trans_b", s.trans_b},
-                    {"remat_ms", remat_ms}, {"remat_gflops", gflop / (remat_ms / 1e3)},
+    rows.push_back({{"shape", s.where},
+                    {"m", s.m},
+                    {"n", s.n},
+                    {"k", s.k},
+                    {"trans_a", s.trans_a},
+                    {"trans_b", s.trans_b},
+                    {"remat_ms", remat_ms},
+                    {"remat_gflops", gflop / (remat_ms / 1e3)},
                     {"halide_ms", halide_ms ? nlohmann::json(halide_ms) : nlohmann::json()}});
     if (!json)
       fmt::print("{:<20} {:>5} {:>5} {:>5} {:>9.3f} {:>9} {:>11.1f} {:>11}\n", s.where, s.m, s.n, s.k, remat_ms,
@@ -121,8 +134,9 @@ int main(int argc, char **argv) {
                  halide_ms ? fmt::format("{:.1f}", gflop / (halide_ms / 1e3)) : "-");
   }
   if (json)
-    fmt::print("{}\n", nlohmann::json{{"threads", remat::gemm_thread_count()}, {"halide_target", REMAT_CPU_TARGET},
-                                      {"shapes", rows}}
-                           .dump());
+    fmt::print(
+        "{}\n",
+        nlohmann::json{{"threads", remat::gemm_thread_count()}, {"halide_target", REMAT_CPU_TARGET}, {"shapes", rows}}
+            .dump());
   return 0;
 }

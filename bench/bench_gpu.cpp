@@ -39,7 +39,8 @@ nlohmann::json run_policy(Policy p, int batch, int steps, Precision precision, d
   const Plan plan = make_plan(gpt2s::model, p, batch, precision, runtime::gemms_of(runtime::Device::cuda, precision));
   const std::size_t arena_bytes = std::max(plan.peak_bytes, plan.eval_peak_bytes);
   if (const std::size_t free_bytes = cuda::probe().free_bytes; arena_bytes > free_bytes) {
-    const std::string why = fmt::format("the plan needs {} B, more than the {} B of free device memory", arena_bytes, free_bytes);
+    const std::string why =
+        fmt::format("the plan needs {} B, more than the {} B of free device memory", arena_bytes, free_bytes);
     fmt::print("{:<18} skipped: {}\n", policy_name(p).view(), why);
     return {{"policy", std::string(policy_name(p).view())}, {"skipped", why}};
   }
@@ -74,13 +75,12 @@ nlohmann::json run_policy(Policy p, int batch, int steps, Precision precision, d
   if (p == none) base_rate = rate;
   fmt::print("{:<18} {:>10.0f} {:>9.2f} {:>16} {:>16} {:>8} {:>14.1f} {:>9}  {}\n", policy_name(p).view(), rate,
              base_rate > 0 ? rate / base_rate : 0.0, plan.peak_bytes, measured,
-             measured == plan.peak_bytes ? "yes" : "NO", plan.activation_bytes / 1048576.0,
-             plan.offload_bytes, grad_digest);
+             measured == plan.peak_bytes ? "yes" : "NO", plan.activation_bytes / 1048576.0, plan.offload_bytes,
+             grad_digest);
   nlohmann::json row{{"policy", std::string(policy_name(p).view())}, {"tokens_per_s", rate},
-                     {"planned_peak_bytes", plan.peak_bytes}, {"measured_peak_bytes", measured},
-                     {"peak_equal", measured == plan.peak_bytes},
-                     {"activation_bytes", plan.activation_bytes}, {"offload_bytes", plan.offload_bytes},
-                     {"grad_digest", grad_digest}};
+                     {"planned_peak_bytes", plan.peak_bytes},        {"measured_peak_bytes", measured},
+                     {"peak_equal", measured == plan.peak_bytes},    {"activation_bytes", plan.activation_bytes},
+                     {"offload_bytes", plan.offload_bytes},          {"grad_digest", grad_digest}};
   if (measured != plan.peak_bytes)  // a failure: the plan did not hold on the device
     row["error"] = fmt::format("measured peak {} B != planned peak {} B", measured, plan.peak_bytes);
   return row;
@@ -92,15 +92,24 @@ int main(int argc, char **argv) {
   int batch = 8, steps = 3;
   std::string out, precision_flag = "bf16";
   CLI::App app{"remat GPU benchmark: GPT-2-small shape under checkpoint policies"};
-  app.add_option("--precision", precision_flag, "bf16 (activations and GEMM operands) or fp32")->check(CLI::IsMember({"bf16", "fp32"}))->capture_default_str();
-  app.add_option("--batch-size", batch, "sequences of 1024 tokens per step")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--steps", steps, "timed steps per policy (after one warm-up step)")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--precision", precision_flag, "bf16 (activations and GEMM operands) or fp32")
+      ->check(CLI::IsMember({"bf16", "fp32"}))
+      ->capture_default_str();
+  app.add_option("--batch-size", batch, "sequences of 1024 tokens per step")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--steps", steps, "timed steps per policy (after one warm-up step)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--out", out, "write the rows as JSON here");
   CLI11_PARSE(app, argc, argv);
 
   const Precision precision = precision_flag == "bf16" ? Precision::bf16 : Precision::fp32;
-  nlohmann::json record{{"batch_size", batch}, {"block_size", gpt2s::block_size}, {"steps", steps},
-                        {"precision", std::string(precision_name(precision))}, {"rows", nlohmann::json::array()}};
+  nlohmann::json record{{"batch_size", batch},
+                        {"block_size", gpt2s::block_size},
+                        {"steps", steps},
+                        {"precision", std::string(precision_name(precision))},
+                        {"rows", nlohmann::json::array()}};
   // The JSON is written whatever happened, so that bench/torch_gpt2.py always finds it.
   auto finish = [&](int status) {
     std::fflush(stdout);
@@ -121,10 +130,11 @@ int main(int argc, char **argv) {
   }
   record["device"] = device.name;
   const Policy policies[] = {none, full, Policy{Policy::Kind::every_n_layers, 2}, selective, with_offload(full)};
-  fmt::print("remat on {} ({} MiB free): GPT-2-small shape, {} layers, {} wide, {} heads, T={}, vocab {}, batch {} "
-             "({} tokens/step), {}, {} timed steps\n",
-             device.name, device.free_bytes >> 20, gpt2s::n_layer, gpt2s::n_embd, gpt2s::n_head, gpt2s::block_size,
-             gpt2s::vocab, batch, (long long)batch * gpt2s::block_size, precision_name(precision), steps);
+  fmt::print(
+      "remat on {} ({} MiB free): GPT-2-small shape, {} layers, {} wide, {} heads, T={}, vocab {}, batch {} "
+      "({} tokens/step), {}, {} timed steps\n",
+      device.name, device.free_bytes >> 20, gpt2s::n_layer, gpt2s::n_embd, gpt2s::n_head, gpt2s::block_size,
+      gpt2s::vocab, batch, (long long)batch * gpt2s::block_size, precision_name(precision), steps);
   fmt::print("{:<18} {:>10} {:>9} {:>16} {:>16} {:>8} {:>14} {:>9}  {}\n", "policy", "tokens/s", "vs none",
              "planned peak B", "measured peak B", "equal", "activations MiB", "offload", "grad digest");
   int status = 0;

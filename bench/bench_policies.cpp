@@ -1,6 +1,6 @@
 // Step time and memory of the example models under every checkpoint policy (and the GPT's in
-// bf16 too), measured in one run, with the ratios against fp32 `none` side by side. Policies are interleaved round by round so that
-// machine noise hits all of them alike; the figure per policy is the median step.
+// bf16 too), measured in one run, with the ratios against fp32 `none` side by side. Policies are interleaved round by
+// round so that machine noise hits all of them alike; the figure per policy is the median step.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -44,16 +44,17 @@ struct Case {
   std::size_t measured_peak = 0;
 };
 
-void bench(const char *title, const char *name, const Model &model, std::span<const runtime::Kernel> kernels,
-           int batch, int rounds, const std::vector<Config> &configs) {
+void bench(const char *title, const char *name, const Model &model, std::span<const runtime::Kernel> kernels, int batch,
+           int rounds, const std::vector<Config> &configs) {
   std::vector<std::unique_ptr<Case>> cases;
   std::mt19937_64 rng(1);
   std::uniform_real_distribution<float> u(0.f, 1.f);
   for (const Config &config : configs) {
     auto c = std::make_unique<Case>();
     c->config = config;
-    c->engine = std::make_unique<runtime::Engine>(
-        make_plan(model, config.policy, batch, config.precision, runtime::gemms_of(runtime::Device::cpu, config.precision)), name, kernels);
+    c->engine = std::make_unique<runtime::Engine>(make_plan(model, config.policy, batch, config.precision,
+                                                            runtime::gemms_of(runtime::Device::cpu, config.precision)),
+                                                  name, kernels);
     c->plan = &c->engine->plan;
     c->arena = &c->engine->arena;
     c->scalars = &c->engine->scalars;
@@ -79,10 +80,15 @@ void bench(const char *title, const char *name, const Model &model, std::span<co
       c->ex->run(Executor::Phase::train);
       c->ex->run(Executor::Phase::optimize);
       const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-      if (r == 0) c->measured_peak = c->arena->high_water();  // round 0 is warm-up
-      else c->ms.push_back(ms);
+      if (r == 0)
+        c->measured_peak = c->arena->high_water();  // round 0 is warm-up
+      else
+        c->ms.push_back(ms);
     }
-  auto median = [](std::vector<double> v) { std::ranges::sort(v); return v[v.size() / 2]; };
+  auto median = [](std::vector<double> v) {
+    std::ranges::sort(v);
+    return v[v.size() / 2];
+  };
   const double base_ms = median(cases[0]->ms), base_act = double(cases[0]->plan->activation_bytes);
   fmt::print("{}, batch {} ({} rows); median of {} interleaved steps (forward, backward, AdamW)\n", title, batch,
              cases[0]->plan->rows, rounds);
@@ -101,8 +107,8 @@ void bench(const char *title, const char *name, const Model &model, std::span<co
   fmt::print("\n");
   for (auto &c : cases)
     if (c->measured_peak != c->plan->peak_bytes)
-      throw std::runtime_error(fmt::format("{} {}: measured peak {} B, planned {} B", name, c->config.name(), c->measured_peak,
-                                           c->plan->peak_bytes));
+      throw std::runtime_error(fmt::format("{} {}: measured peak {} B, planned {} B", name, c->config.name(),
+                                           c->measured_peak, c->plan->peak_bytes));
 }
 
 }  // namespace
@@ -115,11 +121,20 @@ int main(int argc, char **argv) try {
   }
   const Policy every_2{Policy::Kind::every_n_layers, 2};
   bench(fmt::format("MLP: {} blocks, width {}, hidden {}", mlp::blocks, mlp::width, mlp::hidden).c_str(), "mlp",
-        mlp::model, mlp_kernels::table, 256, rounds, {{none}, {selective}, {every_2}, {sqrt_n}, {full}, {none, Precision::bf16}});
-  bench(fmt::format("GPT: {} blocks, {} wide, {} heads, T = {}", gpt::n_layer, gpt::n_embd, gpt::n_head, gpt::block_size).c_str(),
-        "gpt", gpt::model, gpt_kernels::table, gpt::default_batch, rounds,
-        {{none}, {selective}, {every_2}, {sqrt_n}, {full}, {none, Precision::bf16}, {selective, Precision::bf16},
-         {full, Precision::bf16}});
+        mlp::model, mlp_kernels::table, 256, rounds,
+        {{none}, {selective}, {every_2}, {sqrt_n}, {full}, {none, Precision::bf16}});
+  bench(
+      fmt::format("GPT: {} blocks, {} wide, {} heads, T = {}", gpt::n_layer, gpt::n_embd, gpt::n_head, gpt::block_size)
+          .c_str(),
+      "gpt", gpt::model, gpt_kernels::table, gpt::default_batch, rounds,
+      {{none},
+       {selective},
+       {every_2},
+       {sqrt_n},
+       {full},
+       {none, Precision::bf16},
+       {selective, Precision::bf16},
+       {full, Precision::bf16}});
   return 0;
 } catch (const std::exception &e) {
   std::fprintf(stderr, "bench-policies: %s\n", e.what());

@@ -19,7 +19,8 @@ export namespace remat {
 // ---------------------------------------------------------------------------------------------
 // Names: short fixed strings usable in constant expressions (kernel argument names, messages).
 // ---------------------------------------------------------------------------------------------
-template <std::size_t Capacity> struct Text {
+template <std::size_t Capacity>
+struct Text {
   std::array<char, Capacity> chars{};
   int length = 0;
 
@@ -31,15 +32,24 @@ template <std::size_t Capacity> struct Text {
     return *this;
   }
   constexpr Text &append(long long v) {
-    if (v < 0) { append("-"); v = -v; }
+    if (v < 0) {
+      append("-");
+      v = -v;
+    }
     char digits[24]{};
     int n = 0;
-    do { digits[n++] = char('0' + v % 10); v /= 10; } while (v > 0);
+    do {
+      digits[n++] = char('0' + v % 10);
+      v /= 10;
+    } while (v > 0);
     while (n > 0) append(std::string_view(&digits[--n], 1));
     return *this;
   }
   constexpr Text &append(int v) { return append((long long)v); }
-  template <std::size_t M> constexpr Text &append(const Text<M> &t) { return append(t.view()); }
+  template <std::size_t M>
+  constexpr Text &append(const Text<M> &t) {
+    return append(t.view());
+  }
   constexpr std::string_view view() const { return {chars.data(), std::size_t(length)}; }
   constexpr const char *data() const { return chars.data(); }
   constexpr int size() const { return length; }
@@ -51,7 +61,8 @@ using Name = Text<40>;      // tensor and kernel names
 using Message = Text<200>;  // diagnostics
 using Tag = Text<24>;       // a layer's name for its output tensor (remat::name)
 
-template <class Out = Name, class... Parts> constexpr Out cat(Parts... parts) {
+template <class Out = Name, class... Parts>
+constexpr Out cat(Parts... parts) {
   Out n;
   (n.append(parts), ...);
   return n;
@@ -61,7 +72,18 @@ template <class Out = Name, class... Parts> constexpr Out cat(Parts... parts) {
 // Layers and their kinds
 // ---------------------------------------------------------------------------------------------
 enum class Op : std::uint8_t {
-  linear, layer_norm, rms_norm, gelu, relu, swiglu, dropout, rope, attention, embedding, residual_begin, residual_end
+  linear,
+  layer_norm,
+  rms_norm,
+  gelu,
+  relu,
+  swiglu,
+  dropout,
+  rope,
+  attention,
+  embedding,
+  residual_begin,
+  residual_end
 };
 inline constexpr int n_ops = 12;
 
@@ -107,9 +129,9 @@ enum class When : std::uint8_t { always, with_bias, with_input_grad };
 struct TensorRule {
   std::string_view stem, suffix;  // empty stem: no tensor
   int dims = 1;
-  std::array<Dim, 2> extent{};    // extent[0] is the innermost (contiguous) dimension
-  Init init = Init::zeros;        // parameters
-  bool decay = false;             // parameters: AdamW weight decay applies
+  std::array<Dim, 2> extent{};  // extent[0] is the innermost (contiguous) dimension
+  Init init = Init::zeros;      // parameters
+  bool decay = false;           // parameters: AdamW weight decay applies
   When when = When::always;
 };
 using TensorRules = std::array<TensorRule, 2>;
@@ -137,9 +159,9 @@ struct Kind {
   // is rebuilt elementwise where it is read (unless the planner buffers it for a GEMM).
   bool buffered = false;
   bool recomputed_by_selective = false;  // what Megatron-style selective recomputes in backward
-  bool gemm = false;        // y = x w (+ b): GEMM weight copies, starts an epilogue chain
-  bool chain_link = false;  // elementwise on its source, continues an epilogue chain (dropout, residual sum)
-  bool draws_masks = false; // reads the dropout counters (seed, step, block)
+  bool gemm = false;                     // y = x w (+ b): GEMM weight copies, starts an epilogue chain
+  bool chain_link = false;   // elementwise on its source, continues an epilogue chain (dropout, residual sum)
+  bool draws_masks = false;  // reads the dropout counters (seed, step, block)
   bool repeatable = true;
   Module module = Module::none;
   TensorRules params{};     // parameters, their gradients g<k>_<suffix>
@@ -153,7 +175,8 @@ struct Kind {
 
 namespace kinds {
 constexpr Message keeps_width(Layer &l, const ShapeContext &c) {
-  if (l.in != 0 && l.in != c.width) return cat<Message>("declared for width ", l.in, " but the stack carries ", c.width);
+  if (l.in != 0 && l.in != c.width)
+    return cat<Message>("declared for width ", l.in, " but the stack carries ", c.width);
   l.in = l.out = c.width;
   return {};
 }
@@ -174,8 +197,8 @@ constexpr Message rope_shape(Layer &l, const ShapeContext &c) {
     return cat<Message>("rope(", l.heads, ", ", l.kv_heads, ") needs heads >= 1 and kv_heads dividing them");
   const int parts = l.heads + 2 * l.kv_heads;
   if (c.width % parts != 0 || (c.width / parts) % 2 != 0)
-    return cat<Message>("expects [q | k | v] of ", l.heads, " + 2 x ", l.kv_heads, " heads of an even width but the stack carries ",
-                        c.width);
+    return cat<Message>("expects [q | k | v] of ", l.heads, " + 2 x ", l.kv_heads,
+                        " heads of an even width but the stack carries ", c.width);
   l.in = l.out = c.width;
   l.block_size = c.block_size;
   return {};
@@ -197,7 +220,8 @@ constexpr Message attention_shape(Layer &l, const ShapeContext &c) {
     if (l.kv_heads < 1 || l.heads % l.kv_heads != 0)
       return cat<Message>(l.kv_heads, " kv_heads do not divide the ", l.heads, " heads");
     if (c.width % (l.heads + 2 * l.kv_heads) != 0)
-      return cat<Message>("expects fused q, k, v of ", l.heads, " + 2 x ", l.kv_heads, " heads but the stack carries ", c.width);
+      return cat<Message>("expects fused q, k, v of ", l.heads, " + 2 x ", l.kv_heads, " heads but the stack carries ",
+                          c.width);
   }
   l.in = c.width;
   l.out = c.width / (l.heads + 2 * l.kv_heads) * l.heads;
@@ -216,25 +240,50 @@ constexpr TensorRule head_statistic(std::string_view stem, std::string_view suff
 }
 
 inline constexpr std::array<Kind, n_ops> table = {{
-    {.op = Op::linear, .name = "linear", .infer = linear_shape, .reads_input = true, .buffered = true, .gemm = true,
+    {.op = Op::linear,
+     .name = "linear",
+     .infer = linear_shape,
+     .reads_input = true,
+     .buffered = true,
+     .gemm = true,
      // w [K, O] row-major (y = x w + b), b [O]
      .module = Module::projection,
      .params = {{{"p", "_w", 2, {Dim::out, Dim::in}, Init::uniform_fan_in, true},
                  {"p", "_b", 1, {Dim::out, Dim::none}, Init::zeros, false, When::with_bias}}},
-     .flops = gemm_flops, .backward_flops = 2},  // dx and dW
-    {.op = Op::layer_norm, .name = "layer_norm", .infer = keeps_width, .reads_input = true, .module = Module::norm,
-     .params = {{{"p", "_w", 1, {Dim::out, Dim::none}, Init::ones}, {"p", "_b", 1, {Dim::out, Dim::none}, Init::zeros}}},
+     .flops = gemm_flops,
+     .backward_flops = 2},  // dx and dW
+    {.op = Op::layer_norm,
+     .name = "layer_norm",
+     .infer = keeps_width,
+     .reads_input = true,
+     .module = Module::norm,
+     .params = {{{"p", "_w", 1, {Dim::out, Dim::none}, Init::ones},
+                 {"p", "_b", 1, {Dim::out, Dim::none}, Init::zeros}}},
      .stats = {{row_statistic("mean"), row_statistic("rstd")}},
      .workspace = {{row_statistic("s", "_1", When::with_input_grad), row_statistic("s", "_2", When::with_input_grad)}}},
-    {.op = Op::rms_norm, .name = "rms_norm", .infer = keeps_width, .reads_input = true, .module = Module::norm,
+    {.op = Op::rms_norm,
+     .name = "rms_norm",
+     .infer = keeps_width,
+     .reads_input = true,
+     .module = Module::norm,
      .params = {{{"p", "_w", 1, {Dim::out, Dim::none}, Init::ones}}},
      .stats = {{row_statistic("rstd")}},
      .workspace = {{row_statistic("s", "_1", When::with_input_grad)}}},
-    {.op = Op::gelu, .name = "gelu", .infer = keeps_width, .reads_input = true, .buffered = true,
-     .recomputed_by_selective = true, .module = Module::activation},
+    {.op = Op::gelu,
+     .name = "gelu",
+     .infer = keeps_width,
+     .reads_input = true,
+     .buffered = true,
+     .recomputed_by_selective = true,
+     .module = Module::activation},
     {.op = Op::relu, .name = "relu", .infer = keeps_width, .reads_input = true, .module = Module::activation},
-    {.op = Op::swiglu, .name = "swiglu", .infer = halves_width, .reads_input = true, .buffered = true,
-     .recomputed_by_selective = true, .module = Module::activation},
+    {.op = Op::swiglu,
+     .name = "swiglu",
+     .infer = halves_width,
+     .reads_input = true,
+     .buffered = true,
+     .recomputed_by_selective = true,
+     .module = Module::activation},
     // Inverted dropout: the mask is a counter-based hash of (seed, step, block, element), so a
     // recompute draws the same mask without saving it.
     {.op = Op::dropout, .name = "dropout", .infer = keeps_width, .chain_link = true, .draws_masks = true},
@@ -242,23 +291,37 @@ inline constexpr std::array<Kind, n_ops> table = {{
     // backward (the inverse rotation) reads nothing; its output is buffered, and the attention
     // after it reads that.
     {.op = Op::rope, .name = "rope", .infer = rope_shape, .buffered = true, .module = Module::rope},
-    {.op = Op::attention, .name = "causal_self_attention", .infer = attention_shape, .reads_input = true,
-     .reads_output = true, .buffered = true, .recomputed_by_selective = true, .draws_masks = true, .module = Module::core_attn,
-     .stats = {{head_statistic("att", "_lse")}}, .workspace = {{head_statistic("att", "_delta")}},
+    {.op = Op::attention,
+     .name = "causal_self_attention",
+     .infer = attention_shape,
+     .reads_input = true,
+     .reads_output = true,
+     .buffered = true,
+     .recomputed_by_selective = true,
+     .draws_masks = true,
+     .module = Module::core_attn,
+     .stats = {{head_statistic("att", "_lse")}},
+     .workspace = {{head_statistic("att", "_delta")}},
      // backward rebuilds p and forms dp, dv, dq and dk: 5 products of the forward's 2
-     .flops = attention_flops, .backward_flops = 2.5},
+     .flops = attention_flops,
+     .backward_flops = 2.5},
     // token table [V, C], positions [T, C]
-    {.op = Op::embedding, .name = "embedding", .infer = embedding_shape, .repeatable = false,
+    {.op = Op::embedding,
+     .name = "embedding",
+     .infer = embedding_shape,
+     .repeatable = false,
      .params = {{{"p", "_w", 2, {Dim::out, Dim::vocab}, Init::uniform_fan_in},
                  {"p", "_b", 2, {Dim::out, Dim::block_size}, Init::uniform_fan_in, false, When::with_bias}}}},
     {.op = Op::residual_begin, .name = "residual(", .infer = keeps_width},
     {.op = Op::residual_end, .name = "residual sum", .infer = keeps_width, .chain_link = true},
 }};
-static_assert([] {
-  for (int i = 0; i < n_ops; ++i)
-    if (int(table[i].op) != i) return false;
-  return true;
-}(), "remat: the kinds table is indexed by Op");
+static_assert(
+    [] {
+      for (int i = 0; i < n_ops; ++i)
+        if (int(table[i].op) != i) return false;
+      return true;
+    }(),
+    "remat: the kinds table is indexed by Op");
 }  // namespace kinds
 
 constexpr const Kind &kind(Op op) { return kinds::table[std::size_t(op)]; }
@@ -266,7 +329,8 @@ constexpr std::string_view op_name(Op op) { return kind(op).name; }
 // Whether a tensor rule applies to layer l (a bias only when the linear has one).
 constexpr bool present(const TensorRule &r, const Layer &l, bool input_grad = true) {
   if (r.stem.empty()) return false;
-  return r.when == When::always || (r.when == When::with_bias && l.bias) || (r.when == When::with_input_grad && input_grad);
+  return r.when == When::always || (r.when == When::with_bias && l.bias) ||
+         (r.when == When::with_input_grad && input_grad);
 }
 
 constexpr Layer linear(int in, int out) { return {Op::linear, in, out}; }
@@ -384,7 +448,8 @@ constexpr Policy budget_percent(int percent) {
 }
 
 // Selective blocks keep only the outputs of the layers named so (JAX's save_only_these_names).
-template <class... Names> constexpr Policy save_only_these_names(Names... names) {
+template <class... Names>
+constexpr Policy save_only_these_names(Names... names) {
   static_assert(sizeof...(names) <= max_policy_names, "remat: save_only_these_names takes at most 6 names");
   Policy p{.selective = true};
   p.selection.rule = Selection::Rule::names;
@@ -410,7 +475,8 @@ constexpr Policy save_and_offload_only_these_names(std::initializer_list<const c
 }
 // Selective blocks rebuild the outputs of these modules and keep the rest (Megatron's
 // recompute_modules: core_attn, layernorm -> norm, mlp's activation -> activation).
-template <class... Modules> constexpr Policy recompute_modules(Modules... modules) {
+template <class... Modules>
+constexpr Policy recompute_modules(Modules... modules) {
   Policy p{.selective = true};
   p.selection.rule = Selection::Rule::modules;
   ((p.selection.modules |= std::uint8_t(1u << unsigned(Module(modules)))), ...);
@@ -450,8 +516,10 @@ constexpr Message policy_name(const Policy &p) {
   case Policy::Kind::sqrt_n: out.append("sqrt_n"); break;
   case Policy::Kind::budget:
     out.append("budget=");
-    if (p.budget_percent > 0) out.append(p.budget_percent).append("%");
-    else out.append(p.budget_bytes).append("B");
+    if (p.budget_percent > 0)
+      out.append(p.budget_percent).append("%");
+    else
+      out.append(p.budget_bytes).append("B");
     break;
   }
   if (p.selective) {
@@ -460,18 +528,27 @@ constexpr Message policy_name(const Policy &p) {
     if (s.rule == Selection::Rule::names) {
       out.append("(save:");
       for (int i = 0, first = 1; i < s.n_names; ++i)
-        if (!((s.offloaded >> i) & 1u)) { out.append(first ? "" : ",").append(s.names[i]); first = 0; }
+        if (!((s.offloaded >> i) & 1u)) {
+          out.append(first ? "" : ",").append(s.names[i]);
+          first = 0;
+        }
       if (s.offloaded) {
         out.append(";offload:");
         for (int i = 0, first = 1; i < s.n_names; ++i)
-          if ((s.offloaded >> i) & 1u) { out.append(first ? "" : ",").append(s.names[i]); first = 0; }
+          if ((s.offloaded >> i) & 1u) {
+            out.append(first ? "" : ",").append(s.names[i]);
+            first = 0;
+          }
       }
       out.append(")");
     } else if (s.rule == Selection::Rule::modules) {
       constexpr std::string_view names[] = {"none", "core_attn", "activation", "norm", "projection", "rope"};
       out.append("(recompute:");
       for (int m = 0, first = 1; m < 6; ++m)
-        if (s.modules & (1u << m)) { out.append(first ? "" : ",").append(names[m]); first = 0; }
+        if (s.modules & (1u << m)) {
+          out.append(first ? "" : ",").append(names[m]);
+          first = 0;
+        }
       out.append(")");
     }
   }
@@ -496,8 +573,10 @@ struct Block {
   constexpr int in() const { return layers[0].in; }
   constexpr int out() const { return layers[n_layers - 1].out; }
   constexpr void push(const Layer &l) {
-    if (n_layers == max_block_layers) ++overflow;
-    else layers[n_layers++] = l;
+    if (n_layers == max_block_layers)
+      ++overflow;
+    else
+      layers[n_layers++] = l;
   }
   // The layer whose output is layer k's input; -1: the block input. residual( is transparent.
   constexpr int source(int k) const {
@@ -527,7 +606,8 @@ constexpr Block chain_one(Block acc, const Layer &l) {
   return acc;
 }
 // residual(f...) computes x + f(x).
-template <class... L> constexpr Block residual(L... layers) {
+template <class... L>
+constexpr Block residual(L... layers) {
   Block b;
   b.push({Op::residual_begin});
   (b.push(layers), ...);
@@ -536,7 +616,8 @@ template <class... L> constexpr Block residual(L... layers) {
 }
 // Blocks and layers one after the other, as one block (e.g. a transformer block: two residual
 // branches; or plain layers, a block without a residual).
-template <class... B> constexpr Block chain(B... blocks) {
+template <class... B>
+constexpr Block chain(B... blocks) {
   Block out;
   ((out = chain_one(out, blocks)), ...);
   return out;
@@ -591,11 +672,17 @@ constexpr bool selective_recomputes(const Block &b, int j) {
 }
 
 // Model inputs: feature rows, or token ids with `block_size` rows per sequence.
-struct Input { int width = 0; int vocab = 0; int block_size = 0; };
+struct Input {
+  int width = 0;
+  int vocab = 0;
+  int block_size = 0;
+};
 constexpr Input input(int width) { return {width}; }
 constexpr Input tokens(int vocab, int block_size) { return {1, vocab == 0 ? -1 : vocab, block_size}; }
 
-struct Loss { int classes = 0; };
+struct Loss {
+  int classes = 0;
+};
 constexpr Loss softmax_cross_entropy(int classes = 0) { return {classes}; }
 
 inline constexpr int max_stages = 6;
@@ -625,7 +712,10 @@ namespace remat::detail {
 constexpr void add(Model &m, Input in) { m.input = in; }
 constexpr void add(Model &m, Loss l) { m.loss = l; }
 constexpr void add(Model &m, Block b) {
-  if (m.n_stages == max_stages) { ++m.stage_overflow; return; }
+  if (m.n_stages == max_stages) {
+    ++m.stage_overflow;
+    return;
+  }
   m.stages[m.n_stages++] = b;
 }
 constexpr void add(Model &m, Layer l) {  // consecutive loose layers form one stage
@@ -641,7 +731,8 @@ constexpr void add(Model &m, Layer l) {  // consecutive loose layers form one st
 
 export namespace remat {
 
-template <class... Parts> constexpr Model make_model(Parts... parts) {
+template <class... Parts>
+constexpr Model make_model(Parts... parts) {
   Model m;
   (detail::add(m, parts), ...);
   return m;
@@ -688,8 +779,7 @@ constexpr Checked check(Model m) {
       if (wrong.size() > 0) return fail(cat<Message>(where, ": ", wrong));
       if (m.token_input() && first && l.op != Op::embedding)
         return fail("a token model starts with embedding(vocab, width)");
-      if (!kd.repeatable && b.repeat > 1)
-        return fail(cat<Message>(where, ": cannot be repeated"));
+      if (!kd.repeatable && b.repeat > 1) return fail(cat<Message>(where, ": cannot be repeated"));
       if (kd.reads_output && k + 1 == b.n_layers)
         return fail(cat<Message>(where, ": cannot end a block (its backward reads its output)"));
       width = l.out;
@@ -702,7 +792,8 @@ constexpr Checked check(Model m) {
       const Policy &p = b.policy;
       if (p.kind == Policy::Kind::budget)
         return fail(cat<Message>("stage ", s, ": a memory budget is the whole model's policy, not a stage's"));
-      const std::string_view rule = p.selection.offloaded ? "save_and_offload_only_these_names" : "save_only_these_names";
+      const std::string_view rule =
+          p.selection.offloaded ? "save_and_offload_only_these_names" : "save_only_these_names";
       for (int i = 0; i < p.selection.n_names; ++i) {
         const Tag &t = p.selection.names[i];
         const std::string_view what = (p.selection.offloaded >> i) & 1u ? "offload" : "save";
@@ -716,8 +807,9 @@ constexpr Checked check(Model m) {
       }
     }
     if (b.repeat > 1 && width != block_in)
-      return fail(cat<Message>("stage ", s, ": repeat(", b.repeat, ", ...) needs a block that keeps its width, but it maps ",
-                               block_in, " features to ", width));
+      return fail(cat<Message>("stage ", s, ": repeat(", b.repeat,
+                               ", ...) needs a block that keeps its width, but it maps ", block_in, " features to ",
+                               width));
   }
   if (m.loss.classes == 0) m.loss.classes = width;
   if (m.loss.classes != width)
@@ -726,7 +818,8 @@ constexpr Checked check(Model m) {
 }
 
 // A model that failed check() does not compile; the message names the layer and the widths.
-template <Model M> consteval Model checked() {
+template <Model M>
+consteval Model checked() {
   constexpr Checked c = check(M);
   static_assert(c.ok(), c.error);
   return c.model;

@@ -15,7 +15,9 @@ export namespace remat {
 
 // A segment [first, last] of consecutive blocks that keeps only the input of `first`; backward
 // rebuilds the segment's internals from it. Blocks outside every segment keep their internals.
-struct Segment { int first, last; };
+struct Segment {
+  int first, last;
+};
 
 constexpr int ceil_sqrt(int n) {
   int r = 0;
@@ -86,14 +88,17 @@ constexpr Message policies_name(const Model &m, const StagePolicies &ps) {
   bool same = true;
   for (int s = 0; s < m.n_stages; ++s)
     if (m.stages[s].checkpointable) {
-      if (first < 0) first = s;
-      else same = same && ps.stage[s] == ps.stage[first];
+      if (first < 0)
+        first = s;
+      else
+        same = same && ps.stage[s] == ps.stage[first];
     }
   if (first < 0) return policy_name(ps.stage[0]);
   if (same) return policy_name(ps.stage[first]);
   Message out;
   for (int s = 0; s < m.n_stages; ++s)
-    if (m.stages[s].checkpointable) out.append(out.size() ? "," : "").append("s").append(s).append(":").append(policy_name(ps.stage[s]));
+    if (m.stages[s].checkpointable)
+      out.append(out.size() ? "," : "").append("s").append(s).append(":").append(policy_name(ps.stage[s]));
   return out;
 }
 
@@ -132,7 +137,9 @@ struct Strategy {
 };
 
 // One unit of the chain: stage, block within it, whether its stage is a repeat stage.
-struct Unit { int stage, block, index, rng; };
+struct Unit {
+  int stage, block, index, rng;
+};
 constexpr std::vector<Unit> units_of(const Model &m) {
   std::vector<Unit> units;
   int index = 0;  // counts the blocks of repeat stages (-1 for the others)
@@ -181,14 +188,17 @@ constexpr Strategy lower(const Model &m, const StagePolicies &ps) {
 }
 
 enum class Role : std::uint8_t {
-  params, grads, adam_m, adam_v,  // flat, persistent; per-layer tensors are views into them
-  data,                           // batch inputs and labels, persistent
-  block_input,                    // a block's input kept for its backward (or the next block)
-  internal,                       // an internal saved for backward
-  recomputed,                     // an internal rebuilt or discarded within one kernel call
-  gradient,                       // gradient flowing between blocks
-  scratch,                        // short-lived workspace of one backward kernel
-  metrics,                        // per-row loss and correctness, persistent
+  params,
+  grads,
+  adam_m,
+  adam_v,       // flat, persistent; per-layer tensors are views into them
+  data,         // batch inputs and labels, persistent
+  block_input,  // a block's input kept for its backward (or the next block)
+  internal,     // an internal saved for backward
+  recomputed,   // an internal rebuilt or discarded within one kernel call
+  gradient,     // gradient flowing between blocks
+  scratch,      // short-lived workspace of one backward kernel
+  metrics,      // per-row loss and correctness, persistent
 };
 
 // Tensors that hold values from outside the schedule (parameters, optimizer state, the batch,
@@ -198,19 +208,17 @@ constexpr bool persistent(Role r) {
          r == Role::metrics;
 }
 
-constexpr bool is_activation(Role r) {
-  return r == Role::block_input || r == Role::internal || r == Role::recomputed;
-}
+constexpr bool is_activation(Role r) { return r == Role::block_input || r == Role::internal || r == Role::recomputed; }
 
 struct Tensor {
-  Name name;        // s<stage>.b<block>.<local> (eval.<...> for evaluation) or a global name; a
-                    // segment replay's rebuilt copies reuse the names of the originals
+  Name name;  // s<stage>.b<block>.<local> (eval.<...> for evaluation) or a global name; a
+              // segment replay's rebuilt copies reuse the names of the originals
   Role role{};
   int dims = 1;
   std::array<long long, 2> extent{};
   int elem_bytes = 4;
-  int view_of = -1;           // for views: the root tensor and the byte offset inside it
-  std::size_t offset = 0;     // roots: arena offset; views: offset inside the root
+  int view_of = -1;             // for views: the root tensor and the byte offset inside it
+  std::size_t offset = 0;       // roots: arena offset; views: offset inside the root
   std::size_t host_offset = 0;  // offloaded tensors: offset in the pinned host buffer
   // Where it comes from, for reports: its block, the layer that makes it, its name there (the
   // kernel argument's: h3, rstd2, y, p0_w), what it holds, and for a saved internal the layer
@@ -227,7 +235,6 @@ struct Tensor {
   }
 };
 
-
 // A buffer argument of a kernel call, bound to a tensor of the plan.
 struct Arg {
   Name name;   // the kernel argument's name (for messages: the executor binds by position)
@@ -238,9 +245,9 @@ struct Arg {
 struct Step {
   int stage = -1;
   Variant variant{};
-  int block = 0;           // index of the block within its stage
-  int rng_block = 0;       // dropout counter key of this block (unique per block of the model)
-  bool recompute = false;  // runs forward work a second time
+  int block = 0;             // index of the block within its stage
+  int rng_block = 0;         // dropout counter key of this block (unique per block of the model)
+  bool recompute = false;    // runs forward work a second time
   bool weight_decay = true;  // adamw: whether this range of parameters is decayed
   double flops = 0;          // kernel_flops of this call
   // The kernel's arguments in its signature's order: its scalars (values the executor supplies),
@@ -262,24 +269,24 @@ struct Step {
 inline constexpr std::size_t arena_alignment = 64;
 
 struct Plan {
-  Policy policy{};         // the policy asked for (a per-stage choice: its first repeat stage's)
+  Policy policy{};           // the policy asked for (a per-stage choice: its first repeat stage's)
   StagePolicies policies{};  // each stage's
   Message policy_label{};    // policies_name
   Strategy strategy{};       // what every block does (lower(policies), or the budget's solution)
   Precision precision{};
   Gemms gemms{};
-  int batch = 0;               // samples per micro-batch
-  long long rows = 0;          // rows per micro-batch: samples x rows per sample
+  int batch = 0;       // samples per micro-batch
+  long long rows = 0;  // rows per micro-batch: samples x rows per sample
   std::vector<Tensor> tensors;
-  std::vector<Step> train;     // one micro-batch: forward, loss, backward
-  std::vector<Step> optimize;  // AdamW over the flat parameters
-  std::vector<Step> eval;      // forward-discard of every stage, then the loss kernel
-  std::size_t peak_bytes = 0;         // arena size: the highest byte any live tensor reaches
-  std::size_t activation_bytes = 0;   // most activation bytes live at once during training
+  std::vector<Step> train;           // one micro-batch: forward, loss, backward
+  std::vector<Step> optimize;        // AdamW over the flat parameters
+  std::vector<Step> eval;            // forward-discard of every stage, then the loss kernel
+  std::size_t peak_bytes = 0;        // arena size: the highest byte any live tensor reaches
+  std::size_t activation_bytes = 0;  // most activation bytes live at once during training
   std::size_t eval_peak_bytes = 0;
-  std::size_t offload_bytes = 0;      // pinned host buffer for offloaded checkpoints
-  long long param_count = 0;         // parameters (the flat buffers also hold alignment padding)
-  int recompute_launches = 0;         // kernels per micro-batch that recompute forward work
+  std::size_t offload_bytes = 0;  // pinned host buffer for offloaded checkpoints
+  long long param_count = 0;      // parameters (the flat buffers also hold alignment padding)
+  int recompute_launches = 0;     // kernels per micro-batch that recompute forward work
   int total_launches = 0;
 
   constexpr int find(std::string_view name) const {
@@ -295,9 +302,7 @@ struct Plan {
 };
 
 // Arena offsets and sizes are multiples of arena_alignment.
-constexpr std::size_t align_up(std::size_t v) {
-  return (v + arena_alignment - 1) / arena_alignment * arena_alignment;
-}
+constexpr std::size_t align_up(std::size_t v) { return (v + arena_alignment - 1) / arena_alignment * arena_alignment; }
 
 }  // namespace remat
 
@@ -320,8 +325,7 @@ struct Placer {
 
   constexpr void alloc(int t) {
     std::vector<int> order = live;
-    std::sort(order.begin(), order.end(),
-              [&](int a, int b) { return tensors[a].offset < tensors[b].offset; });
+    std::sort(order.begin(), order.end(), [&](int a, int b) { return tensors[a].offset < tensors[b].offset; });
     std::size_t at = 0;
     const std::size_t need = tensors[t].bytes();
     for (int o : order) {
@@ -374,7 +378,8 @@ struct Builder {
   }
   // The step's arguments, in its kernel's signature order: scalars recorded, each buffer bound to
   // the tensor bind(arg) returns.
-  template <class Bind> constexpr void bind(Step &st, Bind bind) {
+  template <class Bind>
+  constexpr void bind(Step &st, Bind bind) {
     for (const KernelArg &a : signature(m, st.stage, st.variant, precision, gemms)) {
       if (a.is_scalar()) {
         st.scalars.push_back(a.scalar);
@@ -419,7 +424,10 @@ struct Builder {
       for (int s = 0; s < m.n_stages; ++s)
         for (int b = 0; b < m.stages[s].repeat; ++b)
           for (int i = 0; const LocalTensor &lt : params(m.stages[s])) {
-            if (lt.decay != decayed) { ++i; continue; }
+            if (lt.decay != decayed) {
+              ++i;
+              continue;
+            }
             const int p = local(s, b, Role::params, lt);
             slots = (slots + slot_alignment - 1) / slot_alignment * slot_alignment;
             plan.tensors[p].view_of = params_root;
@@ -452,8 +460,7 @@ struct Builder {
   }
 
   // Forward of one block. Returns the output tensor; the kept internals go to *kept with `role`.
-  constexpr int forward(std::vector<Step> &out, const Unit &u, int x, Keep keep, Role role,
-                        std::vector<int> *kept) {
+  constexpr int forward(std::vector<Step> &out, const Unit &u, int x, Keep keep, Role role, std::vector<int> *kept) {
     Step st = step(u.stage, forward_variant(keep), u.block, u.rng);
     int y = -1, n_params = 0;
     bind(st, [&](const KernelArg &a) {
@@ -477,8 +484,8 @@ struct Builder {
 
   // Backward of one block: consumes dy, produces dx (unless it is the model's first stage).
   // `kept`: what its forward saved, in the order of the signature's saved arguments.
-  constexpr int backward(std::vector<Step> &out, const Unit &u, int x, int dy,
-                         const std::vector<int> &kept, Keep keep) {
+  constexpr int backward(std::vector<Step> &out, const Unit &u, int x, int dy, const std::vector<int> &kept,
+                         Keep keep) {
     Step st = step(u.stage, backward_variant(keep), u.block, u.rng);
     st.recompute = keep != Keep::all;
     int dx = -1, n_params = 0, n_prev = 0, n_grads = 0, n_saved = 0;
@@ -563,7 +570,8 @@ struct Builder {
     const Selection &named = policies.stage[u.stage].selection;
     for (int t : kept) {  // the named layer's output; its row statistics (small) stay
       const Tensor &x = plan.tensors[t];
-      if (x.layer >= 0 && x.kind == LocalTensor::Kind::activation && named.offloads_tag(m.stages[u.stage].layers[x.layer].tag))
+      if (x.layer >= 0 && x.kind == LocalTensor::Kind::activation &&
+          named.offloads_tag(m.stages[u.stage].layers[x.layer].tag))
         offload(t, int(plan.train.size()));
     }
   }
@@ -629,8 +637,10 @@ struct Builder {
       const int y = forward_call(units[s], x, d.keep, again, &kept);
       offload_named(units[s], d.keep, kept);
       int dy_s = dy;
-      if (s < t) dy_s = solve(s + 1, t, y, dy, again);
-      else train.back().free.push_back(y);  // the gradient of its output is given: y has no reader
+      if (s < t)
+        dy_s = solve(s + 1, t, y, dy, again);
+      else
+        train.back().free.push_back(y);  // the gradient of its output is given: y has no reader
       check_kernel(units[s], backward_variant(d.keep));
       const int dx = backward(train, units[s], x, dy_s, kept, d.keep);
       free_activation(train.back(), x);
@@ -641,8 +651,10 @@ struct Builder {
       int z = x;
       for (int j = s; j < d.until; ++j) {
         const int y = forward_call(units[j], z, Keep::nothing, again, nullptr);
-        if (j > s) free_activation(train.back(), z);
-        else if (d.offload && plan.tensors[x].role != Role::data) offload(x, int(train.size()) - 1);
+        if (j > s)
+          free_activation(train.back(), z);
+        else if (d.offload && plan.tensors[x].role != Role::data)
+          offload(x, int(train.size()) - 1);
         z = y;
       }
       const int d_until = solve(d.until, t, z, dy, again);
@@ -659,7 +671,10 @@ struct Builder {
     n_rows = (long long)batch * m.rows_per_sample();
     make_params();
     inputs = m.token_input() ? add({"inputs", Role::data, 1, {n_rows, 0}})
-                             : add({"inputs", Role::data, 2, {m.input.width, n_rows},
+                             : add({"inputs",
+                                    Role::data,
+                                    2,
+                                    {m.input.width, n_rows},
                                     element_bytes(rows("inputs", m.input.width), precision)});
     labels = add({"labels", Role::data, 1, {n_rows, 0}});
     const char *metric_names[4] = {"row_loss", "row_correct", "row_max", "row_lse"};
@@ -694,7 +709,8 @@ struct Builder {
       Step st = step(-1, Variant::adamw, decayed ? 0 : 1, 0);
       st.weight_decay = decayed;
       int views[4]{};  // p, g, m, v over [begin, end)
-      for (auto [i, name, root] : {std::tuple{0, "p", params_root}, {1, "g", grads_root}, {2, "m", m_root}, {3, "v", v_root}}) {
+      for (auto [i, name, root] :
+           {std::tuple{0, "p", params_root}, {1, "g", grads_root}, {2, "m", m_root}, {3, "v", v_root}}) {
         Tensor view{cat(name, decayed ? "_decayed" : "_plain"), plan.tensors[root].role, 1, {end - begin, 0}};
         view.view_of = root;
         view.offset = std::size_t(begin) * 4;
@@ -732,9 +748,8 @@ struct Builder {
       std::size_t act = 0, act_peak = 0;
       for (int t = 0; t < int(plan.tensors.size()); ++t) {
         const Role r = plan.tensors[t].role;
-        if (plan.tensors[t].view_of < 0 &&
-            (r == Role::params || r == Role::grads || r == Role::adam_m || r == Role::adam_v ||
-             r == Role::data || r == Role::metrics))
+        if (plan.tensors[t].view_of < 0 && (r == Role::params || r == Role::grads || r == Role::adam_m ||
+                                            r == Role::adam_v || r == Role::data || r == Role::metrics))
           pl.alloc(t);
       }
       for (const Step &st : steps) {
@@ -794,9 +809,9 @@ struct CostModel {
 // tensor aligned), per Keep (all, selective, nothing).
 struct Link {
   int stage = -1;
-  long long x = 0;   // its input (0: the batch, which is persistent)
-  long long y = 0;   // its output
-  long long dx = 0;  // its input's gradient (0: none); for the loss, the logits' gradient
+  long long x = 0;                           // its input (0: the batch, which is persistent)
+  long long y = 0;                           // its output
+  long long dx = 0;                          // its input's gradient (0: none); for the loss, the logits' gradient
   std::array<long long, 3> saved{};          // internals its forward keeps
   std::array<long long, 3> forward_temp{};   // a forward's short-lived tensors (scratch, workspace)
   std::array<long long, 3> backward_temp{};  // a backward's ([nothing]: the fused recompute's)
@@ -805,7 +820,7 @@ struct Link {
   double offload_time = -1;   // seconds to copy its input out and back (< 0: not offloaded)
 };
 struct Chain {
-  std::vector<Link> links;  // the units, then the loss
+  std::vector<Link> links;   // the units, then the loss
   long long persistent = 0;  // parameters, gradients, moments, batch, metrics
   constexpr int n() const { return int(links.size()) - 1; }
   // whether some checkpoint may wait in host memory (the costs carry a transfer rate)
@@ -949,9 +964,9 @@ constexpr Outcome evaluate(const Chain &c, const Strategy &st, int s, int t) {
 struct BudgetSolution {
   Strategy strategy{};
   bool feasible = false;
-  long long peak = 0;    // persistent + evaluate(...).peak: the plan's peak when placement leaves no holes
-  double seconds = 0;    // predicted forward + loss + backward time
-  long long unit = 1;    // the table's memory unit in bytes (sizes are rounded up to it)
+  long long peak = 0;  // persistent + evaluate(...).peak: the plan's peak when placement leaves no holes
+  double seconds = 0;  // predicted forward + loss + backward time
+  long long unit = 1;  // the table's memory unit in bytes (sizes are rounded up to it)
 };
 
 // The strategy of least peak (ties: least time), exactly: a peak composes by max and +, so the
@@ -969,7 +984,10 @@ constexpr BudgetSolution least_memory(const Chain &c) {
       Outcome o{-1, 0};
       Decision pick;
       auto offer = [&](Outcome cand, Decision dec) {
-        if (o.peak < 0 || cand.peak < o.peak || (cand.peak == o.peak && cand.seconds < o.seconds)) { o = cand; pick = dec; }
+        if (o.peak < 0 || cand.peak < o.peak || (cand.peak == o.peak && cand.seconds < o.seconds)) {
+          o = cand;
+          pick = dec;
+        }
       };
       if (s == n) {
         offer({loss_peak(c), L[n].forward_time[0]}, {Decision::Op::loss});
@@ -1002,7 +1020,11 @@ constexpr BudgetSolution least_memory(const Chain &c) {
 }
 
 constexpr long long gcd(long long a, long long b) {
-  while (b) { const long long r = a % b; a = b; b = r; }
+  while (b) {
+    const long long r = a % b;
+    a = b;
+    b = r;
+  }
   return a;
 }
 
@@ -1066,7 +1088,10 @@ constexpr BudgetSolution fastest_within_one_table(const Chain &c, long long budg
     for (int k = 0; k < 3; ++k) {
       const int steps = v < t ? 3 : v == n || k == 2 ? 1 : 2;  // (v, v): the loss, a recompute or keep's two
       if (!offload_helps(s, v, steps) || last_peak(u, v, k) + U[s].x > m) continue;
-      if (cost[at(v, t, m, k)] < best) { best = cost[at(v, t, m, k)]; k_out = k; }
+      if (cost[at(v, t, m, k)] < best) {
+        best = cost[at(v, t, m, k)];
+        k_out = k;
+      }
     }
     return best;
   };
@@ -1088,7 +1113,8 @@ constexpr BudgetSolution fastest_within_one_table(const Chain &c, long long budg
       for (int v = s + 1; v <= t; ++v) {
         const long long at = sweep_peak(u, s, t, v - 1);
         sweep.push_back(std::max(sweep.empty() ? 0 : sweep.back(), at));
-        sweep_offloaded.push_back(std::max(sweep_offloaded.empty() ? 0 : sweep_offloaded.back(), v - 1 > s ? at - U[s].x : at));
+        sweep_offloaded.push_back(
+            std::max(sweep_offloaded.empty() ? 0 : sweep_offloaded.back(), v - 1 > s ? at - U[s].x : at));
         sweep_time.push_back((sweep_time.empty() ? 0 : sweep_time.back()) + L[v - 1].forward_time[2]);
       }
       const long long own_recompute = s < n ? recompute_peak(u, s, t) : 0, own_loss = loss_peak(u);
@@ -1096,7 +1122,10 @@ constexpr BudgetSolution fastest_within_one_table(const Chain &c, long long budg
         double best[3] = {inf, inf, inf};
         int pick[3] = {-1, -1, -1};
         auto offer = [&](int k, double cand, int decision) {
-          if (cand < best[k % K]) { best[k % K] = cand; pick[k % K] = decision; }
+          if (cand < best[k % K]) {
+            best[k % K] = cand;
+            pick[k % K] = decision;
+          }
         };
         if (s == n) {
           if (own_loss <= m) offer(0, L[n].forward_time[0], 3);
@@ -1104,8 +1133,10 @@ constexpr BudgetSolution fastest_within_one_table(const Chain &c, long long budg
           if (s == t && L[s].can[2] && own_recompute <= m) offer(2, L[s].backward_time[2], 2);
           for (int k = 0; k < 2; ++k) {
             if (!L[s].can[k] || keep_steps[k] > m) continue;
-            if (s == t) offer(k, keep_time[k], k);
-            else if (m - held[k] >= 0) offer(k, keep_time[k] + best_of[idx(s + 1, t, m - held[k])], k);
+            if (s == t)
+              offer(k, keep_time[k], k);
+            else if (m - held[k] >= 0)
+              offer(k, keep_time[k] + best_of[idx(s + 1, t, m - held[k])], k);
           }
           for (int v = s + 1; v <= t; ++v) {
             const double *again = &cost[at(s, v - 1, m, 0)];
@@ -1137,8 +1168,10 @@ constexpr BudgetSolution fastest_within_one_table(const Chain &c, long long budg
   Strategy st(n);
   auto rebuild = [&](auto &self, int s, int t, long long m, int k) -> void {
     const int pick = choice[at(s, t, m, k)];
-    if (pick == 3) st.at(s, t) = {Decision::Op::loss};
-    else if (pick == 2) st.at(s, t) = {Decision::Op::recompute};
+    if (pick == 3)
+      st.at(s, t) = {Decision::Op::loss};
+    else if (pick == 2)
+      st.at(s, t) = {Decision::Op::recompute};
     else if (pick < 2) {
       st.at(s, t) = {Decision::Op::keep, Keep(pick)};
       if (s < t) {
@@ -1190,8 +1223,8 @@ struct Planned {
 // for one chosen by a flag. A budget policy is solved by fastest_within with `costs`; if the
 // arena's placement of that plan leaves holes that lift its peak past the budget, the budget is
 // solved again that much smaller. The GEMM choice must be the kernels' (gemms_for).
-constexpr Plan plan_of(const Model &m, const StagePolicies &policies, const Strategy &st, int batch, Precision precision,
-                       Gemms gemms) {
+constexpr Plan plan_of(const Model &m, const StagePolicies &policies, const Strategy &st, int batch,
+                       Precision precision, Gemms gemms) {
   detail::Builder builder{m, policies, st, batch, precision, gemms};
   builder.build();
   Plan plan = std::move(builder.plan);
@@ -1204,20 +1237,24 @@ constexpr Plan plan_of(const Model &m, const StagePolicies &policies, const Stra
 
 // The plan of least peak: least_memory's strategy, unless the arena's placement (first fit, which
 // can leave holes of a few KiB) makes one of the fixed policies' smaller.
-constexpr Plan smallest_plan(const Model &m, const StagePolicies &policies, int batch, Precision precision, Gemms gemms) {
-  Plan best = plan_of(m, policies, least_memory(chain_of(m, batch, precision, gemms)).strategy, batch, precision, gemms);
+constexpr Plan smallest_plan(const Model &m, const StagePolicies &policies, int batch, Precision precision,
+                             Gemms gemms) {
+  Plan best =
+      plan_of(m, policies, least_memory(chain_of(m, batch, precision, gemms)).strategy, batch, precision, gemms);
   for (const Policy &p : {full, none, sqrt_n}) {
     Plan other = plan_of(m, policies, lower(m, p), batch, precision, gemms);
     if (other.peak_bytes < best.peak_bytes) best = std::move(other);
   }
   return best;
 }
-constexpr Plan smallest_plan(const Model &m, int batch, Precision precision = Precision::fp32, Gemms gemms = Gemms::halide) {
+constexpr Plan smallest_plan(const Model &m, int batch, Precision precision = Precision::fp32,
+                             Gemms gemms = Gemms::halide) {
   return smallest_plan(m, StagePolicies{}, batch, precision, gemms);
 }
 
-constexpr Planned plan_for(const Model &m, const StagePolicies &policies, int batch, Precision precision = Precision::fp32,
-                           Gemms gemms = Gemms::halide, const CostModel &costs = {}) {
+constexpr Planned plan_for(const Model &m, const StagePolicies &policies, int batch,
+                           Precision precision = Precision::fp32, Gemms gemms = Gemms::halide,
+                           const CostModel &costs = {}) {
   auto build = [&](const Strategy &st) { return plan_of(m, policies, st, batch, precision, gemms); };
   const Policy *budget = budget_of(m, policies);
   if (!budget) return {build(lower(m, policies)), {}};
@@ -1227,8 +1264,9 @@ constexpr Planned plan_for(const Model &m, const StagePolicies &policies, int ba
   Plan smallest = smallest_plan(m, policies, batch, precision, gemms);
   // below the smallest plan that keeps its checkpoints on the device only offloading can fit
   if ((long long)smallest.peak_bytes > bytes && !chain.offloadable())
-    return {{}, cat<Message>("remat: a memory budget of ", bytes, " bytes is infeasible at batch ", batch,
-                             ": the smallest plan of this model needs ", (long long)smallest.peak_bytes, " bytes")};
+    return {{},
+            cat<Message>("remat: a memory budget of ", bytes, " bytes is infeasible at batch ", batch,
+                         ": the smallest plan of this model needs ", (long long)smallest.peak_bytes, " bytes")};
   long long target = bytes;
   for (int attempt = 0; attempt < 4; ++attempt) {
     const BudgetSolution sol = fastest_within(chain, target);
@@ -1238,14 +1276,16 @@ constexpr Planned plan_for(const Model &m, const StagePolicies &policies, int ba
     target -= (long long)plan.peak_bytes - bytes;
   }
   if ((long long)smallest.peak_bytes > bytes)
-    return {{}, cat<Message>("remat: a memory budget of ", bytes, " bytes is infeasible at batch ", batch,
-                             ": the smallest plan of this model needs ", (long long)smallest.peak_bytes,
-                             " bytes (offloading checkpoints did not fit either)")};
+    return {{},
+            cat<Message>("remat: a memory budget of ", bytes, " bytes is infeasible at batch ", batch,
+                         ": the smallest plan of this model needs ", (long long)smallest.peak_bytes,
+                         " bytes (offloading checkpoints did not fit either)")};
   return {std::move(smallest), {}};
 }
 
-constexpr Plan make_plan(const Model &m, const StagePolicies &policies, int batch, Precision precision = Precision::fp32,
-                         Gemms gemms = Gemms::halide, const CostModel &costs = {}) {
+constexpr Plan make_plan(const Model &m, const StagePolicies &policies, int batch,
+                         Precision precision = Precision::fp32, Gemms gemms = Gemms::halide,
+                         const CostModel &costs = {}) {
   Planned p = plan_for(m, policies, batch, precision, gemms, costs);
   if (!p.ok()) throw "remat planner: the memory budget is infeasible (plan_for says by how much)";
   return std::move(p.plan);

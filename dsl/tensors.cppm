@@ -18,7 +18,6 @@ export namespace remat {
 // model's first, and the first too when it is repeated (its later blocks feed each other).
 constexpr bool needs_input_grad(const Model &m, int stage) { return stage > 0 || m.stages[0].repeat > 1; }
 
-
 // What a block's forward keeps for its backward.
 enum class Keep : std::uint8_t {
   all,        // everything backward reads
@@ -50,7 +49,7 @@ struct LocalTensor {
   int layer = -1;               // the layer that produces it (-1: none)
   bool decay = false;           // parameters: AdamW weight decay applies
   Kind kind = Kind::activation;
-  Init init = Init::zeros;      // parameters: how the trainer starts them
+  Init init = Init::zeros;  // parameters: how the trainer starts them
   constexpr long long elements(long long rows) const {
     long long n = 1;
     for (int d = 0; d < dims; ++d) n *= extent[d] < 0 ? rows : extent[d];
@@ -165,8 +164,7 @@ constexpr bool materialized(const Block &b, int j, Gemms g = Gemms::halide) {
 constexpr bool saved(const Block &b, int j, Keep keep, Gemms g = Gemms::halide) {
   switch (keep) {
   case Keep::all: return read_by_backward(b, j);
-  case Keep::selective:
-    return read_by_backward(b, j) && materialized(b, j, g) && !selective_recomputes(b, j);
+  case Keep::selective: return read_by_backward(b, j) && materialized(b, j, g) && !selective_recomputes(b, j);
   case Keep::nothing: return false;
   }
   return false;
@@ -201,8 +199,10 @@ constexpr KernelTensors forward_tensors(const Block &b, Keep keep, Gemms g = Gem
   KernelTensors t;
   for (int j = 0; j < b.n_layers; ++j) {
     if (is_internal(b, j)) {
-      if (saved(b, j, keep, g)) t.saved.push_back(output_of(b, j));
-      else if (materialized(b, j, g)) t.scratch.push_back(output_of(b, j));
+      if (saved(b, j, keep, g))
+        t.saved.push_back(output_of(b, j));
+      else if (materialized(b, j, g))
+        t.scratch.push_back(output_of(b, j));
     }
     for (const LocalTensor &st : stats_of(b, j)) (keep == Keep::nothing ? t.scratch : t.saved).push_back(st);
     add_parameter_copies(t.workspace, b, j, g, p);
@@ -253,7 +253,8 @@ constexpr KernelTensors backward_tensors(const Block &b, Keep keep, bool needs_i
     if (is_internal(b, j)) t.workspace.push_back(rows(cat("dh", j), l.out, j));
     add_tensors(t.workspace, kind(l.op).workspace, b, j, LocalTensor::Kind::statistic, grad_in);
     add_parameter_copies(t.workspace, b, j, g, p);
-    if (kind(l.op).gemm && grad_in && g == Gemms::halide) t.workspace.push_back({cat("p", j, "_wt"), 2, {l.in, l.out}, j});
+    if (kind(l.op).gemm && grad_in && g == Gemms::halide)
+      t.workspace.push_back({cat("p", j, "_wt"), 2, {l.in, l.out}, j});
     if (product_buffer(b, j, g) && grad_in) t.workspace.push_back(product_of(b, j));
   }
   return t;
@@ -261,7 +262,8 @@ constexpr KernelTensors backward_tensors(const Block &b, Keep keep, bool needs_i
 
 constexpr std::vector<LocalTensor> params(const Block &b) {
   std::vector<LocalTensor> out;
-  for (int k = 0; k < b.n_layers; ++k) add_tensors(out, kind(b.layers[k].op).params, b, k, LocalTensor::Kind::parameter);
+  for (int k = 0; k < b.n_layers; ++k)
+    add_tensors(out, kind(b.layers[k].op).params, b, k, LocalTensor::Kind::parameter);
   return out;
 }
 
@@ -326,10 +328,14 @@ constexpr std::string_view variant_name(Variant v) {
 }
 
 constexpr Variant forward_variant(Keep k) {
-  return k == Keep::all ? Variant::forward_save : k == Keep::selective ? Variant::forward_selective : Variant::forward_discard;
+  return k == Keep::all         ? Variant::forward_save
+         : k == Keep::selective ? Variant::forward_selective
+                                : Variant::forward_discard;
 }
 constexpr Variant backward_variant(Keep k) {
-  return k == Keep::all ? Variant::backward_saved : k == Keep::selective ? Variant::backward_selective : Variant::backward_recompute;
+  return k == Keep::all         ? Variant::backward_saved
+         : k == Keep::selective ? Variant::backward_selective
+                                : Variant::backward_recompute;
 }
 
 // Kernel symbol: <model>_s<stage>_<variant>, <model>_loss, <model>_adamw, with a _bf16 suffix
@@ -370,40 +376,58 @@ enum class ArgRole : std::uint8_t {
 };
 
 enum class Scalar : std::uint8_t {
-  accumulate, grad_scale, lr, beta1, beta2, eps, weight_decay, bias1, bias2,
-  seed, step, rng_block, drop_threshold, drop_scale,
+  accumulate,
+  grad_scale,
+  lr,
+  beta1,
+  beta2,
+  eps,
+  weight_decay,
+  bias1,
+  bias2,
+  seed,
+  step,
+  rng_block,
+  drop_threshold,
+  drop_scale,
 };
-struct ScalarInfo { Scalar scalar; std::string_view name; Element element; };
+struct ScalarInfo {
+  Scalar scalar;
+  std::string_view name;
+  Element element;
+};
 inline constexpr ScalarInfo scalars[] = {
-    {Scalar::accumulate, "accumulate", Element::boolean},   // add to the gradients instead of overwriting them
-    {Scalar::grad_scale, "grad_scale", Element::f32},       // 1 / rows per optimizer step
+    {Scalar::accumulate, "accumulate", Element::boolean},  // add to the gradients instead of overwriting them
+    {Scalar::grad_scale, "grad_scale", Element::f32},      // 1 / rows per optimizer step
     {Scalar::lr, "lr", Element::f32},
     {Scalar::beta1, "beta1", Element::f32},
     {Scalar::beta2, "beta2", Element::f32},
     {Scalar::eps, "eps", Element::f32},
     {Scalar::weight_decay, "weight_decay", Element::f32},
-    {Scalar::bias1, "bias1", Element::f32},                 // AdamW bias corrections 1 - beta^t
+    {Scalar::bias1, "bias1", Element::f32},  // AdamW bias corrections 1 - beta^t
     {Scalar::bias2, "bias2", Element::f32},
-    {Scalar::seed, "seed", Element::u64},                   // dropout: masks hash (seed, step, rng_block, element)
+    {Scalar::seed, "seed", Element::u64},  // dropout: masks hash (seed, step, rng_block, element)
     {Scalar::step, "step", Element::i32},
-    {Scalar::rng_block, "rng_block", Element::i32},         // per kernel call, from the plan
+    {Scalar::rng_block, "rng_block", Element::i32},  // per kernel call, from the plan
     {Scalar::drop_threshold, "drop_threshold", Element::u64},
     {Scalar::drop_scale, "drop_scale", Element::f32},
 };
-static_assert([] {
-  for (int i = 0; i < int(std::size(scalars)); ++i)
-    if (int(scalars[i].scalar) != i) return false;
-  return true;
-}(), "remat::scalars must list the Scalars in the order of the enum");
+static_assert(
+    [] {
+      for (int i = 0; i < int(std::size(scalars)); ++i)
+        if (int(scalars[i].scalar) != i) return false;
+      return true;
+    }(),
+    "remat::scalars must list the Scalars in the order of the enum");
 constexpr const ScalarInfo &info(Scalar s) { return scalars[int(s)]; }
 
 struct KernelArg {
-  LocalTensor tensor;   // buffers: name, dims, extent (-1: rows), layer, kind, init; scalars: the name
+  LocalTensor tensor;  // buffers: name, dims, extent (-1: rows), layer, kind, init; scalars: the name
   ArgRole role{};
   Access access = Access::read;
   Element element = Element::f32;
-  Scalar scalar{};      // role scalar: which
-  int read_by = -1;     // saved: the layer whose backward reads it
+  Scalar scalar{};   // role scalar: which
+  int read_by = -1;  // saved: the layer whose backward reads it
   constexpr bool is_scalar() const { return role == ArgRole::scalar; }
 };
 
@@ -427,7 +451,9 @@ inline constexpr int min_kernel_rows = 8;
 
 // The GEMMs of a device's kernels: a library for fp32 and on every GPU, Halide's for the CPU's
 // bf16 kernels (the plans that call them must be made with the same choice).
-constexpr Gemms gemms_for(bool gpu, Precision p) { return gpu || p == Precision::fp32 ? Gemms::library : Gemms::halide; }
+constexpr Gemms gemms_for(bool gpu, Precision p) {
+  return gpu || p == Precision::fp32 ? Gemms::library : Gemms::halide;
+}
 
 // The signature of a kernel: stage s's block kernel of variant v, or the loss / AdamW kernel.
 constexpr std::vector<KernelArg> signature(const Model &m, int stage, Variant v, Precision p, Gemms g) {
@@ -451,7 +477,8 @@ constexpr std::vector<KernelArg> signature(const Model &m, int stage, Variant v,
     buffer(row_stat("row_max"), ArgRole::metric, Access::write);
     buffer(row_stat("row_lse"), ArgRole::metric, Access::write);
   } else if (v == Variant::adamw) {  // over a flat range of parameters
-    for (Scalar s : {Scalar::lr, Scalar::beta1, Scalar::beta2, Scalar::eps, Scalar::weight_decay, Scalar::bias1, Scalar::bias2})
+    for (Scalar s :
+         {Scalar::lr, Scalar::beta1, Scalar::beta2, Scalar::eps, Scalar::weight_decay, Scalar::bias1, Scalar::bias2})
       scalar(s);
     buffer(flat("p"), ArgRole::parameter, Access::read);
     buffer(flat("g"), ArgRole::gradient, Access::read);
@@ -485,7 +512,8 @@ constexpr std::vector<KernelArg> signature(const Model &m, int stage, Variant v,
         buffer(prev, ArgRole::gradient, Access::read);
         buffer(grad, ArgRole::gradient, Access::write);
       }
-    const KernelTensors kt = backward ? backward_tensors(b, keep_of(v), needs_dx, g, p) : forward_tensors(b, keep_of(v), g, p);
+    const KernelTensors kt =
+        backward ? backward_tensors(b, keep_of(v), needs_dx, g, p) : forward_tensors(b, keep_of(v), g, p);
     for (const LocalTensor &t : kt.saved)
       buffer(t, ArgRole::saved, backward ? Access::read : Access::write,
              t.kind == LocalTensor::Kind::statistic ? t.layer : reader_of(b, t.layer));

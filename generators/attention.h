@@ -42,8 +42,7 @@ inline constexpr uint64_t rng_golden = 0x9e3779b97f4a7c15ULL;  // splitmix64's i
 // i.e. the three outer counters pick a splitmix64 stream and `element` indexes into it exactly
 // as splitmix64 does (its n-th output is mix64(state0 + n G)). No state: evaluating it again,
 // in another pipeline or on another device, gives identical bits.
-inline Halide::Expr counter_hash(Halide::Expr seed, Halide::Expr step, Halide::Expr block,
-                                 Halide::Expr element) {
+inline Halide::Expr counter_hash(Halide::Expr seed, Halide::Expr step, Halide::Expr block, Halide::Expr element) {
   using namespace Halide;
   auto u = [](Expr e) { return cast(UInt(64), e); };
   const Expr G(rng_golden);
@@ -60,13 +59,13 @@ inline uint64_t drop_threshold(double p) {
 }
 // Bool: whether the element is kept; threshold is a UInt(64) Expr (a run-time parameter or a
 // constant from drop_threshold).
-inline Halide::Expr keep_mask(Halide::Expr seed, Halide::Expr step, Halide::Expr block,
-                              Halide::Expr element, Halide::Expr threshold) {
+inline Halide::Expr keep_mask(Halide::Expr seed, Halide::Expr step, Halide::Expr block, Halide::Expr element,
+                              Halide::Expr threshold) {
   using namespace Halide;
   return (counter_hash(seed, step, block, element) >> 32) >= cast(UInt(64), threshold);
 }
-inline Halide::Expr keep_mask(Halide::Expr seed, Halide::Expr step, Halide::Expr block,
-                              Halide::Expr element, double p) {
+inline Halide::Expr keep_mask(Halide::Expr seed, Halide::Expr step, Halide::Expr block, Halide::Expr element,
+                              double p) {
   return keep_mask(seed, step, block, element, Halide::Expr(drop_threshold(p)));
 }
 
@@ -80,10 +79,13 @@ struct Dropout {
   bool enabled = false;
   Dropout() = default;
   Dropout(Halide::Expr seed, Halide::Expr step, Halide::Expr block, double p)
-      : seed(seed), step(step), block(block), threshold(Halide::Expr(drop_threshold(p))),
-        scale(Halide::Expr(p == 0 ? 1.0 : 1 / (1 - p))), enabled(p != 0) {}
-  Dropout(Halide::Expr seed, Halide::Expr step, Halide::Expr block, Halide::Expr threshold,
-          Halide::Expr scale)
+      : seed(seed),
+        step(step),
+        block(block),
+        threshold(Halide::Expr(drop_threshold(p))),
+        scale(Halide::Expr(p == 0 ? 1.0 : 1 / (1 - p))),
+        enabled(p != 0) {}
+  Dropout(Halide::Expr seed, Halide::Expr step, Halide::Expr block, Halide::Expr threshold, Halide::Expr scale)
       : seed(seed), step(step), block(block), threshold(threshold), scale(scale), enabled(true) {}
   Dropout at(Halide::Expr site) const {  // the same configuration for another site
     Dropout d = *this;
@@ -116,13 +118,15 @@ struct ScoreGradChain {
   Halide::Func dscore;                        // prob * (dprob - delta)
 };
 struct AttentionGrad {
-  Halide::Func dqkv;       // dqkv(c, b), c in [0, 3C): [dq | dk | dv]
-  Halide::Func dq, dk, dv; // each (c, b), c in [0, C)
-  Halide::Func delta;      // delta(h, b) = sum_d dout * out over the head
-  ScoreGradChain q;        // query side: f(s, h, b) for query row b and key position s (read by dq)
-  ScoreGradChain kv;       // key side: f(t, h, b) for key row b and query position t (dk, dv)
+  Halide::Func dqkv;        // dqkv(c, b), c in [0, 3C): [dq | dk | dv]
+  Halide::Func dq, dk, dv;  // each (c, b), c in [0, C)
+  Halide::Func delta;       // delta(h, b) = sum_d dout * out over the head
+  ScoreGradChain q;         // query side: f(s, h, b) for query row b and key position s (read by dq)
+  ScoreGradChain kv;        // key side: f(t, h, b) for key row b and query position t (dk, dv)
 };
-struct EmbeddingGrad { Halide::Func dwte, dwpe; };
+struct EmbeddingGrad {
+  Halide::Func dwte, dwpe;
+};
 // The same attention forward by (sequence, head) tiles, for the CPU: f(t, s, h, n) for query
 // position t, key position s, head h and sequence n (row n T + t). A schedule computes a whole
 // tile's scores and probabilities at once, vectorized over query positions, and every sum over
@@ -134,31 +138,31 @@ struct TileScores {
   Halide::Func dot, score;  // dot(t, s, h, n) = q(t) . k(s); score = dot / sqrt(D)
 };
 struct AttentionTiles {
-  Halide::Func out, lse;             // as in Attention
-  TileScores scores, stats;          // the probabilities' chain and the statistics' own one
-  Halide::Func row_max, sum_exp;     // (t, h, n)
-  Halide::Func tile_lse;             // tile_lse(t, h, n) = row_max + log(sum_exp); lse(h, b) reads it
-  Halide::Func prob, keep, kept;     // (t, s, h, n), meaningful for s <= t (the sums mask the rest); keep
-                                     // undefined without dropout
-  Halide::Func sum;                  // sum(d, t, h, n) = sum_s kept(t, s) v(s, d)
+  Halide::Func out, lse;          // as in Attention
+  TileScores scores, stats;       // the probabilities' chain and the statistics' own one
+  Halide::Func row_max, sum_exp;  // (t, h, n)
+  Halide::Func tile_lse;          // tile_lse(t, h, n) = row_max + log(sum_exp); lse(h, b) reads it
+  Halide::Func prob, keep, kept;  // (t, s, h, n), meaningful for s <= t (the sums mask the rest); keep
+                                  // undefined without dropout
+  Halide::Func sum;               // sum(d, t, h, n) = sum_s kept(t, s) v(s, d)
 };
 
 // Its gradient by the same tiles (CPU): one task per (sequence, head) rebuilds P and dS once for
 // the whole [T, T] tile and sums dq, dk and dv of that head from them. Every sum over positions
 // runs in order with the causal mask applied in the sum, as in the forward.
 struct AttentionTilesGrad {
-  Halide::Func dqkv;               // dqkv(c, b) = [dq | dk | dv]: undefined, then every element
-                                   // written by an update over `r` (a shared head's once per
-                                   // query head of its group)
-  Halide::RDom r;                  // (d, t, part, j, kv, n): query head kv G + j, its key / value
-                                   // head kv, of sequence n
-  Halide::Func delta;              // delta(h, b) (attention_delta), read from its buffer
-  TileScores scores;               // q . k, as in AttentionTiles
-  TileScores dprob_kept;           // dot(t, s, h, n) = dout(t) . v(s) over the head (q_t: dout transposed)
-  Halide::Func prob, keep, kept;   // (t, s, h, n), as in AttentionTiles
-  Halide::Func dscore;             // prob * (dprob_kept keep - delta)
-  Halide::Func dq, dk, dv;         // (d, t, h, n) sums (dq, dk before the 1 / sqrt(D)): t the query
-                                   // position of dq, the key position of dk and dv
+  Halide::Func dqkv;              // dqkv(c, b) = [dq | dk | dv]: undefined, then every element
+                                  // written by an update over `r` (a shared head's once per
+                                  // query head of its group)
+  Halide::RDom r;                 // (d, t, part, j, kv, n): query head kv G + j, its key / value
+                                  // head kv, of sequence n
+  Halide::Func delta;             // delta(h, b) (attention_delta), read from its buffer
+  TileScores scores;              // q . k, as in AttentionTiles
+  TileScores dprob_kept;          // dot(t, s, h, n) = dout(t) . v(s) over the head (q_t: dout transposed)
+  Halide::Func prob, keep, kept;  // (t, s, h, n), as in AttentionTiles
+  Halide::Func dscore;            // prob * (dprob_kept keep - delta)
+  Halide::Func dq, dk, dv;        // (d, t, h, n) sums (dq, dk before the 1 / sqrt(D)): t the query
+                                  // position of dq, the key position of dk and dv
 };
 
 class Transformer {
@@ -175,19 +179,18 @@ public:
   }
   // keep / (1 - p) for one element: 0 or 1 / (1 - p), in the element type.
   Halide::Expr dropout_factor(const Dropout &d, Halide::Expr element) const {
-    return Halide::select(keep_mask(d.seed, d.step, d.block, element, d.threshold),
-                          Halide::cast(L.t, d.scale), L.constant(0));
+    return Halide::select(keep_mask(d.seed, d.step, d.block, element, d.threshold), Halide::cast(L.t, d.scale),
+                          L.constant(0));
   }
   // y = x * keep / (1 - p)
   Halide::Func dropout(const std::string &name, Halide::Func x, int width, const Dropout &d) const {
     Halide::Func y(name);
-    y(v.c, v.b) = d.enabled ? x(v.c, v.b) * dropout_factor(d, activation_element(v.c, v.b, width))
-                              : Halide::Expr(x(v.c, v.b));
+    y(v.c, v.b) =
+        d.enabled ? x(v.c, v.b) * dropout_factor(d, activation_element(v.c, v.b, width)) : Halide::Expr(x(v.c, v.b));
     return y;
   }
   // dx = dy * keep / (1 - p), the same mask recomputed from the counters
-  Halide::Func dropout_grad(const std::string &name, Halide::Func dy, int width,
-                            const Dropout &d) const {
+  Halide::Func dropout_grad(const std::string &name, Halide::Func dy, int width, const Dropout &d) const {
     return dropout(name, dy, width, d);  // the rule is linear and self-adjoint
   }
 
@@ -206,9 +209,8 @@ public:
   // q and reads key / value head h / (H / KV) (grouped-query attention).
   // saved_lse: statistics saved by an earlier forward (a recompute then rebuilds the same P from
   // them); out_name: the name of the output Func (default: name).
-  Attention attention(const std::string &name, Halide::Func qkv, int C, int H,
-                      const Dropout &drop = {}, std::optional<Halide::Func> saved_lse = {},
-                      const std::string &out_name = {}, int KV = 0) const {
+  Attention attention(const std::string &name, Halide::Func qkv, int C, int H, const Dropout &drop = {},
+                      std::optional<Halide::Func> saved_lse = {}, const std::string &out_name = {}, int KV = 0) const {
     using namespace Halide;
     const int D = head_dim(C, H);
     const Heads hd{C, H, KV ? KV : H};
@@ -245,9 +247,8 @@ public:
   // same mask: dv uses drop(P), dP = (dout . v) * keep / (1 - p), dS = P * (dP - delta) with
   // delta = sum_d dout * out (= sum_s P dP still).
   // Grouped heads (KV < H): a key / value head's gradient sums those of the query heads sharing it.
-  AttentionGrad attention_grad(const std::string &name, Halide::Func qkv, Halide::Func out,
-                               Halide::Func lse, Halide::Func dout, int C, int H,
-                               const Dropout &drop = {}, int KV = 0) const {
+  AttentionGrad attention_grad(const std::string &name, Halide::Func qkv, Halide::Func out, Halide::Func lse,
+                               Halide::Func dout, int C, int H, const Dropout &drop = {}, int KV = 0) const {
     using namespace Halide;
     const int D = head_dim(C, H);
     const Heads hd{C, H, KV ? KV : H};
@@ -281,8 +282,8 @@ public:
     g.dv(v.c, v.b) += g.kv.kept(rv, v.c / D, v.b) * dout(v.c, n * T + rv);
 
     const int KVD = hd.kv * D;
-    g.dqkv(v.c, v.b) = select(v.c < C, g.dq(clamp(v.c, 0, C - 1), v.b),
-                              v.c < C + KVD, hd.group_sum(g.dk, clamp(v.c - C, 0, KVD - 1), v.b),
+    g.dqkv(v.c, v.b) = select(v.c < C, g.dq(clamp(v.c, 0, C - 1), v.b), v.c < C + KVD,
+                              hd.group_sum(g.dk, clamp(v.c - C, 0, KVD - 1), v.b),
                               hd.group_sum(g.dv, clamp(v.c - C - KVD, 0, KVD - 1), v.b));
     return g;
   }
@@ -301,9 +302,9 @@ public:
   // Same arguments and results as attention; the whole [T, T] tile of a head is a schedule's
   // working set, so this suits block sizes whose tiles fit a task's stack (the model compiler
   // decides).
-  AttentionTiles attention_tiles(const std::string &name, Halide::Func qkv, int C, int H,
-                                 const Dropout &drop = {}, std::optional<Halide::Func> saved_lse = {},
-                                 const std::string &out_name = {}, int KV = 0) const {
+  AttentionTiles attention_tiles(const std::string &name, Halide::Func qkv, int C, int H, const Dropout &drop = {},
+                                 std::optional<Halide::Func> saved_lse = {}, const std::string &out_name = {},
+                                 int KV = 0) const {
     using namespace Halide;
     const int D = head_dim(C, H);
     const Heads hd{C, H, KV ? KV : H};
@@ -323,8 +324,8 @@ public:
     a.lse(h, v.b) = a.tile_lse(v.b % T, h, v.b / T);
     // out reads the statistics from their buffer
     tile_probabilities(name, qkv, saved_lse ? *saved_lse : a.lse, hd, drop, a.scores, a.prob, a.keep, a.kept);
-    a.sum = tile_sum(name + "_sum", Causal::keys_of_t, [&](Expr r) { return a.kept(t, r, h, n); }, qkv, hd.offset(2), D,
-                     hd.group());
+    a.sum = tile_sum(
+        name + "_sum", Causal::keys_of_t, [&](Expr r) { return a.kept(t, r, h, n); }, qkv, hd.offset(2), D, hd.group());
     a.out(v.c, v.b) = L.store(a.sum(v.c % D, v.b % T, v.c / D, v.b / T));
     return a;
   }
@@ -346,12 +347,14 @@ public:
     g.delta = delta;
     tile_probabilities(name, qkv, lse, hd, drop, g.scores, g.prob, g.keep, g.kept);
     g.dprob_kept = tile_dots(name + "_dp", dout, 0, qkv, hd.offset(2), D, G);
-    const Expr dprob = drop.enabled ? g.dprob_kept.dot(t, s, h, n) * g.keep(t, s, h, n) : Expr(g.dprob_kept.dot(t, s, h, n));
+    const Expr dprob =
+        drop.enabled ? g.dprob_kept.dot(t, s, h, n) * g.keep(t, s, h, n) : Expr(g.dprob_kept.dot(t, s, h, n));
     g.dscore = Func(name + "_dscore");
     g.dscore(t, s, h, n) = g.prob(t, s, h, n) * (dprob - g.delta(h, n * T + t));
     // dq(t) = sum_{s <= t} dS(t, s) k(s) / sqrt(D); dk(s) = sum_{t >= s} dS(t, s) q(t) / sqrt(D);
     // dv(s) = sum_{t >= s} drop(P)(t, s) dout(t). Here t is each Func's own position.
-    g.dq = tile_sum(name + "_dq_sum", Causal::keys_of_t, [&](Expr r) { return g.dscore(t, r, h, n); }, qkv, hd.offset(1), D, G);
+    g.dq = tile_sum(
+        name + "_dq_sum", Causal::keys_of_t, [&](Expr r) { return g.dscore(t, r, h, n); }, qkv, hd.offset(1), D, G);
     g.dk = tile_sum(name + "_dk_sum", Causal::queries_of_t, [&](Expr r) { return g.dscore(r, t, h, n); }, qkv, 0, D);
     g.dv = tile_sum(name + "_dv_sum", Causal::queries_of_t, [&](Expr r) { return g.kept(r, t, h, n); }, dout, 0, D);
     // over (feature, position, part q / k / v, query head of the group, key / value head, sequence)
@@ -360,7 +363,8 @@ public:
     const Expr dk = g.dk(rd, rt, rh, rn) * scale, dv = g.dv(rd, rt, rh, rn);
     g.dqkv = Func(out_name);
     g.dqkv(v.c, v.b) = undef(L.store(L.constant(0)).type());
-    const Expr col = G == 1 ? part * C + rh * D + rd : select(part == 0, rh * D + rd, C + (part - 1) * KV * D + rkv * D + rd);
+    const Expr col =
+        G == 1 ? part * C + rh * D + rd : select(part == 0, rh * D + rd, C + (part - 1) * KV * D + rkv * D + rd);
     const Expr row = rn * T + rt;
     Expr kv_value = select(part == 1, dk, dv);
     if (G > 1) {  // add to the group's earlier heads
@@ -380,7 +384,9 @@ public:
   // caller's).
   static constexpr double rope_theta = 10000;
   // cos and sin of the angle of feature e < D / 2 at position t: (e, t) over [0, D / 2) x [0, T).
-  struct RopeTable { Halide::Func cos, sin; };
+  struct RopeTable {
+    Halide::Func cos, sin;
+  };
   RopeTable rope_table(const std::string &name, int D) const {
     using namespace Halide;
     RopeTable tab{Func(name + "_cos"), Func(name + "_sin")};
@@ -398,7 +404,8 @@ public:
     const int rotated = (q_heads + kv_heads) * D, half = D / 2;
     const Expr e = v.c % D, low = e < half;
     const Expr i = e % half, position = v.b % T, angle = rope_angle(i, position, D);
-    const Expr cos_t = table ? table->cos(i, position) : cos(angle), sin_t = table ? table->sin(i, position) : sin(angle);
+    const Expr cos_t = table ? table->cos(i, position) : cos(angle),
+               sin_t = table ? table->sin(i, position) : sin(angle);
     const Expr partner = x(clamp(select(low, v.c + half, v.c - half), 0, rotated - 1), v.b);
     const Expr sin_term = select(low != inverse, -partner, partner) * sin_t;
     Func y(name);
@@ -420,10 +427,10 @@ public:
   // dwpe(c, t) = sum_n dx(c, n T + t). rows must be a multiple of T.
   // dwte and dwpe start from `initial_wte` / `initial_wpe` (zero by default; the model compiler
   // passes the previous gradient when it accumulates) and are the Funcs' own names.
-  EmbeddingGrad embedding_grad(const std::string &name, Halide::Func tokens, Halide::Func dx,
-                               int V, Halide::Expr rows, std::optional<Halide::Expr> initial_wte = {},
-                               std::optional<Halide::Expr> initial_wpe = {},
-                               const std::string &wte_name = {}, const std::string &wpe_name = {}) const {
+  EmbeddingGrad embedding_grad(const std::string &name, Halide::Func tokens, Halide::Func dx, int V, Halide::Expr rows,
+                               std::optional<Halide::Expr> initial_wte = {},
+                               std::optional<Halide::Expr> initial_wpe = {}, const std::string &wte_name = {},
+                               const std::string &wpe_name = {}) const {
     using namespace Halide;
     EmbeddingGrad g{Func(wte_name.empty() ? name + "_dwte" : wte_name),
                     Func(wpe_name.empty() ? name + "_dwpe" : wpe_name)};
@@ -482,7 +489,9 @@ private:
       return sum;
     }
   };
-  struct Scores { Halide::Func dot, score; };
+  struct Scores {
+    Halide::Func dot, score;
+  };
   // q_t(t, d, h, n) = q(h D + d, n T + t); dot(t, s, h, n) = sum_d q_t(t, d) k(C + h D + d, n T + s).
   TileScores tile_scores(const std::string &name, Halide::Func qkv, const Heads &hd) const {
     return tile_dots(name, qkv, 0, qkv, hd.offset(1), hd.D(), hd.group());
@@ -503,8 +512,9 @@ private:
 
   // A tile's scores and probabilities prob(t, s, h, n) = exp(score - lse(h, n T + t)), with the
   // dropout mask and the kept probabilities (kept = prob without dropout).
-  void tile_probabilities(const std::string &name, Halide::Func qkv, Halide::Func lse, const Heads &hd, const Dropout &drop,
-                          TileScores &scores, Halide::Func &prob, Halide::Func &keep, Halide::Func &kept) const {
+  void tile_probabilities(const std::string &name, Halide::Func qkv, Halide::Func lse, const Heads &hd,
+                          const Dropout &drop, TileScores &scores, Halide::Func &prob, Halide::Func &keep,
+                          Halide::Func &kept) const {
     scores = tile_scores(name, qkv, hd);
     prob = Halide::Func(name + "_prob");
     prob(t, s, h, n) = Halide::exp(scores.score(t, s, h, n) - lse(h, n * T + t));
@@ -557,9 +567,9 @@ private:
   }
   // Probabilities and score gradients for the (query row, key row) pair that `query` and `key`
   // name in terms of (s, h, b); `key_position` is the key's position within its sequence.
-  ScoreGradChain score_grad_chain(const std::string &name, Halide::Func qkv, Halide::Func lse,
-                                  Halide::Func dout, Halide::Func delta, const Heads &hd, const Dropout &drop,
-                                  Halide::Expr query, Halide::Expr key, Halide::Expr key_position) const {
+  ScoreGradChain score_grad_chain(const std::string &name, Halide::Func qkv, Halide::Func lse, Halide::Func dout,
+                                  Halide::Func delta, const Heads &hd, const Dropout &drop, Halide::Expr query,
+                                  Halide::Expr key, Halide::Expr key_position) const {
     using namespace Halide;
     const int D = hd.D(), H = hd.H;
     ScoreGradChain c;
@@ -583,8 +593,7 @@ private:
     c.dprob_kept(s, h, v.b) = L.constant(0);
     c.dprob_kept(s, h, v.b) += dout(h * D + rd, query) * qkv(hd.column(2, h * D + rd), key);
     c.dprob = Func(name + "_dprob");
-    c.dprob(s, h, v.b) = drop.enabled ? c.dprob_kept(s, h, v.b) * c.keep(s, h, v.b)
-                                      : Expr(c.dprob_kept(s, h, v.b));
+    c.dprob(s, h, v.b) = drop.enabled ? c.dprob_kept(s, h, v.b) * c.keep(s, h, v.b) : Expr(c.dprob_kept(s, h, v.b));
     c.dscore = Func(name + "_dscore");
     c.dscore(s, h, v.b) = c.prob(s, h, v.b) * (c.dprob(s, h, v.b) - delta(h, query));
     return c;
@@ -594,8 +603,8 @@ private:
     p(s, h, v.b) = Halide::exp(score(s, h, v.b) - lse(h, v.b));
     return p;
   }
-  void dropout_probabilities(const std::string &name, Halide::Func prob, int H, const Dropout &d,
-                             Halide::Func &keep, Halide::Func &kept) const {
+  void dropout_probabilities(const std::string &name, Halide::Func prob, int H, const Dropout &d, Halide::Func &keep,
+                             Halide::Func &kept) const {
     if (!d.enabled) {
       kept = prob;
       return;

@@ -60,13 +60,12 @@ public:
   }
 
   // ---- Linear: y = x w + bias -------------------------------------------------------------
-  MatMul linear(const std::string &name, Halide::Func x, Halide::Func w, Halide::Func bias,
-                int in) const {
+  MatMul linear(const std::string &name, Halide::Func x, Halide::Func w, Halide::Func bias, int in) const {
     return matmul(name, x, w, in, [&](Halide::Expr sum) { return sum + bias(v.c); });
   }
   // dW(o, k) = sum_b x(k, b) dy(o, b); rows of the product are input features k.
-  MatMul linear_weight_grad(const std::string &name, Halide::Func x, Halide::Func dy,
-                            Halide::Expr batch, const Epilogue &epilogue = {}) const {
+  MatMul linear_weight_grad(const std::string &name, Halide::Func x, Halide::Func dy, Halide::Expr batch,
+                            const Epilogue &epilogue = {}) const {
     Halide::Func xt(name + "_xt");
     xt(v.c, v.b) = x(v.b, v.c);  // xt(b, k) = x(k, b): the operand's row index is k
     return matmul(name, xt, dy, batch, epilogue);
@@ -77,8 +76,7 @@ public:
     return wt;
   }
   // dx(k, b) = sum_o dy(o, b) wt(k, o)
-  MatMul linear_input_grad(const std::string &name, Halide::Func dy, Halide::Func wt,
-                           int out) const {
+  MatMul linear_input_grad(const std::string &name, Halide::Func dy, Halide::Func wt, int out) const {
     return matmul(name, dy, wt, out);
   }
   // column sum over rows: db(o) = sum_b dy(o, b)
@@ -94,12 +92,13 @@ public:
   static constexpr double layer_norm_eps = 1e-5;
   // Row statistics: mean(b) and rstd(b) = 1 / sqrt(var(b) + eps); sum and sq are the row sums
   // they are made from (undefined when the statistics are read from saved buffers).
-  struct LayerNormStats { Halide::Func mean, rstd, sum, sq; };
-  LayerNormStats layer_norm_stats(const std::string &mean_name, const std::string &rstd_name,
-                                  Halide::Func x, int width) const {
+  struct LayerNormStats {
+    Halide::Func mean, rstd, sum, sq;
+  };
+  LayerNormStats layer_norm_stats(const std::string &mean_name, const std::string &rstd_name, Halide::Func x,
+                                  int width) const {
     using namespace Halide;
-    LayerNormStats s{Func(mean_name), Func(rstd_name), Func(mean_name + "_sum"),
-                     Func(rstd_name + "_sq")};
+    LayerNormStats s{Func(mean_name), Func(rstd_name), Func(mean_name + "_sum"), Func(rstd_name + "_sq")};
     RDom r(0, width, mean_name + "_r");
     s.sum(v.b) = constant(0);
     s.sum(v.b) += x(r, v.b);
@@ -109,26 +108,25 @@ public:
     s.rstd(v.b) = constant(1) / sqrt(s.sq(v.b) / constant(width) + constant(layer_norm_eps));
     return s;
   }
-  Halide::Expr normalized(Halide::Func x, const LayerNormStats &s, Halide::Expr c,
-                          Halide::Expr b) const {
+  Halide::Expr normalized(Halide::Func x, const LayerNormStats &s, Halide::Expr c, Halide::Expr b) const {
     return (x(c, b) - s.mean(b)) * s.rstd(b);
   }
-  Halide::Func layer_norm(const std::string &name, Halide::Func x, const LayerNormStats &s,
-                          Halide::Func gamma, Halide::Func beta) const {
+  Halide::Func layer_norm(const std::string &name, Halide::Func x, const LayerNormStats &s, Halide::Func gamma,
+                          Halide::Func beta) const {
     Halide::Func y(name);
     y(v.c, v.b) = store(normalized(x, s, v.c, v.b) * gamma(v.c) + beta(v.c));
     return y;
   }
   // du = dy * gamma; dx = rstd * (du - s1 / C - u * s2 / C) with u the normalized input and the
   // row sums s1 = sum_c du, s2 = sum_c du * u; dgamma = sum_b dy * u, dbeta = sum_b dy.
-  struct LayerNormGrad { Halide::Func s1, s2, dx, dgamma, dbeta; };
-  LayerNormGrad layer_norm_grad(const std::string &s1_name, const std::string &s2_name,
-                                const std::string &dx_name, Halide::Func x,
-                                const LayerNormStats &s, Halide::Func gamma, Halide::Func dy,
-                                int width, Halide::Expr batch) const {
+  struct LayerNormGrad {
+    Halide::Func s1, s2, dx, dgamma, dbeta;
+  };
+  LayerNormGrad layer_norm_grad(const std::string &s1_name, const std::string &s2_name, const std::string &dx_name,
+                                Halide::Func x, const LayerNormStats &s, Halide::Func gamma, Halide::Func dy, int width,
+                                Halide::Expr batch) const {
     using namespace Halide;
-    LayerNormGrad g{Func(s1_name), Func(s2_name), Func(dx_name), Func(dx_name + "_dgamma"),
-                    Func(dx_name + "_dbeta")};
+    LayerNormGrad g{Func(s1_name), Func(s2_name), Func(dx_name), Func(dx_name + "_dgamma"), Func(dx_name + "_dbeta")};
     auto u = [&](Expr c, Expr b) { return normalized(x, s, c, b); };
     auto du = [&](Expr c, Expr b) { return dy(c, b) * gamma(c); };
     RDom r(0, width, s1_name + "_r");
@@ -136,8 +134,8 @@ public:
     g.s1(v.b) += du(r, v.b);
     g.s2(v.b) = constant(0);
     g.s2(v.b) += du(r, v.b) * u(r, v.b);
-    g.dx(v.c, v.b) = s.rstd(v.b) * (du(v.c, v.b) - g.s1(v.b) / constant(width) -
-                                    u(v.c, v.b) * g.s2(v.b) / constant(width));
+    g.dx(v.c, v.b) =
+        s.rstd(v.b) * (du(v.c, v.b) - g.s1(v.b) / constant(width) - u(v.c, v.b) * g.s2(v.b) / constant(width));
     RDom rb(0, batch, dx_name + "_rb");
     g.dgamma(v.c) = constant(0);
     g.dgamma(v.c) += dy(v.c, rb) * u(v.c, rb);
@@ -150,7 +148,9 @@ public:
   static constexpr double rms_norm_eps = 1e-6;
   // rstd(b) = 1 / sqrt(mean_c x^2 + eps); sq is the row sum it is made from (undefined when rstd
   // is read from a saved buffer).
-  struct RmsNormStats { Halide::Func rstd, sq; };
+  struct RmsNormStats {
+    Halide::Func rstd, sq;
+  };
   RmsNormStats rms_norm_stats(const std::string &rstd_name, Halide::Func x, int width) const {
     using namespace Halide;
     RmsNormStats s{Func(rstd_name), Func(rstd_name + "_sq")};
@@ -167,7 +167,9 @@ public:
   }
   // du = dy * gamma, u = x * rstd; dx = rstd * (du - u * s / C) with the row sum s = sum_c du * u;
   // dgamma = sum_b dy * u.
-  struct RmsNormGrad { Halide::Func s, dx, dgamma; };
+  struct RmsNormGrad {
+    Halide::Func s, dx, dgamma;
+  };
   RmsNormGrad rms_norm_grad(const std::string &s_name, const std::string &dx_name, Halide::Func x, Halide::Func rstd,
                             Halide::Func gamma, Halide::Func dy, int width, Halide::Expr batch) const {
     using namespace Halide;
@@ -214,7 +216,8 @@ public:
     using namespace Halide;
     Func y(name);
     Expr a = x(v.c, v.b);
-    y(v.c, v.b) = store(constant(0.5) * a * (constant(1) + tanh_via_exp(constant(gelu_k0) * (a + constant(gelu_k1) * a * a * a))));
+    y(v.c, v.b) = store(constant(0.5) * a *
+                        (constant(1) + tanh_via_exp(constant(gelu_k0) * (a + constant(gelu_k1) * a * a * a))));
     return y;
   }
   Halide::Func gelu_grad(const std::string &name, Halide::Func x, Halide::Func dy) const {
@@ -222,9 +225,8 @@ public:
     Func dx(name);
     Expr a = x(v.c, v.b);
     Expr th = tanh_via_exp(constant(gelu_k0) * (a + constant(gelu_k1) * a * a * a));
-    Expr slope = constant(0.5) * (constant(1) + th) +
-                 constant(0.5) * a * (constant(1) - th * th) * constant(gelu_k0) *
-                     (constant(1) + constant(3 * gelu_k1) * a * a);
+    Expr slope = constant(0.5) * (constant(1) + th) + constant(0.5) * a * (constant(1) - th * th) * constant(gelu_k0) *
+                                                          (constant(1) + constant(3 * gelu_k1) * a * a);
     dx(v.c, v.b) = dy(v.c, v.b) * slope;
     return dx;
   }
@@ -240,13 +242,14 @@ public:
   }
 
   // ---- Softmax cross-entropy -----------------------------------------------------------------
-  struct CrossEntropy { Halide::Func row_loss, row_correct, dlogits, row_max, row_lse, sum_exp; };
+  struct CrossEntropy {
+    Halide::Func row_loss, row_correct, dlogits, row_max, row_lse, sum_exp;
+  };
   // row_loss(b) = logsumexp(logits(., b)) - logits(label, b); dlogits = (softmax - onehot) * scale
-  CrossEntropy cross_entropy(Halide::Func logits, Halide::Func labels, int classes,
-                             Halide::Expr scale) const {
+  CrossEntropy cross_entropy(Halide::Func logits, Halide::Func labels, int classes, Halide::Expr scale) const {
     using namespace Halide;
-    CrossEntropy ce{Func("row_loss"), Func("row_correct"), Func("dlogits"), Func("row_max"),
-                    Func("row_lse"), Func("sum_exp")};
+    CrossEntropy ce{Func("row_loss"), Func("row_correct"), Func("dlogits"),
+                    Func("row_max"),  Func("row_lse"),     Func("sum_exp")};
     RDom r(0, classes, "ce_r");
     ce.row_max(v.b) = logits(0, v.b);
     ce.row_max(v.b) = max(ce.row_max(v.b), logits(r, v.b));
@@ -264,9 +267,9 @@ public:
 
   // ---- AdamW (decoupled weight decay), one element at a time --------------------------------
   // Returns {p, m, v} updated; a Tuple so that in-place use reads every input before writing.
-  Halide::Func adamw(Halide::Func p, Halide::Func g, Halide::Func m, Halide::Func var,
-                     Halide::Expr lr, Halide::Expr beta1, Halide::Expr beta2, Halide::Expr eps,
-                     Halide::Expr weight_decay, Halide::Expr bias1, Halide::Expr bias2) const {
+  Halide::Func adamw(Halide::Func p, Halide::Func g, Halide::Func m, Halide::Func var, Halide::Expr lr,
+                     Halide::Expr beta1, Halide::Expr beta2, Halide::Expr eps, Halide::Expr weight_decay,
+                     Halide::Expr bias1, Halide::Expr bias2) const {
     using namespace Halide;
     Func upd("adamw");
     Expr m1 = beta1 * m(v.c) + (constant(1) - beta1) * g(v.c);

@@ -89,9 +89,11 @@ public:
   Func read(const LocalTensor &lt) const { return widened(tensor(lt)); }
   Expr scalar(Scalar s) const {
     if (auto it = scalars.find(s); it != scalars.end()) return it->second;
-    throw std::runtime_error("the kernel reads the scalar " + std::string(info(s).name) + ", which its signature does not list");
+    throw std::runtime_error("the kernel reads the scalar " + std::string(info(s).name) +
+                             ", which its signature does not list");
   }
-  template <class P> static void constrain(P &&p, int dims, std::array<int, 2> extent) {
+  template <class P>
+  static void constrain(P &&p, int dims, std::array<int, 2> extent) {
     long long stride = 1;
     for (int d = 0; d < dims; ++d) {
       p.dim(d).set_min(0).set_stride(int(stride));
@@ -128,13 +130,14 @@ public:
       for (std::size_t k = 0; k < f.output_buffers().size(); ++k) {
         const KernelArg &ak = signature[i + k];
         if (f.types()[k] != halide_type(ak.element))
-          throw std::runtime_error("the kernel writes " + name + " as " + type_name(f.types()[k]) + ", its signature says " +
-                                   type_name(halide_type(ak.element)));
+          throw std::runtime_error("the kernel writes " + name + " as " + type_name(f.types()[k]) +
+                                   ", its signature says " + type_name(halide_type(ak.element)));
       }
       constrain(f.output_buffers()[0], a.tensor.dims, a.tensor.extent);  // a Tuple's others follow the first
       out.push_back(f);
     }
-    if (!by_name.empty()) throw std::runtime_error("the kernel writes " + by_name.begin()->first + ", which its signature does not list");
+    if (!by_name.empty())
+      throw std::runtime_error("the kernel writes " + by_name.begin()->first + ", which its signature does not list");
     return out;
   }
   static std::string type_name(Type t) {
@@ -157,15 +160,15 @@ struct PendingGemm {
   std::optional<Func> bias;  // none for a linear without bias
   int inner = 0;
   std::vector<std::function<Expr(Expr)>> epilogue;  // applied in order to sum + bias
-  bool operand_buffered = true;                      // a is in memory
+  bool operand_buffered = true;                     // a is in memory
 };
 
 struct Values {
-  std::vector<Func> out;                        // output of layer k (undefined while pending)
-  std::vector<Func> stored;                     // ... as stored (bf16 bits or float): GEMM operands
-  std::vector<bool> buffered;                   // out[k] is in memory (an input or an output)
-  std::map<int, PendingGemm> pending;           // by layer
-  std::map<int, std::vector<Func>> stats;       // row statistics by layer, in the order of stats_of
+  std::vector<Func> out;                   // output of layer k (undefined while pending)
+  std::vector<Func> stored;                // ... as stored (bf16 bits or float): GEMM operands
+  std::vector<bool> buffered;              // out[k] is in memory (an input or an output)
+  std::map<int, PendingGemm> pending;      // by layer
+  std::map<int, std::vector<Func>> stats;  // row statistics by layer, in the order of stats_of
   Func x, x_stored, y;
 };
 
@@ -187,9 +190,9 @@ class StageKernels;
 // kinds/all.h by Op). A rule reads its inputs through the StageKernels it is given (value(j),
 // stored(j), param(j, ...)) and hands back what it made.
 struct Built {
-  Func out;               // the layer's output as stored (undefined when pending)
-  bool scheduled = false; // out is scheduled already (a GEMM, a reduction); else pointwise where buffered
-  bool pending = false;   // fused into a GEMM's epilogue chain, built by the chain's end
+  Func out;                // the layer's output as stored (undefined when pending)
+  bool scheduled = false;  // out is scheduled already (a GEMM, a reduction); else pointwise where buffered
+  bool pending = false;    // fused into a GEMM's epilogue chain, built by the chain's end
 };
 struct KindRules {
   Op op;
@@ -208,14 +211,19 @@ class StageKernels {
 public:
   // The kernel of stage `stage` of this variant, for a target (whose kind sets the GEMMs).
   StageKernels(const Model &model, int stage, Variant variant, const Target &target, Precision precision)
-      : blk(model.stages[stage]), stage(stage), needs_dx(needs_input_grad(model, stage)),
-        token_input(model.token_input()), precision(precision), variant(variant),
+      : blk(model.stages[stage]),
+        stage(stage),
+        needs_dx(needs_input_grad(model, stage)),
+        token_input(model.token_input()),
+        precision(precision),
+        variant(variant),
         gemms(gemms_for(target.has_gpu_feature(), precision)),
         extern_device(target.has_feature(Target::CUDA)     ? DeviceAPI::CUDA
                       : target.has_feature(Target::OpenCL) ? DeviceAPI::OpenCL
                                                            : DeviceAPI::Host),
         args(signature(model, stage, variant, precision, gemms), precision),
-        L(Float(32), v, precision == Precision::bf16), tr(L, model.rows_per_sample()),
+        L(Float(32), v, precision == Precision::bf16),
+        tr(L, model.rows_per_sample()),
         sched(target, v) {
     for (int k = 0; k < blk.n_layers; ++k)
       if (kind(blk.layers[k].op).draws_masks) {
@@ -233,8 +241,10 @@ public:
     begin(tensors, backward, outs);
     write_weight_copies();
     build_forward();
-    if (backward) build_backward();
-    else outs.push_back(f.y);
+    if (backward)
+      build_backward();
+    else
+      outs.push_back(f.y);
     return Pipeline(args.outputs(outs));
   }
 
@@ -307,9 +317,7 @@ public:
     return out;
   }
   // The weight of linear k as a GEMM operand: fp32, or its bf16 copy.
-  Func gemm_weight(int k) {
-    return weight_copy(precision) ? bf16_copy(k, "w", weight_copy_of(blk, k)) : param(k, "w");
-  }
+  Func gemm_weight(int k) { return weight_copy(precision) ? bf16_copy(k, "w", weight_copy_of(blk, k)) : param(k, "w"); }
   // The bias of linear k for a library GEMM's epilogue: fp32, or its bf16 copy for bf16 outputs.
   std::optional<Func> library_bias(int k) {
     if (!blk.layers[k].bias) return std::nullopt;
@@ -343,7 +351,9 @@ public:
   }
   // CPU attention (forward, and backward where its gradient is the qkv tensor's only one) by
   // (sequence, head) tiles where their buffers fit Halide's stack.
-  bool attention_tiles(const Layer &l) const { return !sched.gpu && Scheduler::attention_tiles_fit(l.out, l.heads, tr.T); }
+  bool attention_tiles(const Layer &l) const {
+    return !sched.gpu && Scheduler::attention_tiles_fit(l.out, l.heads, tr.T);
+  }
 
   const Block &blk;
   int stage;
@@ -351,7 +361,7 @@ public:
   Precision precision;
   Variant variant;
   Gemms gemms;
-  DeviceAPI extern_device;     // the device of a library GEMM's buffers (host, CUDA, or OpenCL for the tests)
+  DeviceAPI extern_device;             // the device of a library GEMM's buffers (host, CUDA, or OpenCL for the tests)
   std::map<std::string, Func> copies;  // bf16 parameter copies, by name
   gen::Vars v;
   Arguments args;
@@ -373,9 +383,7 @@ private:
     building_backward = backward;
     outputs = &outs;
   }
-  Func x_stored() {
-    return args.tensor("x");
-  }
+  Func x_stored() { return args.tensor("x"); }
   // Every parameter copy the plan gives the kernel is written, used or not (the plan counts it).
   void write_weight_copies() {
     for (const LocalTensor &lt : kt->workspace)
@@ -473,11 +481,11 @@ private:
       // the library writes dy w^T into this tensor, or into dp<k> when other terms are added
       const bool alone = parts.size() == 1;
       if (alone == product_buffer(blk, product->layer, gemms))
-        throw std::runtime_error("library GEMM: the plan's product buffer for linear " + std::to_string(product->layer) +
-                                 " does not match the gradient of " + name);
+        throw std::runtime_error("library GEMM: the plan's product buffer for linear " +
+                                 std::to_string(product->layer) + " does not match the gradient of " + name);
       const std::string gemm_name = alone ? name : str(product_of(blk, product->layer).name);
-      Func p = library_gemm(gemm_name, product->product->first, inner, false, product->product->second, inner, true, std::nullopt,
-                            inner, Expr(0), alone ? stored_type() : Float(32));  // dp<k>: fp32
+      Func p = library_gemm(gemm_name, product->product->first, inner, false, product->product->second, inner, true,
+                            std::nullopt, inner, Expr(0), alone ? stored_type() : Float(32));  // dp<k>: fp32
       if (alone) {
         out = p;
       } else {
@@ -495,7 +503,8 @@ private:
     } else {
       out = Func(name);
       out(v.c, v.b) = L.store(others(L.constant(0)));
-      const bool scheduled_by_part = std::any_of(parts.begin(), parts.end(), [](const Contribution &c) { return bool(c.schedule); });
+      const bool scheduled_by_part =
+          std::any_of(parts.begin(), parts.end(), [](const Contribution &c) { return bool(c.schedule); });
       if (!scheduled_by_part) sched.pointwise(out);
     }
     for (const Contribution &c : parts)
@@ -550,8 +559,9 @@ Pipeline adamw_kernel(const Arguments &args, const Target &target) {
   gen::Vars v;
   Layers L(Float(32), v);
   auto s = [&](Scalar x) { return args.scalar(x); };
-  Func upd = L.adamw(args.tensor("p"), args.tensor("g"), args.tensor("m"), args.tensor("v"), s(Scalar::lr), s(Scalar::beta1),
-                     s(Scalar::beta2), s(Scalar::eps), s(Scalar::weight_decay), s(Scalar::bias1), s(Scalar::bias2));
+  Func upd =
+      L.adamw(args.tensor("p"), args.tensor("g"), args.tensor("m"), args.tensor("v"), s(Scalar::lr), s(Scalar::beta1),
+              s(Scalar::beta2), s(Scalar::eps), s(Scalar::weight_decay), s(Scalar::bias1), s(Scalar::bias2));
   Scheduler(target, v).flat(upd);
   return Pipeline(args.outputs({upd}));
 }
@@ -605,9 +615,7 @@ struct Emitter {
       try {
         auto [pipeline, args] = build(t);
         return pipeline.compile_to_module(args, fn, t);
-      } catch (const std::runtime_error &e) {
-        throw std::runtime_error(name + ": " + e.what());
-      }
+      } catch (const std::runtime_error &e) { throw std::runtime_error(name + ": " + e.what()); }
     });
     if (targets.size() == 1) {
       objects.push_back(prefix + ".o");
@@ -638,7 +646,8 @@ struct Emitter {
         }
       }
       emit(str(kernel_name(name, 0, Variant::loss, precision)), targets, [&](const Target &t) {
-        const Arguments args(signature(model, -1, Variant::loss, precision, gemms_for(t.has_gpu_feature(), precision)), precision);
+        const Arguments args(signature(model, -1, Variant::loss, precision, gemms_for(t.has_gpu_feature(), precision)),
+                             precision);
         return std::pair{loss_kernel(model.classes(), args, t), args.order};
       });
     }
@@ -654,9 +663,12 @@ struct Emitter {
 // CUDA kernels: PTX for a pinned compute capability (a bare host-cuda target would ask the
 // driver at build time), host code for the pinned CPU features.
 Target cuda_target(const std::string &cpu_target, int capability) {
-  const std::map<int, Target::Feature> features = {{70, Target::CUDACapability70}, {75, Target::CUDACapability75},
-                                                   {80, Target::CUDACapability80}, {86, Target::CUDACapability86}};
-  if (!features.count(capability)) throw std::runtime_error("unsupported --cuda-capability " + std::to_string(capability));
+  const std::map<int, Target::Feature> features = {{70, Target::CUDACapability70},
+                                                   {75, Target::CUDACapability75},
+                                                   {80, Target::CUDACapability80},
+                                                   {86, Target::CUDACapability86}};
+  if (!features.count(capability))
+    throw std::runtime_error("unsupported --cuda-capability " + std::to_string(capability));
   return Target(cpu_target).with_feature(Target::CUDA).with_feature(features.at(capability));
 }
 
@@ -666,14 +678,20 @@ int main(int argc, char **argv, const Model &model, std::string_view model_name)
   bool opencl = false;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
-    if (flag == "--opencl") opencl = true;
-    else if (flag == "--out" && i + 1 < argc) out_dir = argv[++i];
-    else if (flag == "--cpu-targets" && i + 1 < argc) cpu_targets = argv[++i];
-    else if (flag == "--cuda-capability" && i + 1 < argc) capability = std::atoi(argv[++i]);
-    else out_dir.clear(), i = argc;  // unknown: print the usage
+    if (flag == "--opencl")
+      opencl = true;
+    else if (flag == "--out" && i + 1 < argc)
+      out_dir = argv[++i];
+    else if (flag == "--cpu-targets" && i + 1 < argc)
+      cpu_targets = argv[++i];
+    else if (flag == "--cuda-capability" && i + 1 < argc)
+      capability = std::atoi(argv[++i]);
+    else
+      out_dir.clear(), i = argc;  // unknown: print the usage
   }
   if (out_dir.empty()) {
-    std::fprintf(stderr, "usage: %s --out DIR [--cpu-targets BEST,...,BASELINE] [--cuda-capability NN] [--opencl]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s --out DIR [--cpu-targets BEST,...,BASELINE] [--cuda-capability NN] [--opencl]\n",
+                 argv[0]);
     return 2;
   }
   try {
@@ -703,7 +721,8 @@ int main(int argc, char **argv, const Model &model, std::string_view model_name)
       runtime_target = runtime_target.with_feature(Target::OpenCL);
     }
     const auto runtime = (e.staging / "halide_runtime.o").string();
-    compile_standalone_runtime(runtime, runtime_target.without_feature(Target::StrictFloat));  // Halide's own code is not strict
+    compile_standalone_runtime(runtime,
+                               runtime_target.without_feature(Target::StrictFloat));  // Halide's own code is not strict
     std::vector<std::string> all = e.objects;
     all.push_back(runtime);
     const auto lib = (e.staging / ("lib" + name + "_kernels.a")).string();
@@ -735,8 +754,7 @@ int main(int argc, char **argv, const Model &model, std::string_view model_name)
       std::ifstream in(e.staging / file, std::ios::binary);
       if (!in) throw std::runtime_error("cannot read " + (e.staging / file).string());
       write_if_changed(std::filesystem::path(out_dir) / file,
-                       std::string((std::istreambuf_iterator<char>(in)),
-                                   std::istreambuf_iterator<char>()));
+                       std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>()));
     }
   } catch (const Halide::CompileError &err) {
     std::fprintf(stderr, "remat model compiler: %s\n", err.what());

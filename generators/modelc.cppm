@@ -10,4 +10,4 @@ import remat.language;
 export namespace remat::modelc {
 // Command line: <exe> --out DIR --cpu-target TARGET. Returns the process exit code.
 int main(int argc, char **argv, const Model &model, std::string_view model_name);
-}
+}  // namespace remat::modelc

@@ -76,7 +76,10 @@ public:
       f.compute_root().gpu_tile(v.c, v.b, co, bo, ci, bi, 32, 8, TailStrategy::GuardWithIf);
       return;
     }
-    f.compute_root().split(v.c, co, ci, vec, TailStrategy::GuardWithIf).vectorize(ci).parallel(v.b, 8, TailStrategy::GuardWithIf);
+    f.compute_root()
+        .split(v.c, co, ci, vec, TailStrategy::GuardWithIf)
+        .vectorize(ci)
+        .parallel(v.b, 8, TailStrategy::GuardWithIf);
   }
   void transpose(Func f) {
     Var co("co"), ci("ci"), bo("bo"), bi("bi");
@@ -208,14 +211,15 @@ public:
         f.compute_at(consumer, v.b).gpu_threads(v.c);
         f.update().gpu_threads(v.c);
       }
-      for (Func f : {g.q.dscore, g.kv.dot, g.kv.kept, g.kv.dscore}) positions_in_shared_memory(f, consumer, v.b, block_size);
+      for (Func f : {g.q.dscore, g.kv.dot, g.kv.kept, g.kv.dscore})
+        positions_in_shared_memory(f, consumer, v.b, block_size);
       for (Func f : {g.q.dot, g.q.dprob_kept}) f.compute_at(g.q.dscore, si);
       g.kv.dprob_kept.compute_at(g.kv.dscore, si);
       return;
     }
     consumer.compute_root().parallel(v.b);
-    for (Func fn : {g.dq, g.dk, g.dv, g.q.dot, g.q.dprob_kept, g.q.dscore, g.kv.dot, g.kv.dprob_kept,
-                    g.kv.dscore, g.kv.kept})
+    for (Func fn :
+         {g.dq, g.dk, g.dv, g.q.dot, g.q.dprob_kept, g.q.dscore, g.kv.dot, g.kv.dprob_kept, g.kv.dscore, g.kv.kept})
       fn.compute_at(consumer, v.b);
     for (Func fn : {g.q.dot, g.q.dprob_kept, g.kv.dot, g.kv.dprob_kept}) dot(fn, head_dim);
     for (Func fn : {g.dq, g.dk, g.dv}) {
@@ -228,7 +232,9 @@ public:
   // Halide keeps a constant-size buffer on the stack up to 16 KiB, and takes larger ones from the
   // heap (which no kernel may do): buffers a schedule puts on the stack must fit this.
   static bool fits_stack(long long bytes) { return bytes <= 16 * 1024; }
-  static bool attention_tiles_fit(int C, int H, int T) { return fits_stack(4LL * T * T) && fits_stack(4LL * T * (C / H)); }
+  static bool attention_tiles_fit(int C, int H, int T) {
+    return fits_stack(4LL * T * T) && fits_stack(4LL * T * (C / H));
+  }
   // A small [width, height] table computed once per kernel call, before everything else.
   void table(Func f, int width, int height) {
     f.compute_root().bound(v.c, 0, width).bound(v.b, 0, height).store_in(Halide::MemoryType::Stack);
@@ -241,7 +247,12 @@ public:
   void attention_tiles(gen::AttentionTiles &a, bool lse_computed, int head_dim, int block_size) {
     const Var t("t"), h("h"), n("n"), hn("hn"), d("d");
     if (lse_computed) {
-      a.lse.compute_root().align_bounds(v.b, block_size).split(v.b, n, t, block_size, TailStrategy::RoundUp).reorder(t, h, n).fuse(h, n, hn).parallel(hn);
+      a.lse.compute_root()
+          .align_bounds(v.b, block_size)
+          .split(v.b, n, t, block_size, TailStrategy::RoundUp)
+          .reorder(t, h, n)
+          .fuse(h, n, hn)
+          .parallel(hn);
       tile_of_scores(a.stats.score, a.stats, LoopLevel(a.lse, hn), block_size);
       for (Func f : {a.row_max, a.sum_exp}) {
         f.compute_at(a.lse, hn).store_in(Halide::MemoryType::Stack);
@@ -269,7 +280,8 @@ public:
   void attention_tiles_grad(gen::AttentionTilesGrad &g, int head_dim, int block_size) {
     const RVar hn("hn");
     Stage write = g.dqkv.update();
-    write.allow_race_conditions()  // every element is written by one task only
+    write
+        .allow_race_conditions()  // every element is written by one task only
         .fuse(g.r[4], g.r[5], hn)
         .parallel(hn)
         .unroll(g.r[2]);
@@ -345,7 +357,10 @@ private:
     return 1;
   }
   // f(t, ...) vectorized over query positions t where whole vectors fit.
-  template <class S> void positions(S &&f) { f.vectorize(Var("t"), vec, TailStrategy::GuardWithIf); }
+  template <class S>
+  void positions(S &&f) {
+    f.vectorize(Var("t"), vec, TailStrategy::GuardWithIf);
+  }
   // f(t, s, h, n), a tile's [T, T] values from the dot products of `sc`, computed at the loop
   // `at` on the stack, in register tiles of (two) vectors of query positions by (four)
   // key positions; each tile's dot products accumulate over the head in registers.
@@ -354,7 +369,12 @@ private:
     const int tile_t = dividing(T, {2 * vec, vec}), tile_s = dividing(T, {4, 2});
     sc.q_t.compute_at(at).store_in(Halide::MemoryType::Stack);
     positions(sc.q_t);
-    f.compute_at(at).store_in(Halide::MemoryType::Stack).split(t, to, ti, tile_t).split(s, so, si, tile_s).reorder(ti, si, to, so).unroll(si);
+    f.compute_at(at)
+        .store_in(Halide::MemoryType::Stack)
+        .split(t, to, ti, tile_t)
+        .split(s, so, si, tile_s)
+        .reorder(ti, si, to, so)
+        .unroll(si);
     sc.dot.compute_at(f, to).unroll(s);
     sc.dot.update().reorder(t, s, sc.dot.rvars(0)[0]).unroll(s);
     if (tile_t % vec == 0) {
@@ -368,7 +388,9 @@ private:
   void sum_over_positions(Func sum, int head_dim, int T) {
     const Var t("t"), d("d"), to("to"), ti("ti");
     Stage update = sum.update();
-    update.split(t, to, ti, dividing(T, {gen::Transformer::sum_tile, 2})).reorder(d, ti, sum.rvars(0)[0], to).unroll(ti);
+    update.split(t, to, ti, dividing(T, {gen::Transformer::sum_tile, 2}))
+        .reorder(d, ti, sum.rvars(0)[0], to)
+        .unroll(ti);
     if (head_dim % vec == 0) {
       sum.vectorize(d, vec);
       update.vectorize(d, vec).unroll(d);

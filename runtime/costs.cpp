@@ -36,13 +36,15 @@ std::string machine_name(Device device) {
 }
 
 std::string default_cost_table() {
-  if (const char *cache = std::getenv("XDG_CACHE_HOME"); cache && *cache) return std::string(cache) + "/remat/costs.json";
+  if (const char *cache = std::getenv("XDG_CACHE_HOME"); cache && *cache)
+    return std::string(cache) + "/remat/costs.json";
   if (const char *home = std::getenv("HOME"); home && *home) return std::string(home) + "/.cache/remat/costs.json";
   return "remat-costs.json";
 }
 
 std::string cost_key(std::string_view model, Precision precision, int batch, Device device) {
-  return fmt::format("{}/{}/batch{}/{}", model, precision_name(precision), batch, device == Device::cuda ? "cuda" : "cpu");
+  return fmt::format("{}/{}/batch{}/{}", model, precision_name(precision), batch,
+                     device == Device::cuda ? "cuda" : "cpu");
 }
 
 namespace {
@@ -53,9 +55,7 @@ nlohmann::json read_table(const std::string &path) {
     nlohmann::json j = nlohmann::json::parse(in);
     if (!j.is_object()) throw InputError(fmt::format("cost table {}: not a JSON object", path));
     return j;
-  } catch (const nlohmann::json::exception &e) {
-    throw InputError(fmt::format("cost table {}: {}", path, e.what()));
-  }
+  } catch (const nlohmann::json::exception &e) { throw InputError(fmt::format("cost table {}: {}", path, e.what())); }
 }
 }  // namespace
 
@@ -66,12 +66,11 @@ std::optional<CostModel> load_costs(const std::string &path, const std::string &
   try {
     for (const auto &[kernel, seconds] : table[machine][key].items()) {
       if (!seconds.is_number() || seconds.get<double>() < 0)
-        throw InputError(fmt::format("cost table {}: {} / {} / {} is not a number of seconds", path, machine, key, kernel));
+        throw InputError(
+            fmt::format("cost table {}: {} / {} / {} is not a number of seconds", path, machine, key, kernel));
       costs.measured.push_back({Name(kernel.c_str()), seconds.get<double>()});
     }
-  } catch (const nlohmann::json::exception &e) {
-    throw InputError(fmt::format("cost table {}: {}", path, e.what()));
-  }
+  } catch (const nlohmann::json::exception &e) { throw InputError(fmt::format("cost table {}: {}", path, e.what())); }
   return costs;
 }
 
@@ -80,13 +79,15 @@ void save_costs(const std::string &path, const std::string &machine, const std::
   nlohmann::json entry = nlohmann::json::object();
   for (const KernelTime &k : costs.measured) entry[std::string(k.kernel.view())] = k.seconds;
   table[machine][key] = entry;
-  std::filesystem::create_directories(std::filesystem::path(path).parent_path().empty() ? "." : std::filesystem::path(path).parent_path());
+  std::filesystem::create_directories(
+      std::filesystem::path(path).parent_path().empty() ? "." : std::filesystem::path(path).parent_path());
   write_atomically(path, "cost table", [&](std::ostream &out) { out << table.dump(2) << "\n"; });
 }
 
 std::unique_ptr<Engine> engine_for_timing(Plan plan, const ModelInfo &info, Device device, DataSource &data) {
-  auto engine = std::make_unique<Engine>(std::move(plan), info.name, device == Device::cuda ? info.cuda_kernels : info.kernels,
-                                         Engine::Options{.device = device});
+  auto engine =
+      std::make_unique<Engine>(std::move(plan), info.name, device == Device::cuda ? info.cuda_kernels : info.kernels,
+                               Engine::Options{.device = device});
   engine->init_params(1);
   engine->scalars.grad_scale = float(1.0 / double(engine->plan.rows));
   data.next_train_batch(engine->executor);
@@ -96,7 +97,8 @@ std::unique_ptr<Engine> engine_for_timing(Plan plan, const ModelInfo &info, Devi
 std::string block_calls(const Plan &plan, const Unit &unit) {
   std::string calls;
   for (const Step &st : plan.train)
-    if (st.stage == unit.stage && st.block == unit.block && st.variant != Variant::loss && st.variant != Variant::adamw) {
+    if (st.stage == unit.stage && st.block == unit.block && st.variant != Variant::loss &&
+        st.variant != Variant::adamw) {
       // a forward that copies its input (a checkpoint) out to host memory: "(offloads input)"
       const bool offloads_input = std::ranges::any_of(st.offload, [&](int t) {
         return std::ranges::any_of(st.args, [&](const Arg &a) { return a.tensor == t && a.access == Access::read; });
@@ -110,7 +112,8 @@ std::string block_calls(const Plan &plan, const Unit &unit) {
 namespace {
 // Runs `plan` on data from `data`: one untimed micro-batch, then `runs` timed ones (and as many
 // evaluations); returns the engine, whose executor holds the call times.
-std::unique_ptr<Engine> timed_engine(const Plan &plan, const ModelInfo &info, Device device, DataSource &data, int runs) {
+std::unique_ptr<Engine> timed_engine(const Plan &plan, const ModelInfo &info, Device device, DataSource &data,
+                                     int runs) {
   auto engine = engine_for_timing(plan, info, device, data);
   engine->train();
   engine->evaluate();

@@ -41,8 +41,7 @@ struct State {
 } state;
 
 void check(cudaError_t err, const char *what) {
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("CUDA: ") + what + ": " + cudaGetErrorString(err));
+  if (err != cudaSuccess) throw std::runtime_error(std::string("CUDA: ") + what + ": " + cudaGetErrorString(err));
 }
 
 cudaStream_t stream(Stream s) { return s == Stream::compute ? state.compute : state.copy; }
@@ -152,17 +151,24 @@ Event event_create() {
   return {e};
 }
 void event_destroy(Event e) { cudaEventDestroy(static_cast<cudaEvent_t>(e.handle)); }
-void record(Event e, Stream s) { check(cudaEventRecord(static_cast<cudaEvent_t>(e.handle), stream(s)), "cudaEventRecord"); }
-void wait(Stream s, Event e) { check(cudaStreamWaitEvent(stream(s), static_cast<cudaEvent_t>(e.handle), 0), "cudaStreamWaitEvent"); }
+void record(Event e, Stream s) {
+  check(cudaEventRecord(static_cast<cudaEvent_t>(e.handle), stream(s)), "cudaEventRecord");
+}
+void wait(Stream s, Event e) {
+  check(cudaStreamWaitEvent(stream(s), static_cast<cudaEvent_t>(e.handle), 0), "cudaStreamWaitEvent");
+}
 
 // ---- cuBLASLt, loaded with dlopen (the binaries start, and the CPU runs work, without it) ----
 namespace {
 
 struct CublasLt {
-#define REMAT_CUBLASLT_FUNCTIONS(X)                                                                  \
-  X(cublasLtCreate) X(cublasLtMatmulDescCreate) X(cublasLtMatmulDescSetAttribute)                    \
+  // clang-format off
+#define REMAT_CUBLASLT_FUNCTIONS(X)                                                                    \
+  X(cublasLtCreate) X(cublasLtMatmulDescCreate) X(cublasLtMatmulDescSetAttribute)                      \
   X(cublasLtMatrixLayoutCreate) X(cublasLtMatmulPreferenceCreate) X(cublasLtMatmulPreferenceSetAttribute) \
-  X(cublasLtMatmulAlgoGetHeuristic) X(cublasLtMatmul) X(cublasLtGetStatusString) X(cublasLtMatmulPreferenceDestroy)
+  X(cublasLtMatmulAlgoGetHeuristic) X(cublasLtMatmul) X(cublasLtGetStatusString)                       \
+  X(cublasLtMatmulPreferenceDestroy)
+// clang-format on
 #define REMAT_DECLARE(name) decltype(&::name) name = nullptr;
   REMAT_CUBLASLT_FUNCTIONS(REMAT_DECLARE)
 #undef REMAT_DECLARE
@@ -176,8 +182,8 @@ struct CublasLt {
     if (const char *path = std::getenv("REMAT_CUBLASLT"); path && *path) candidates.insert(candidates.begin(), path);
     void *lib = dlopen_first(candidates, soname + " (cuBLASLt; put it on LD_LIBRARY_PATH or name it in REMAT_CUBLASLT)",
                              RTLD_NOW | RTLD_LOCAL);
-#define REMAT_LOAD(name)                                                               \
-  name = reinterpret_cast<decltype(name)>(dlsym(lib, #name));                          \
+#define REMAT_LOAD(name)                                      \
+  name = reinterpret_cast<decltype(name)>(dlsym(lib, #name)); \
   if (!name) throw std::runtime_error("cuBLASLt: " + soname + " has no " #name);
     REMAT_CUBLASLT_FUNCTIONS(REMAT_LOAD)
 #undef REMAT_LOAD
@@ -214,19 +220,24 @@ Prepared prepare(const GemmCall &g) {
   lt.check(lt.cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_y, sizeof op_y), "TRANSB");
   if (g.bias) {  // the bias has the output's type; its pointer is set again for each call
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
-    lt.check(lt.cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue), "EPILOGUE");
-    lt.check(lt.cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof g.bias), "BIAS_POINTER");
+    lt.check(lt.cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue),
+             "EPILOGUE");
+    lt.check(lt.cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof g.bias),
+             "BIAS_POINTER");
   }
   // column-major (rows, cols, leading dimension)
-  lt.check(g.trans_b ? lt.cublasLtMatrixLayoutCreate(&p.x, in, g.k, g.n, g.k) : lt.cublasLtMatrixLayoutCreate(&p.x, in, g.n, g.k, g.n),
+  lt.check(g.trans_b ? lt.cublasLtMatrixLayoutCreate(&p.x, in, g.k, g.n, g.k)
+                     : lt.cublasLtMatrixLayoutCreate(&p.x, in, g.n, g.k, g.n),
            "layout of B");
-  lt.check(g.trans_a ? lt.cublasLtMatrixLayoutCreate(&p.y, in, g.m, g.k, g.m) : lt.cublasLtMatrixLayoutCreate(&p.y, in, g.k, g.m, g.k),
+  lt.check(g.trans_a ? lt.cublasLtMatrixLayoutCreate(&p.y, in, g.m, g.k, g.m)
+                     : lt.cublasLtMatrixLayoutCreate(&p.y, in, g.k, g.m, g.k),
            "layout of A");
   lt.check(lt.cublasLtMatrixLayoutCreate(&p.d, out, g.n, g.m, g.n), "layout of out");
   cublasLtMatmulPreference_t pref = nullptr;
   lt.check(lt.cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
   const std::size_t workspace = 0;
-  lt.check(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof workspace),
+  lt.check(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
+                                                   sizeof workspace),
            "MAX_WORKSPACE_BYTES");
   // The algorithm must not depend on where a plan put the operands (each policy lays the arena
   // out differently, and another algorithm may give other bits): every operand is assumed to be
@@ -236,7 +247,8 @@ Prepared prepare(const GemmCall &g) {
                          CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
     lt.check(lt.cublasLtMatmulPreferenceSetAttribute(pref, attribute, &bytes, sizeof bytes), "MIN_ALIGNMENT");
   const std::uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
-  lt.check(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction, sizeof reduction),
+  lt.check(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction,
+                                                   sizeof reduction),
            "REDUCTION_SCHEME_MASK");
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
@@ -260,14 +272,13 @@ void gemm(const GemmCall &g) try {
   Prepared &p = it->second;
   CublasLt &lt = cublaslt();
   if (g.bias)
-    lt.check(lt.cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof g.bias), "BIAS_POINTER");
+    lt.check(lt.cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof g.bias),
+             "BIAS_POINTER");
   const float alpha = 1.f, beta = g.accumulate ? 1.f : 0.f;
   lt.check(lt.cublasLtMatmul(lt.handle, p.desc, &alpha, g.b, p.x, g.a, p.y, &beta, g.out, p.d, g.out, p.d, &p.algo,
                              nullptr, 0, state.compute),
            "cublasLtMatmul");
-} catch (const std::exception &e) {
-  throw std::runtime_error(std::string(e.what()) + " (" + describe(g) + ")");
-}
+} catch (const std::exception &e) { throw std::runtime_error(std::string(e.what()) + " (" + describe(g) + ")"); }
 
 }  // namespace remat::cuda
 
@@ -275,7 +286,9 @@ void gemm(const GemmCall &g) try {
 
 namespace remat::cuda {
 namespace {
-[[noreturn]] void unavailable() { throw std::runtime_error("this build of remat has no CUDA support (the CUDA toolkit was not found)"); }
+[[noreturn]] void unavailable() {
+  throw std::runtime_error("this build of remat has no CUDA support (the CUDA toolkit was not found)");
+}
 }  // namespace
 DeviceInfo probe() { return {.error = "this build of remat has no CUDA support (the CUDA toolkit was not found)"}; }
 void init() { unavailable(); }

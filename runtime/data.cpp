@@ -51,8 +51,8 @@ std::vector<std::uint32_t> idx_shape(const std::vector<std::uint8_t> &d, const s
     count *= shape.back();
   }
   if (d.size() != 4 + 4u * dims + count)
-    throw InputError(fmt::format("{}: expected {} data bytes after the header, found {} (truncated or corrupt)",
-                                 path, count, d.size() - 4 - 4 * dims));
+    throw InputError(fmt::format("{}: expected {} data bytes after the header, found {} (truncated or corrupt)", path,
+                                 count, d.size() - 4 - 4 * dims));
   return shape;
 }
 
@@ -62,8 +62,8 @@ Dataset load_idx(const std::string &images_path, const std::string &labels_path,
   const auto images = read_file(images_path), labels = read_file(labels_path);
   const auto ishape = idx_shape(images, images_path, 3), lshape = idx_shape(labels, labels_path, 1);
   if (ishape[0] != lshape[0])
-    throw InputError(fmt::format("{} has {} images but {} has {} labels", images_path, ishape[0],
-                                 labels_path, lshape[0]));
+    throw InputError(
+        fmt::format("{} has {} images but {} has {} labels", images_path, ishape[0], labels_path, lshape[0]));
   Dataset ds;
   ds.rows = int(ishape[0]);
   ds.width = int(ishape[1] * ishape[2]);
@@ -73,8 +73,8 @@ Dataset load_idx(const std::string &images_path, const std::string &labels_path,
   for (int i = 0; i < ds.rows; ++i) {
     ds.labels[i] = labels[8 + i];
     if (ds.labels[i] >= classes)
-      throw InputError(fmt::format("{}: label {} at row {} is not below the {} classes", labels_path,
-                                   ds.labels[i], i, classes));
+      throw InputError(
+          fmt::format("{}: label {} at row {} is not below the {} classes", labels_path, ds.labels[i], i, classes));
   }
   return ds;
 }
@@ -90,10 +90,12 @@ public:
   FashionMnist(const Model &model, const DataOptions &o)
       : train(load_idx(o.dir + "/train-images-idx3-ubyte.gz", o.dir + "/train-labels-idx1-ubyte.gz", model.classes())),
         test(load_idx(o.dir + "/t10k-images-idx3-ubyte.gz", o.dir + "/t10k-labels-idx1-ubyte.gz", model.classes())),
-        batch(o.batch), rng(o.seed ^ 0x5eedf00dull) {
+        batch(o.batch),
+        rng(o.seed ^ 0x5eedf00dull) {
     for (const Dataset *ds : {&train, &test})
       if (ds->width != model.input.width)
-        throw InputError(fmt::format("{}: images have {} pixels but the model takes {}", o.dir, ds->width, model.input.width));
+        throw InputError(
+            fmt::format("{}: images have {} pixels but the model takes {}", o.dir, ds->width, model.input.width));
     order.resize(train.rows);
     std::iota(order.begin(), order.end(), 0);
     std::shuffle(order.begin(), order.end(), rng);
@@ -137,7 +139,8 @@ public:
   }
 
 private:
-  template <class Row> void copy(const Dataset &ds, Row row, Executor &ex) {
+  template <class Row>
+  void copy(const Dataset &ds, Row row, Executor &ex) {
     auto labels = ex.tensor<std::int32_t>("labels");
     images.resize(labels.size() * ds.width);
     for (std::size_t r = 0; r < labels.size(); ++r) {
@@ -168,8 +171,8 @@ public:
                                    corpus.train.size() + corpus.val.size(), T));
   }
   std::string describe() const override {
-    return fmt::format("text: {} files, {} training and {} validation characters", corpus.files,
-                       corpus.train.size(), corpus.val.size());
+    return fmt::format("text: {} files, {} training and {} validation characters", corpus.files, corpus.train.size(),
+                       corpus.val.size());
   }
   long train_samples() const override { return long(corpus.train.size()) / T; }
   long eval_samples() const override { return long(corpus.val.size() - 1) / T; }
@@ -178,7 +181,9 @@ public:
     fill(ex, [&](std::size_t) { return start(rng); }, corpus.train);
   }
   void load_eval_batch(Executor &ex, long first) override {
-    fill(ex, [&](std::size_t s) { return std::size_t(first + long(s) < eval_samples() ? first + s : 0) * T; }, corpus.val);
+    fill(
+        ex, [&](std::size_t s) { return std::size_t(first + long(s) < eval_samples() ? first + s : 0) * T; },
+        corpus.val);
   }
   std::string state() const override {
     std::ostringstream out;
@@ -188,11 +193,13 @@ public:
   void restore(const std::string &state) override {
     std::istringstream in(state);
     in >> rng;
-    if (!in || !(in >> std::ws).eof()) throw InputError("--resume-from-snapshot: the snapshot's data state does not fit this corpus");
+    if (!in || !(in >> std::ws).eof())
+      throw InputError("--resume-from-snapshot: the snapshot's data state does not fit this corpus");
   }
 
 private:
-  template <class Start> void fill(Executor &ex, Start start, const std::vector<std::int32_t> &text) {
+  template <class Start>
+  void fill(Executor &ex, Start start, const std::vector<std::int32_t> &text) {
     auto inputs = ex.tensor<std::int32_t>("inputs");
     auto labels = ex.tensor<std::int32_t>("labels");
     for (std::size_t s = 0; s < inputs.size() / T; ++s) {

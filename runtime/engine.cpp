@@ -31,7 +31,8 @@ constexpr const char *state_tensors[] = {"params", "adam_m", "adam_v"};
 float uniform(std::mt19937_64 &rng) { return float(double(rng() >> 11) * 0x1.0p-53 * 2.0 - 1.0); }
 }  // namespace
 
-void write_atomically(const std::string &path, std::string_view what, const std::function<void(std::ostream &)> &write) {
+void write_atomically(const std::string &path, std::string_view what,
+                      const std::function<void(std::ostream &)> &write) {
   const std::string tmp = path + ".tmp";
   try {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
@@ -57,7 +58,9 @@ Arena &with_canary(Arena &arena, bool canary) {
 }  // namespace
 
 Engine::Engine(Plan p, std::string_view name, std::span<const Kernel> kernels, Options options)
-    : model_name(name), plan(std::move(p)), arena(std::max(plan.peak_bytes, plan.eval_peak_bytes), options.device),
+    : model_name(name),
+      plan(std::move(p)),
+      arena(std::max(plan.peak_bytes, plan.eval_peak_bytes), options.device),
       executor(plan, model_name, kernels, with_canary(arena, options.canary), scalars, options.checks) {}
 
 void Engine::init_params(std::uint64_t seed) {
@@ -81,9 +84,13 @@ void Engine::init_params(std::uint64_t seed) {
 
 void Engine::save(const std::string &path, const SnapshotState &state) {
   write_atomically(path, "snapshot", [&](std::ostream &out) {
-    const nlohmann::json header = {{"model", std::string(model_name)}, {"param_count", plan.param_count},
-                                   {"step", state.step}, {"seed", state.seed}, {"run", state.run},
-                                   {"data", state.data}, {"byte_order", "little"}};
+    const nlohmann::json header = {{"model", std::string(model_name)},
+                                   {"param_count", plan.param_count},
+                                   {"step", state.step},
+                                   {"seed", state.seed},
+                                   {"run", state.run},
+                                   {"data", state.data},
+                                   {"byte_order", "little"}};
     out << magic << '\n' << header.dump() << '\n';
     for (const char *name : state_tensors) {
       executor.download(name);
@@ -104,16 +111,16 @@ SnapshotState Engine::load(const std::string &path) {
   try {
     std::getline(in, line);
     header = nlohmann::json::parse(line);
-    if (header.at("model").get<std::string>() != model_name || header.at("param_count").get<long long>() != plan.param_count)
-      throw InputError(fmt::format("snapshot {}: a snapshot of model {} with {} parameters; this is {} with {}",
-                                   path, header.at("model").get<std::string>(), header.at("param_count").get<long long>(),
+    if (header.at("model").get<std::string>() != model_name ||
+        header.at("param_count").get<long long>() != plan.param_count)
+      throw InputError(fmt::format("snapshot {}: a snapshot of model {} with {} parameters; this is {} with {}", path,
+                                   header.at("model").get<std::string>(), header.at("param_count").get<long long>(),
                                    model_name, plan.param_count));
     state = {header.at("step").get<long>(), header.at("seed").get<std::uint64_t>(), header.at("run").get<std::string>(),
              header.at("data").get<std::string>()};
-    if (header.at("byte_order").get<std::string>() != "little") throw nlohmann::json::other_error::create(501, "", nullptr);
-  } catch (const nlohmann::json::exception &) {
-    throw InputError(fmt::format("snapshot {}: corrupt header", path));
-  }
+    if (header.at("byte_order").get<std::string>() != "little")
+      throw nlohmann::json::other_error::create(501, "", nullptr);
+  } catch (const nlohmann::json::exception &) { throw InputError(fmt::format("snapshot {}: corrupt header", path)); }
   if (state.step < 1) throw InputError(fmt::format("snapshot {}: corrupt header (step {})", path, state.step));
   for (const char *name : state_tensors) {
     auto values = executor.tensor<float>(name);

@@ -81,7 +81,8 @@ int can_use_target_features(int count, const std::uint64_t *features) {
 std::string_view cpu_kernel_variant() {
   constexpr int words = (halide_target_feature_end + 63) / 64;
   std::uint64_t avx512[words] = {};
-  for (int f : {halide_target_feature_avx512, halide_target_feature_avx512_skylake}) avx512[f >> 6] |= std::uint64_t(1) << (f & 63);
+  for (int f : {halide_target_feature_avx512, halide_target_feature_avx512_skylake})
+    avx512[f >> 6] |= std::uint64_t(1) << (f & 63);
   return can_use_target_features(words, avx512) ? "avx512" : "avx2";
 }
 
@@ -178,10 +179,10 @@ long Arena::guard_damage() {
 struct Executor::Bound {
   const Kernel *kernel;
   float no_weight_decay = 0;  // AdamW over parameters that are not decayed
-  double seconds = 0;  // with REMAT_PROFILE set: time spent in this call
+  double seconds = 0;         // with REMAT_PROFILE set: time spent in this call
   long calls = 0;
-  double flops = 0;         // the step's kernel_flops, per call
-  std::size_t bytes = 0;    // bytes of the tensors it reads and writes, per call
+  double flops = 0;       // the step's kernel_flops, per call
+  std::size_t bytes = 0;  // bytes of the tensors it reads and writes, per call
   std::int32_t rng_block = 0;
   std::vector<halide_buffer_t> buffers;
   std::vector<int> inputs, outputs;  // buffer arguments by kind (Device::opencl moves them)
@@ -226,7 +227,8 @@ void *scalar_field(Scalars &s, Scalar which) {
 struct Executor::Transfers {
   Transfers(const Plan &plan, Arena &arena) : plan(plan), arena(arena), bytes(plan.offload_bytes) {
     cuda_device = arena.device() == Device::cuda;
-    host = static_cast<std::byte *>(cuda_device ? cuda::pinned_malloc(bytes) : std::aligned_alloc(arena_alignment, bytes));
+    host =
+        static_cast<std::byte *>(cuda_device ? cuda::pinned_malloc(bytes) : std::aligned_alloc(arena_alignment, bytes));
     if (!host) throw std::runtime_error(fmt::format("cannot allocate {} bytes of host memory for offload", bytes));
     if (cuda_device)
       for (const Step &st : plan.train) {
@@ -284,14 +286,14 @@ struct Executor::Transfers {
   cuda::Event ready{};
 };
 
-Executor::Executor(const Plan &plan, std::string_view model_name, std::span<const Kernel> kernels,
-                   Arena &arena, Scalars &scalars, Checks checks_)
+Executor::Executor(const Plan &plan, std::string_view model_name, std::span<const Kernel> kernels, Arena &arena,
+                   Scalars &scalars, Checks checks_)
     : plan(plan), arena(arena), checks(checks_) {
   if (checks.free_memory && arena.device() == Device::cuda)
     throw std::runtime_error("the free-memory check reads the arena on the host: not on --device cuda");
   if (plan.rows < min_kernel_rows)
-    throw std::runtime_error(fmt::format("the plan has {} rows per micro-batch; the kernels need at least {}", plan.rows,
-                                         min_kernel_rows));
+    throw std::runtime_error(
+        fmt::format("the plan has {} rows per micro-batch; the kernels need at least {}", plan.rows, min_kernel_rows));
   // The plan must fit the arena: every root inside it, every view inside its root.
   if (arena.size() < std::max(plan.peak_bytes, plan.eval_peak_bytes))
     throw std::runtime_error(fmt::format("the plan needs an arena of {} bytes; this one has {}",
@@ -299,8 +301,9 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
   for (const Tensor &t : plan.tensors) {
     const std::size_t room = t.view_of < 0 ? arena.size() : plan.tensors[t.view_of].bytes();
     if (t.offset > room || t.bytes() > room - t.offset)
-      throw std::runtime_error(fmt::format("tensor {} ({} bytes at {}) does not fit in {} ({} bytes)", t.name.view(), t.bytes(),
-                                           t.offset, t.view_of < 0 ? "the arena" : plan.tensors[t.view_of].name.view(), room));
+      throw std::runtime_error(fmt::format("tensor {} ({} bytes at {}) does not fit in {} ({} bytes)", t.name.view(),
+                                           t.bytes(), t.offset,
+                                           t.view_of < 0 ? "the arena" : plan.tensors[t.view_of].name.view(), room));
   }
   auto bind = [&](const Step &st) {
     auto b = std::make_unique<Bound>();
@@ -312,8 +315,8 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
     const halide_filter_metadata_t *md = b->kernel->metadata();
     const int n_scalars = int(st.scalars.size());
     if (md->num_arguments != n_scalars + int(st.args.size()))
-      throw std::runtime_error(fmt::format("{}: the kernel has {} arguments, the plan's step {} (a stale build?)", b->kernel->name,
-                                           md->num_arguments, n_scalars + st.args.size()));
+      throw std::runtime_error(fmt::format("{}: the kernel has {} arguments, the plan's step {} (a stale build?)",
+                                           b->kernel->name, md->num_arguments, n_scalars + st.args.size()));
     b->buffers.resize(md->num_arguments);
     b->shapes.resize(md->num_arguments);
     b->argv.resize(md->num_arguments);
@@ -323,24 +326,25 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
         const Scalar which = st.scalars[a];
         const ScalarInfo &expected = info(which);
         if (arg.kind != halide_argument_kind_input_scalar || arg.type.bytes() != element_bytes(expected.element))
-          throw std::runtime_error(fmt::format("{}: argument {} ({}) is not the scalar {} of the signature", b->kernel->name, a,
-                                               arg.name, expected.name));
-        b->argv[a] = which == Scalar::rng_block                            ? &b->rng_block
+          throw std::runtime_error(fmt::format("{}: argument {} ({}) is not the scalar {} of the signature",
+                                               b->kernel->name, a, arg.name, expected.name));
+        b->argv[a] = which == Scalar::rng_block                          ? &b->rng_block
                      : which == Scalar::weight_decay && !st.weight_decay ? &b->no_weight_decay
-                                                                        : scalar_field(scalars, which);
+                                                                         : scalar_field(scalars, which);
         continue;
       }
       const Arg *it = &st.args[a - n_scalars];
       const bool written = arg.kind == halide_argument_kind_output_buffer;
       if (arg.kind == halide_argument_kind_input_scalar || written != (it->access == Access::write))
-        throw std::runtime_error(fmt::format("{}: argument {} ({}) is not the {} buffer {} of the plan", b->kernel->name, a,
-                                             arg.name, it->access == Access::write ? "written" : "read", it->name.view()));
+        throw std::runtime_error(fmt::format("{}: argument {} ({}) is not the {} buffer {} of the plan",
+                                             b->kernel->name, a, arg.name,
+                                             it->access == Access::write ? "written" : "read", it->name.view()));
       const Tensor &t = plan.tensors[it->tensor];
       b->bytes += t.bytes();
       if (t.dims != arg.dimensions || t.elem_bytes != arg.type.bytes())
-        throw std::runtime_error(fmt::format("{}: argument {} has {} dimensions of {}-byte elements, tensor {} {} of {}",
-                                             b->kernel->name, arg.name, arg.dimensions, arg.type.bytes(),
-                                             t.name.view(), t.dims, t.elem_bytes));
+        throw std::runtime_error(
+            fmt::format("{}: argument {} has {} dimensions of {}-byte elements, tensor {} {} of {}", b->kernel->name,
+                        arg.name, arg.dimensions, arg.type.bytes(), t.name.view(), t.dims, t.elem_bytes));
       const std::size_t offset = plan.arena_offset(it->tensor);
       halide_buffer_t &buf = b->buffers[a];
       buf = {};
@@ -349,8 +353,8 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
       buf.dim = b->shapes[a].data();
       std::int32_t stride = 1;
       if (t.bytes() > std::size_t(INT32_MAX))
-        throw std::runtime_error(fmt::format("tensor {} has {} bytes; Halide buffers hold at most 2 GiB",
-                                             t.name.view(), t.bytes()));
+        throw std::runtime_error(
+            fmt::format("tensor {} has {} bytes; Halide buffers hold at most 2 GiB", t.name.view(), t.bytes()));
       for (int d = 0; d < t.dims; ++d) {
         b->shapes[a][d] = {0, std::int32_t(t.extent[d]), stride, 0};
         stride *= std::int32_t(t.extent[d]);
@@ -358,8 +362,8 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
       if (arena.device() == Device::cuda) {  // device memory only; kernels never touch the mirror
         const auto device_ptr = reinterpret_cast<std::uint64_t>(arena.device_data() + offset);
         if (int err = halide_cuda_wrap_device_ptr(nullptr, &buf, device_ptr); err != 0)
-          throw std::runtime_error(fmt::format("{}: cannot wrap device memory for {} (Halide error {})",
-                                               b->kernel->name, arg.name, err));
+          throw std::runtime_error(
+              fmt::format("{}: cannot wrap device memory for {} (Halide error {})", b->kernel->name, arg.name, err));
       } else {
         buf.host = reinterpret_cast<std::uint8_t *>(arena.data() + offset);
       }
@@ -380,13 +384,14 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
   if (plan.offload_bytes) transfers = std::make_unique<Transfers>(plan, arena);
 }
 
-
-
 // With the free-memory check: every byte of the live tensors that the step does not write (whole
 // tensors, and the parts of a flat buffer outside the views it writes), copied before the kernel
 // and compared after it, so that a kernel writing into a tensor it was not given is named.
 struct Executor::Untouched {
-  struct Region { std::size_t offset, bytes; int tensor; };
+  struct Region {
+    std::size_t offset, bytes;
+    int tensor;
+  };
   std::vector<Region> regions;
   std::vector<std::byte> before;
   void take(const Plan &plan, const Step &st, const std::vector<int> &live, const std::byte *arena) {
@@ -431,7 +436,9 @@ void Executor::run(Phase phase) {
   static const bool profile = std::getenv("REMAT_PROFILE") != nullptr;
   static const bool check_env = std::getenv("REMAT_CHECK_ARENA") != nullptr;
   auto &calls = phase == Phase::train ? train_calls : phase == Phase::optimize ? optimize_calls : eval_calls;
-  const std::vector<Step> &steps = phase == Phase::train ? plan.train : phase == Phase::optimize ? plan.optimize : plan.eval;
+  const std::vector<Step> &steps = phase == Phase::train      ? plan.train
+                                   : phase == Phase::optimize ? plan.optimize
+                                                              : plan.eval;
   if (checks.free_memory && !arena.canary_filled())
     throw std::runtime_error("the free-memory check needs an arena filled with the canary (Arena::fill_canary)");
   const bool check_free = (checks.free_memory || check_env) && arena.canary_filled() && arena.device() != Device::cuda;
@@ -477,8 +484,10 @@ void Executor::run(Phase phase) {
   if (arena.device() == Device::cuda && !calls.empty()) {  // one look at the guard per phase
     PausedCounting paused;
     if (const long damage = arena.guard_damage(); damage >= 0)
-      throw std::runtime_error(fmt::format("a kernel of this phase wrote past the end of the arena (byte {} beyond the "
-                                           "plan's {} bytes); REMAT_CUDA_SYNC=1 names it", damage, arena.size()));
+      throw std::runtime_error(
+          fmt::format("a kernel of this phase wrote past the end of the arena (byte {} beyond the "
+                      "plan's {} bytes); REMAT_CUDA_SYNC=1 names it",
+                      damage, arena.size()));
   }
 }
 
@@ -496,8 +505,9 @@ void Executor::check_after(const Bound &b, const Step &st, std::vector<int> *liv
     }
   }
   if (const long damage = arena.guard_damage(); damage >= 0)
-    throw std::runtime_error(fmt::format("kernel {} wrote past the end of the arena (byte {} beyond the plan's {} bytes)",
-                                         b.kernel->name, damage, arena.size()));
+    throw std::runtime_error(
+        fmt::format("kernel {} wrote past the end of the arena (byte {} beyond the plan's {} bytes)", b.kernel->name,
+                    damage, arena.size()));
   if (!live_roots) return;
   if (const auto [byte, t] = untouched.changed(arena.data()); byte >= 0)
     throw std::runtime_error(fmt::format("kernel {} changed tensor {} (arena byte {}), which it does not write",
@@ -508,8 +518,10 @@ void Executor::check_after(const Bound &b, const Step &st, std::vector<int> *liv
   auto check_gap = [&](std::size_t end, std::string_view after) {
     if (end <= at) return;
     if (const long hit = arena.first_written(at, end - at); hit >= 0)
-      throw std::runtime_error(fmt::format("kernel {} wrote byte {} of the arena, which no live tensor holds (the "
-                                           "nearest live tensor below it is {})", b.kernel->name, hit, after));
+      throw std::runtime_error(
+          fmt::format("kernel {} wrote byte {} of the arena, which no live tensor holds (the "
+                      "nearest live tensor below it is {})",
+                      b.kernel->name, hit, after));
   };
   std::string_view below = "none";
   for (int t : live) {
@@ -550,15 +562,17 @@ Roofs measure_roofs() {
   struct Copy {
     std::vector<std::byte> from, to;
     std::size_t chunk;
-  } copy{std::vector<std::byte>(std::size_t(256) << 20, std::byte{1}), std::vector<std::byte>(std::size_t(256) << 20), 1 << 20};
+  } copy{std::vector<std::byte>(std::size_t(256) << 20, std::byte{1}), std::vector<std::byte>(std::size_t(256) << 20),
+         1 << 20};
   auto task = [](void *, int i, std::uint8_t *closure) {
     Copy &c = *reinterpret_cast<Copy *>(closure);
     std::memcpy(c.to.data() + i * c.chunk, c.from.data() + i * c.chunk, c.chunk);
     return 0;
   };
   const int chunks = int(copy.from.size() / copy.chunk);
-  roofs.memory_gbps = 2.0 * double(copy.from.size()) /
-                      best_seconds([&] { halide_do_par_for(nullptr, task, 0, chunks, reinterpret_cast<std::uint8_t *>(&copy)); }) / 1e9;
+  roofs.memory_gbps =
+      2.0 * double(copy.from.size()) /
+      best_seconds([&] { halide_do_par_for(nullptr, task, 0, chunks, reinterpret_cast<std::uint8_t *>(&copy)); }) / 1e9;
   return roofs;
 }
 }  // namespace
@@ -584,13 +598,13 @@ Executor::~Executor() {
   const Roofs roofs = measure_roofs();
   std::fprintf(stderr, "profile: roofs on %d threads: GEMM %.1f GFLOP/s (fp32 %d^3), copy %.1f GB/s\n",
                gemm_thread_count(), roofs.gemm_gflops, 1024, roofs.memory_gbps);
-  std::fprintf(stderr, "profile %-32s %9s %6s %9s %6s %8s %6s\n", "kernel", "seconds", "calls", "GFLOP/s", "%GEMM", "GB/s",
-               "%copy");
+  std::fprintf(stderr, "profile %-32s %9s %6s %9s %6s %8s %6s\n", "kernel", "seconds", "calls", "GFLOP/s", "%GEMM",
+               "GB/s", "%copy");
   for (const auto &[name, t] : by_kernel) {
     if (!t.calls) continue;
     const double gflops = t.flops / t.seconds / 1e9, gbps = t.bytes / t.seconds / 1e9;
-    std::fprintf(stderr, "profile %-32s %9.3f %6ld %9.1f %5.0f%% %8.1f %5.0f%%\n", name.c_str(), t.seconds, t.calls, gflops,
-                 100 * gflops / roofs.gemm_gflops, gbps, 100 * gbps / roofs.memory_gbps);
+    std::fprintf(stderr, "profile %-32s %9.3f %6ld %9.1f %5.0f%% %8.1f %5.0f%%\n", name.c_str(), t.seconds, t.calls,
+                 gflops, 100 * gflops / roofs.gemm_gflops, gbps, 100 * gbps / roofs.memory_gbps);
   }
 }
 
@@ -652,7 +666,9 @@ void Executor::set_values(std::string_view name, std::span<const float> from) {
   }
 }
 
-std::size_t Executor::element_size(std::string_view name) const { return std::size_t(plan.tensors[find(name)].elem_bytes); }
+std::size_t Executor::element_size(std::string_view name) const {
+  return std::size_t(plan.tensors[find(name)].elem_bytes);
+}
 
 void Executor::upload(std::string_view name) {
   auto [offset, bytes] = locate(name);

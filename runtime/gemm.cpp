@@ -36,9 +36,9 @@ namespace remat {
 std::string describe(const GemmCall &g) {
   const char *in = g.bf16_in ? "bf16" : "fp32";
   return fmt::format("m={} n={} k={}, a {} {} ld {}, b {} {} ld {}, out {} ld {}, epilogue {}, beta {}", g.m, g.n, g.k,
-                     in, g.trans_a ? "[k, m] (trans_a)" : "[m, k]", g.trans_a ? g.m : g.k,
-                     in, g.trans_b ? "[n, k] (trans_b)" : "[k, n]", g.trans_b ? g.k : g.n,
-                     g.bf16_out ? "bf16" : "fp32", g.n, g.bias ? "bias" : "none", g.accumulate ? 1 : 0);
+                     in, g.trans_a ? "[k, m] (trans_a)" : "[m, k]", g.trans_a ? g.m : g.k, in,
+                     g.trans_b ? "[n, k] (trans_b)" : "[k, n]", g.trans_b ? g.k : g.n, g.bf16_out ? "bf16" : "fp32",
+                     g.n, g.bias ? "bias" : "none", g.accumulate ? 1 : 0);
 }
 
 std::size_t address_alignment(const void *p) {
@@ -52,9 +52,10 @@ void require_gemm_alignment(const GemmCall &g) {
   const std::pair<const char *, const void *> operands[] = {{"a", g.a}, {"b", g.b}, {"out", g.out}, {"bias", g.bias}};
   for (auto [name, p] : operands)
     if (p && address_alignment(p) < gemm_alignment)
-      throw std::runtime_error(fmt::format("GEMM operand {} at {} is only {}-byte aligned; cuBLASLt is asked for {}-byte "
-                                           "aligned operands (the planner aligns every arena tensor to 64 bytes)",
-                                           name, p, address_alignment(p), gemm_alignment));
+      throw std::runtime_error(
+          fmt::format("GEMM operand {} at {} is only {}-byte aligned; cuBLASLt is asked for {}-byte "
+                      "aligned operands (the planner aligns every arena tensor to 64 bytes)",
+                      name, p, address_alignment(p), gemm_alignment));
 }
 
 namespace {
@@ -78,8 +79,10 @@ void plain_gemm(const GemmCall &g) {
       float v = row[j];
       if (g.bias) v = v + load(g.bias, j, g.bf16_out);
       if (g.accumulate) v = load(g.out, at, g.bf16_out) + v;
-      if (g.bf16_out) static_cast<std::uint16_t *>(g.out)[at] = float_to_bf16(v);
-      else static_cast<float *>(g.out)[at] = v;
+      if (g.bf16_out)
+        static_cast<std::uint16_t *>(g.out)[at] = float_to_bf16(v);
+      else
+        static_cast<float *>(g.out)[at] = v;
     }
   }
 }
@@ -98,10 +101,11 @@ void gemm_band(const GemmCall &g, int first, int count) {
   float *out = static_cast<float *>(g.out) + std::size_t(first) * g.n;
   if (bias)
     for (int i = 0; i < count; ++i)
-      for (int j = 0; j < g.n; ++j) out[std::size_t(i) * g.n + j] = (g.accumulate ? out[std::size_t(i) * g.n + j] : 0.f) + bias[j];
+      for (int j = 0; j < g.n; ++j)
+        out[std::size_t(i) * g.n + j] = (g.accumulate ? out[std::size_t(i) * g.n + j] : 0.f) + bias[j];
   a += g.trans_a ? first : std::size_t(first) * g.k;  // the band's rows of op(a)
-  cblas_sgemm(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans, g.trans_b ? CblasTrans : CblasNoTrans, count, g.n, g.k, 1.f,
-              a, g.trans_a ? g.m : g.k, b, g.trans_b ? g.k : g.n, bias || g.accumulate ? 1.f : 0.f, out, g.n);
+  cblas_sgemm(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans, g.trans_b ? CblasTrans : CblasNoTrans, count, g.n,
+              g.k, 1.f, a, g.trans_a ? g.m : g.k, b, g.trans_b ? g.k : g.n, bias || g.accumulate ? 1.f : 0.f, out, g.n);
 }
 
 // Band boundaries depend on m and the thread count only, so a recomputed product is cut (and
@@ -140,7 +144,8 @@ bool on_cuda(const halide_buffer_t *b) {
 
 // A bounds query asks which part of each input the output needs: all of them (the output is
 // always the whole tensor, computed at the root).
-void bounds(halide_buffer_t *a, halide_buffer_t *b, halide_buffer_t *bias, int k, int flags, const halide_buffer_t *out) {
+void bounds(halide_buffer_t *a, halide_buffer_t *b, halide_buffer_t *bias, int k, int flags,
+            const halide_buffer_t *out) {
   const halide_dimension_t cols = out->dim[0], rows = out->dim[1];
   const halide_dimension_t inner{0, k, 0, 0};
   if (a->is_bounds_query()) {
@@ -162,8 +167,8 @@ void check_shapes(const halide_buffer_t *a, const halide_buffer_t *b, const hali
            (!rows || (t->dim[1].min == 0 && t->dim[1].extent == rows && t->dim[1].stride == cols));
   };
   const int m = out->dim[1].extent, n = out->dim[0].extent;
-  if (!dense(out, n, m) || !dense(a, flags & 1 ? m : k, flags & 1 ? k : m) || !dense(b, flags & 2 ? k : n, flags & 2 ? n : k) ||
-      (bias && !dense(bias, n, 0)))
+  if (!dense(out, n, m) || !dense(a, flags & 1 ? m : k, flags & 1 ? k : m) ||
+      !dense(b, flags & 2 ? k : n, flags & 2 ? n : k) || (bias && !dense(bias, n, 0)))
     throw std::runtime_error("operand shapes do not match the product");
   if (a->type.bits != b->type.bits || (bias && bias->type.bits != out->type.bits))
     throw std::runtime_error("operand element types do not match");
@@ -200,8 +205,10 @@ int run(halide_buffer_t *a, halide_buffer_t *b, halide_buffer_t *bias, int k, in
       cuda::gemm(g);
     } else {
       for (halide_buffer_t *in : {a, b, bias})
-        if (in && in->device_dirty() && halide_copy_to_host(nullptr, in) != 0) throw std::runtime_error("copy to host failed");
-      if (out->device_dirty() && halide_copy_to_host(nullptr, out) != 0) throw std::runtime_error("copy to host failed");
+        if (in && in->device_dirty() && halide_copy_to_host(nullptr, in) != 0)
+          throw std::runtime_error("copy to host failed");
+      if (out->device_dirty() && halide_copy_to_host(nullptr, out) != 0)
+        throw std::runtime_error("copy to host failed");
       g.a = a->host;
       g.b = b->host;
       g.bias = bias ? bias->host : nullptr;
@@ -212,7 +219,8 @@ int run(halide_buffer_t *a, halide_buffer_t *b, halide_buffer_t *bias, int k, in
         const halide_device_interface_t *device =
             out->device_interface ? out->device_interface
                                   : (&halide_opencl_device_interface ? halide_opencl_device_interface() : nullptr);
-        if (!device || halide_copy_to_device(nullptr, out, device) != 0) throw std::runtime_error("copy to the OpenCL device failed");
+        if (!device || halide_copy_to_device(nullptr, out, device) != 0)
+          throw std::runtime_error("copy to the OpenCL device failed");
       }
     }
   } catch (const std::exception &e) {

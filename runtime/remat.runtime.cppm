@@ -103,7 +103,7 @@ public:
   void upload(std::size_t offset, std::size_t n);
   void download(std::size_t offset, std::size_t n);
   void synchronize();  // CUDA: waits for the queued kernels
-  void fill_canary();                          // the whole arena and its guard
+  void fill_canary();  // the whole arena and its guard
   bool canary_filled() const { return filled; }
   // Refills [offset, offset + n) of the host view (CPU, OpenCL) with the canary, keeping what
   // was written there in high_water().
@@ -133,10 +133,10 @@ struct ExecutorChecks {
   // After each kernel, every byte outside the tensors live at that step still holds the canary
   // (memory of freed tensors is refilled with it), and every byte of the live tensors that the
   // kernel does not write (parts of a flat buffer outside its written views included) is
-  // unchanged: a kernel writing outside its own outputs is named. Host-visible arenas only (CPU; on OpenCL it sees the host copies,
-  // which Halide fills from the device per buffer, so a device-side overrun is not seen); costs a
-  // copy and a scan of the arena per kernel (tests). Needs an arena filled with the canary.
-  // REMAT_CHECK_ARENA=1 turns it on for every such arena.
+  // unchanged: a kernel writing outside its own outputs is named. Host-visible arenas only (CPU; on OpenCL it sees the
+  // host copies, which Halide fills from the device per buffer, so a device-side overrun is not seen); costs a copy and
+  // a scan of the arena per kernel (tests). Needs an arena filled with the canary. REMAT_CHECK_ARENA=1 turns it on for
+  // every such arena.
   bool free_memory = false;
 };
 
@@ -147,14 +147,15 @@ struct ExecutorChecks {
 class Executor {
 public:
   using Checks = ExecutorChecks;
-  Executor(const Plan &plan, std::string_view model_name, std::span<const Kernel> kernels,
-           Arena &arena, Scalars &scalars, Checks checks = {});
+  Executor(const Plan &plan, std::string_view model_name, std::span<const Kernel> kernels, Arena &arena,
+           Scalars &scalars, Checks checks = {});
   ~Executor();
   enum class Phase { train, optimize, eval };
   void run(Phase phase);
   // The host view of a tensor whose elements are T (on CUDA, the arena's mirror: download()
   // before reading what kernels wrote, upload() after writing).
-  template <class T> std::span<T> tensor(std::string_view name) const {
+  template <class T>
+  std::span<T> tensor(std::string_view name) const {
     auto [offset, bytes] = locate(name, sizeof(T));
     return {reinterpret_cast<T *>(arena.data() + offset), bytes / sizeof(T)};
   }

@@ -56,7 +56,8 @@ void save_initial(const std::string &path, const Model &model, const Plan &plan,
     const std::uint64_t length = text.size();
     out.write(reinterpret_cast<const char *>(&length), 8);
     out << text;
-    for (const Entry &e : entries) out.write(reinterpret_cast<const char *>(e.data.data()), std::streamsize(e.data.size()));
+    for (const Entry &e : entries)
+      out.write(reinterpret_cast<const char *>(e.data.data()), std::streamsize(e.data.size()));
   });
 }
 

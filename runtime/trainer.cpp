@@ -29,7 +29,6 @@ import remat;
 namespace remat::runtime {
 namespace {
 
-
 struct Options {
   long max_steps = 0;  // 0: derived from num_train_epochs
   int num_train_epochs = 0;
@@ -67,8 +66,7 @@ CLI::Validator number(bool (*ok)(double), const char *what) {
           std::size_t used = 0;
           const double v = std::stod(text, &used);
           if (used == text.size() && std::isfinite(v) && ok(v)) return {};
-        } catch (const std::exception &) {
-        }
+        } catch (const std::exception &) {}
         return fmt::format("'{}' is not {}", text, what);
       },
       what);
@@ -181,18 +179,20 @@ void check_cuda(const ModelInfo &info, std::size_t arena_bytes) {
   if (!d.error.empty())
     throw InputError(fmt::format("--device cuda: no usable GPU ({} device(s) found; {})", d.count, d.error));
   if (info.cuda_kernels.empty())
-    throw InputError(fmt::format("--device cuda: this build generated no CUDA kernels for model {} (REMAT_CUDA_CAPABILITY=0)", info.name));
+    throw InputError(fmt::format(
+        "--device cuda: this build generated no CUDA kernels for model {} (REMAT_CUDA_CAPABILITY=0)", info.name));
   if (arena_bytes > d.free_bytes)
-    throw InputError(fmt::format("--device cuda: the plan needs {} B ({:.2f} GiB) of device memory; {} has {} B ({:.2f} GiB) free of {} B",
-                                 arena_bytes, arena_bytes / 1073741824.0, d.name, d.free_bytes,
-                                 d.free_bytes / 1073741824.0, d.total_bytes));
+    throw InputError(fmt::format(
+        "--device cuda: the plan needs {} B ({:.2f} GiB) of device memory; {} has {} B ({:.2f} GiB) free of {} B",
+        arena_bytes, arena_bytes / 1073741824.0, d.name, d.free_bytes, d.free_bytes / 1073741824.0, d.total_bytes));
 }
 
 }  // namespace
 
-void print_plan_report(std::FILE *out, const Model &model, const Plan &plan, const CostModel &costs, std::string_view costs_from) {
-  fmt::print(out, "plan under policy {} ({}, batch {}, {} rows)\n", plan.policy_label.view(), precision_name(plan.precision),
-             plan.batch, plan.rows);
+void print_plan_report(std::FILE *out, const Model &model, const Plan &plan, const CostModel &costs,
+                       std::string_view costs_from) {
+  fmt::print(out, "plan under policy {} ({}, batch {}, {} rows)\n", plan.policy_label.view(),
+             precision_name(plan.precision), plan.batch, plan.rows);
   // each block's kernel calls in schedule order; * marks a call that recomputes forward work
   fmt::print(out, "{:<8} {}\n", "block", "kernel calls in schedule order (* recomputes forward work)");
   for (const Unit &u : units_of(model)) fmt::print(out, "s{}.b{:<4} {}\n", u.stage, u.block, block_calls(plan, u));
@@ -231,34 +231,39 @@ void print_plan_report(std::FILE *out, const Model &model, const Plan &plan, con
                             op_name(blk.layers[x.read_by].op), x.read_by);
       }
       if (fetched.contains(t)) why += "; waits in pinned host memory between forward and backward (offload)";
-      const std::string shape = x.dims == 1 ? fmt::format("[{}]", x.extent[0]) : fmt::format("[{}, {}]", x.extent[1], x.extent[0]);
-      fmt::print(out, "s{}.b{:<4} {:<22} {:>16} {:>12}  {}\n", x.stage, x.block,
-                 x.local.view(), shape, x.bytes(), why);
+      const std::string shape =
+          x.dims == 1 ? fmt::format("[{}]", x.extent[0]) : fmt::format("[{}, {}]", x.extent[1], x.extent[0]);
+      fmt::print(out, "s{}.b{:<4} {:<22} {:>16} {:>12}  {}\n", x.stage, x.block, x.local.view(), shape, x.bytes(), why);
       total += x.bytes();
     }
   double flops = 0, recompute_flops = 0;
   for (const Step &st : plan.train) {
     flops += st.flops;
     if (!st.recompute) continue;
-    recompute_flops += is_backward(st.variant)
-                           ? st.flops - kernel_flops(model.stages[st.stage], Variant::backward_saved, plan.rows, plan.gemms)
-                           : st.flops;
+    recompute_flops += is_backward(st.variant) ? st.flops - kernel_flops(model.stages[st.stage],
+                                                                         Variant::backward_saved, plan.rows, plan.gemms)
+                                               : st.flops;
   }
   const Chain chain = chain_of(model, plan.batch, plan.precision, plan.gemms, costs);
   const Outcome predicted = evaluate(chain, plan.strategy, 0, chain.n());
-  fmt::print(out, "total saved {} B ({}); peak activations {} B; planned arena peak {} B ({}); {} kernel launches ({} recompute)\n",
-             total, mib(total), plan.activation_bytes, plan.peak_bytes, mib(plan.peak_bytes), plan.total_launches,
-             plan.recompute_launches);
+  fmt::print(
+      out,
+      "total saved {} B ({}); peak activations {} B; planned arena peak {} B ({}); {} kernel launches ({} recompute)\n",
+      total, mib(total), plan.activation_bytes, plan.peak_bytes, mib(plan.peak_bytes), plan.total_launches,
+      plan.recompute_launches);
   if (plan.offload_bytes > 0)
-    fmt::print(out, "offloaded {} tensors to {} B ({}) of pinned host memory\n", fetched.size(), plan.offload_bytes, mib(plan.offload_bytes));
-  fmt::print(out, "recompute {:.3f} GFLOP of {:.3f} per micro-batch; predicted forward + loss + backward {:.2f} ms (costs {})\n",
-             recompute_flops / 1e9, flops / 1e9, predicted.seconds * 1e3, costs_from);
+    fmt::print(out, "offloaded {} tensors to {} B ({}) of pinned host memory\n", fetched.size(), plan.offload_bytes,
+               mib(plan.offload_bytes));
+  fmt::print(
+      out,
+      "recompute {:.3f} GFLOP of {:.3f} per micro-batch; predicted forward + loss + backward {:.2f} ms (costs {})\n",
+      recompute_flops / 1e9, flops / 1e9, predicted.seconds * 1e3, costs_from);
 }
 
 namespace {
 // The budget -> step time table, from the smallest plan to none's peak, and its plot (SVG).
-void print_sweep(std::FILE *out, const ModelInfo &info, Device device, Precision precision, int batch, const CostModel &costs,
-                 const Options &o, const std::string &program) {
+void print_sweep(std::FILE *out, const ModelInfo &info, Device device, Precision precision, int batch,
+                 const CostModel &costs, const Options &o, const std::string &program) {
   const Model &m = info.model;
   const Gemms gemms = gemms_of(device, precision);
   const Chain chain = chain_of(m, batch, precision, gemms, costs);
@@ -266,7 +271,11 @@ void print_sweep(std::FILE *out, const ModelInfo &info, Device device, Precision
   const long long hi = (long long)make_plan(m, none, batch, precision, gemms).peak_bytes;
   std::unique_ptr<DataSource> data;
   if (o.calibrate) data = info.data(m, {o.data_dir, batch, o.seed});
-  struct Row { long long budget, peak; double predicted, measured; int launches, recompute; };
+  struct Row {
+    long long budget, peak;
+    double predicted, measured;
+    int launches, recompute;
+  };
   std::vector<Row> rows;
   const int points = 9;
   for (int i = 0; i < points; ++i) {
@@ -275,10 +284,11 @@ void print_sweep(std::FILE *out, const ModelInfo &info, Device device, Precision
     if (!p.ok()) continue;
     const double predicted = evaluate(chain, p.plan.strategy, 0, chain.n()).seconds * 1e3;
     const double measured = data ? measured_step_ms(p.plan, info, device, *data) : 0;
-    rows.push_back({b, (long long)p.plan.peak_bytes, predicted, measured, p.plan.total_launches, p.plan.recompute_launches});
+    rows.push_back(
+        {b, (long long)p.plan.peak_bytes, predicted, measured, p.plan.total_launches, p.plan.recompute_launches});
   }
-  fmt::print(out, "\nbudget sweep ({} to none's peak {} B):\n{:>14} {:>8} {:>14} {:>13} {:>12} {:>9}\n", lo, hi, "budget B",
-             "% none", "planned peak", "predicted ms", o.calibrate ? "measured ms" : "", "launches");
+  fmt::print(out, "\nbudget sweep ({} to none's peak {} B):\n{:>14} {:>8} {:>14} {:>13} {:>12} {:>9}\n", lo, hi,
+             "budget B", "% none", "planned peak", "predicted ms", o.calibrate ? "measured ms" : "", "launches");
   for (const Row &r : rows)
     fmt::print(out, "{:>14} {:>7.1f}% {:>14} {:>13.2f} {:>12} {:>4} ({} re)\n", r.budget, 100.0 * r.budget / hi, r.peak,
                r.predicted, o.calibrate ? fmt::format("{:.2f}", r.measured) : "", r.launches, r.recompute);
@@ -292,18 +302,23 @@ void print_sweep(std::FILE *out, const ModelInfo &info, Device device, Precision
     const double x0 = lo / 1048576.0, x1 = std::max(hi / 1048576.0, x0 + 1e-9);
     auto X = [&](long long b) { return L + (b / 1048576.0 - x0) / (x1 - x0) * (W - L - R); };
     auto Y = [&](double ms) { return H - B - ms / tmax * (H - T - B); };
-    svg << fmt::format("<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}' font-family='sans-serif' font-size='12'>\n", W, H);
-    svg << fmt::format("<text x='{}' y='18'>{}: step time against the memory budget ({}, batch {})</text>\n", L, info.name,
-                       precision_name(precision), batch);
-    svg << fmt::format("<line x1='{0}' y1='{1}' x2='{2}' y2='{1}' stroke='black'/><line x1='{0}' y1='{3}' x2='{0}' y2='{1}' stroke='black'/>\n",
-                       L, H - B, W - R, T);
+    svg << fmt::format(
+        "<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}' font-family='sans-serif' font-size='12'>\n", W,
+        H);
+    svg << fmt::format("<text x='{}' y='18'>{}: step time against the memory budget ({}, batch {})</text>\n", L,
+                       info.name, precision_name(precision), batch);
+    svg << fmt::format(
+        "<line x1='{0}' y1='{1}' x2='{2}' y2='{1}' stroke='black'/><line x1='{0}' y1='{3}' x2='{0}' y2='{1}' "
+        "stroke='black'/>\n",
+        L, H - B, W - R, T);
     svg << fmt::format("<text x='{}' y='{}'>budget (MiB): {:.1f} .. {:.1f}</text>\n", L, H - 15, x0, x1);
     svg << fmt::format("<text x='5' y='{}'>ms (0 .. {:.1f})</text>\n", T - 5 + 15, tmax);
     for (int series = 0; series < (o.calibrate ? 2 : 1); ++series) {
       std::string points_attr;
-      for (const Row &r : rows) points_attr += fmt::format("{:.1f},{:.1f} ", X(r.budget), Y(series ? r.measured : r.predicted));
-      svg << fmt::format("<polyline fill='none' stroke='{}' stroke-width='2' points='{}'/>\n", series ? "crimson" : "steelblue",
-                         points_attr);
+      for (const Row &r : rows)
+        points_attr += fmt::format("{:.1f},{:.1f} ", X(r.budget), Y(series ? r.measured : r.predicted));
+      svg << fmt::format("<polyline fill='none' stroke='{}' stroke-width='2' points='{}'/>\n",
+                         series ? "crimson" : "steelblue", points_attr);
       svg << fmt::format("<text x='{}' y='{}' fill='{}'>{}</text>\n", W - R - 150, T + 15 + 15 * series,
                          series ? "crimson" : "steelblue", series ? "measured" : "predicted");
     }
@@ -325,44 +340,70 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
   o.data_dir = info.default_data_dir;
   CLI::App app{fmt::format("Train the {} model with remat (checkpoint policies, AdamW).", info.name), program};
   app.add_option("--max-steps", o.max_steps, "optimizer steps (default: --num-train-epochs worth)")->check(positive);
-  app.add_option("--num-train-epochs", o.num_train_epochs, "epochs when --max-steps is not given")->check(positive)->capture_default_str();
-  app.add_option("--batch-size", o.batch_size, fmt::format("samples per micro-batch (default {})", info.default_batch))->check(positive);
-  app.add_option("--gradient-accumulation-steps", o.gradient_accumulation_steps, "micro-batches per optimizer step")->check(positive)->capture_default_str();
-  app.add_option("--learning-rate", o.learning_rate, "peak AdamW learning rate")->check(positive)->capture_default_str();
-  app.add_option("--weight-decay", o.weight_decay, "AdamW decoupled weight decay on linear weights")->check(non_negative)->capture_default_str();
-  app.add_option("--lr-scheduler-type", o.lr_scheduler_type, "learning-rate schedule after warm-up")->check(CLI::IsMember({"constant", "cosine"}))->capture_default_str();
+  app.add_option("--num-train-epochs", o.num_train_epochs, "epochs when --max-steps is not given")
+      ->check(positive)
+      ->capture_default_str();
+  app.add_option("--batch-size", o.batch_size, fmt::format("samples per micro-batch (default {})", info.default_batch))
+      ->check(positive);
+  app.add_option("--gradient-accumulation-steps", o.gradient_accumulation_steps, "micro-batches per optimizer step")
+      ->check(positive)
+      ->capture_default_str();
+  app.add_option("--learning-rate", o.learning_rate, "peak AdamW learning rate")
+      ->check(positive)
+      ->capture_default_str();
+  app.add_option("--weight-decay", o.weight_decay, "AdamW decoupled weight decay on linear weights")
+      ->check(non_negative)
+      ->capture_default_str();
+  app.add_option("--lr-scheduler-type", o.lr_scheduler_type, "learning-rate schedule after warm-up")
+      ->check(CLI::IsMember({"constant", "cosine"}))
+      ->capture_default_str();
   app.add_option("--warmup-steps", o.warmup_steps, "linear warm-up steps")->check(non_negative)->capture_default_str();
   app.add_option("--seed", o.seed, "seed for initialization, shuffling and dropout")
       ->check(number([](double v) { return v >= 0 && v == std::floor(v); }, "a whole number >= 0"))
       ->capture_default_str();
-  app.add_option("--checkpoint-policy", o.checkpoint_policy,
-                 fmt::format("none | full | every_n_layers=N | sqrt_n | selective, composed with + (every_n_layers=2+selective); "
-                             "per repeat stage s<i>:POLICY,... (default: the model's, {})",
-                             policies_name(info.model, annotated(info.model, info.default_policy)).view()));
-  app.add_option("--memory-budget", o.memory_budget,
-                 "the fastest plan whose peak fits SIZE (512MiB, 2GB, 1000000) or a percentage of the none plan's peak (60%)");
-  app.add_flag("--calibrate", o.calibrate, "time every kernel here first and store the costs in the cost table, for the budget planner");
+  app.add_option(
+      "--checkpoint-policy", o.checkpoint_policy,
+      fmt::format("none | full | every_n_layers=N | sqrt_n | selective, composed with + (every_n_layers=2+selective); "
+                  "per repeat stage s<i>:POLICY,... (default: the model's, {})",
+                  policies_name(info.model, annotated(info.model, info.default_policy)).view()));
+  app.add_option(
+      "--memory-budget", o.memory_budget,
+      "the fastest plan whose peak fits SIZE (512MiB, 2GB, 1000000) or a percentage of the none plan's peak (60%)");
+  app.add_flag("--calibrate", o.calibrate,
+               "time every kernel here first and store the costs in the cost table, for the budget planner");
   app.add_option("--cost-table", o.cost_table, fmt::format("the kernel cost table (default {})", default_cost_table()));
-  app.add_flag("--sweep", o.sweep, "with --plan-report: the budget -> step time table from the smallest plan to none, and its plot");
-  app.add_option("--dropout", o.dropout, "dropout probability of the model's dropout layers and attention")->check(probability)->capture_default_str();
+  app.add_flag("--sweep", o.sweep,
+               "with --plan-report: the budget -> step time table from the smallest plan to none, and its plot");
+  app.add_option("--dropout", o.dropout, "dropout probability of the model's dropout layers and attention")
+      ->check(probability)
+      ->capture_default_str();
   app.add_option("--data-dir", o.data_dir, "dataset folder")->capture_default_str();
-  app.add_option("--eval-samples", o.eval_samples, "evaluation samples (default all, 0 skips evaluation)")->check(non_negative);
-  app.add_option("--eval-steps", o.eval_steps, "also evaluate every N steps (0: only at the end)")->check(non_negative)->capture_default_str();
-  app.add_option("--logging-steps", o.logging_steps, "print progress every N steps")->check(positive)->capture_default_str();
-  app.add_option("--save-snapshot", o.save_snapshot, "write a snapshot (weights, optimizer, step, data state) here at the end");
+  app.add_option("--eval-samples", o.eval_samples, "evaluation samples (default all, 0 skips evaluation)")
+      ->check(non_negative);
+  app.add_option("--eval-steps", o.eval_steps, "also evaluate every N steps (0: only at the end)")
+      ->check(non_negative)
+      ->capture_default_str();
+  app.add_option("--logging-steps", o.logging_steps, "print progress every N steps")
+      ->check(positive)
+      ->capture_default_str();
+  app.add_option("--save-snapshot", o.save_snapshot,
+                 "write a snapshot (weights, optimizer, step, data state) here at the end");
   app.add_option("--save-steps", o.save_steps, "also write a snapshot every N steps, to FILE.step<N>")->check(positive);
   app.add_option("--resume-from-snapshot", o.resume_from_snapshot, "continue a run from its snapshot (same flags)");
-  app.add_option("--save-initial", o.save_initial, "write the parameters and the first (micro-)batch, before the first step, as safetensors");
-  app.add_option("--device", o.device, "where kernels run: cpu, or cuda (device 0)")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
-  app.add_flag("--bf16", o.bf16, "bf16 activations and GEMM operands (fp32 accumulation), fp32 master weights and AdamW");
-  app.add_flag("--offload", o.offload, "keep checkpoints in pinned host memory between forward and backward (--device cuda)");
+  app.add_option("--save-initial", o.save_initial,
+                 "write the parameters and the first (micro-)batch, before the first step, as safetensors");
+  app.add_option("--device", o.device, "where kernels run: cpu, or cuda (device 0)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  app.add_flag("--bf16", o.bf16,
+               "bf16 activations and GEMM operands (fp32 accumulation), fp32 master weights and AdamW");
+  app.add_flag("--offload", o.offload,
+               "keep checkpoints in pinned host memory between forward and backward (--device cuda)");
   app.add_flag("--json", o.json, "print a JSON summary as the last line of stdout (progress goes to stderr)");
   app.add_flag("--plan-report", o.plan_report, "print every tensor saved for backward under the policy, then exit");
   try {
     app.parse(argc, argv);
-  } catch (const CLI::CallForHelp &e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError &e) {
+  } catch (const CLI::CallForHelp &e) { return app.exit(e); } catch (const CLI::ParseError &e) {
     std::fprintf(stderr, "%s: error: %s\n", program.c_str(), e.what());
     return 2;
   }
@@ -372,12 +413,14 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     StagePolicies policies = annotated(model, info.default_policy);
     if (!o.checkpoint_policy.empty()) policies = parse_stage_policies(model, o.checkpoint_policy, policies);
     if (!o.memory_budget.empty()) {
-      if (!o.checkpoint_policy.empty()) throw InputError("--memory-budget: the budget planner chooses the policy; drop --checkpoint-policy");
+      if (!o.checkpoint_policy.empty())
+        throw InputError("--memory-budget: the budget planner chooses the policy; drop --checkpoint-policy");
       policies = parse_budget(o.memory_budget);
     }
     const Device device = o.device == "cuda" ? Device::cuda : Device::cpu;
     if (o.offload && device == Device::cpu)
-      throw InputError("--offload: with --device cpu the checkpoints already live in host memory; there is nothing to offload");
+      throw InputError(
+          "--offload: with --device cpu the checkpoints already live in host memory; there is nothing to offload");
     if (o.offload && !o.memory_budget.empty())
       throw InputError("--offload: with --memory-budget the budget planner decides which checkpoints to offload");
     for (Policy &p : policies.stage) {
@@ -391,7 +434,8 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     const int batch = o.batch_size ? o.batch_size : info.default_batch;
     const int micro = o.gradient_accumulation_steps;
     if (long(batch) * model.rows_per_sample() < min_kernel_rows)
-      throw InputError(fmt::format("--batch-size {}: the kernels need at least {} rows per micro-batch", batch, min_kernel_rows));
+      throw InputError(
+          fmt::format("--batch-size {}: the kernels need at least {} rows per micro-batch", batch, min_kernel_rows));
     if (o.dropout > 0 && !has_dropout(model))
       throw InputError(fmt::format("--dropout {}: model {} has no dropout layers", o.dropout, info.name));
     if (o.sweep && !o.plan_report) throw InputError("--sweep: goes with --plan-report");
@@ -419,17 +463,20 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     const Planned planned = plan_for(model, policies, batch, precision, gemms, costs);
     if (!planned.ok()) {
       const std::string why(planned.error.view().substr(std::string_view("remat: ").size()));
-      throw InputError(o.memory_budget.empty() ? fmt::format("the model's policy {}: {}", policies_name(model, policies).view(), why)
-                                               : fmt::format("--memory-budget {}: {}", o.memory_budget, why));
+      throw InputError(o.memory_budget.empty()
+                           ? fmt::format("the model's policy {}: {}", policies_name(model, policies).view(), why)
+                           : fmt::format("--memory-budget {}: {}", o.memory_budget, why));
     }
     const Plan &plan = planned.plan;
     const std::string policy_label(plan.policy_label.view());
     for (const Tensor &t : plan.tensors)
       if (t.bytes() > std::size_t(INT32_MAX))
-        throw InputError(fmt::format("--batch-size {}: tensor {} would hold {} bytes; kernels take at most 2 GiB per tensor",
-                                     batch, t.name.view(), t.bytes()));
+        throw InputError(
+            fmt::format("--batch-size {}: tensor {} would hold {} bytes; kernels take at most 2 GiB per tensor", batch,
+                        t.name.view(), t.bytes()));
     if (o.offload && plan.offload_bytes == 0)
-      throw InputError(fmt::format("--offload: policy {} keeps no checkpoints (use full, every_n_layers=N or sqrt_n)", policy_label));
+      throw InputError(fmt::format("--offload: policy {} keeps no checkpoints (use full, every_n_layers=N or sqrt_n)",
+                                   policy_label));
     if (o.plan_report) {
       print_plan_report(stdout, model, plan, costs, costs_from);
       if (o.sweep) print_sweep(stdout, info, device, precision, batch, costs, o, program);
@@ -441,10 +488,12 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     std::FILE *progress = o.json ? stderr : stdout;
     std::unique_ptr<DataSource> data = info.data(model, {o.data_dir, batch, o.seed});
     if (long(batch) * micro > data->train_samples())
-      throw InputError(fmt::format("--batch-size {} x --gradient-accumulation-steps {} exceeds the {} training samples", batch, micro, data->train_samples()));
+      throw InputError(fmt::format("--batch-size {} x --gradient-accumulation-steps {} exceeds the {} training samples",
+                                   batch, micro, data->train_samples()));
     const long steps_per_epoch = data->train_samples() / (long(batch) * micro);
     const long max_steps = o.max_steps ? o.max_steps : o.num_train_epochs * steps_per_epoch;
-    if (max_steps > INT32_MAX) throw InputError(fmt::format("{} steps: at most {} (the dropout counters are 32-bit)", max_steps, INT32_MAX));
+    if (max_steps > INT32_MAX)
+      throw InputError(fmt::format("{} steps: at most {} (the dropout counters are 32-bit)", max_steps, INT32_MAX));
     const long eval_samples = o.eval_samples < 0 ? data->eval_samples() : o.eval_samples;
 
     if (o.save_steps && o.save_snapshot.empty()) throw InputError("--save-steps needs --save-snapshot FILE");
@@ -469,16 +518,16 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
       const SnapshotState snap = [&] {
         try {
           return engine.load(o.resume_from_snapshot);
-        } catch (const InputError &e) {
-          throw InputError(fmt::format("--resume-from-snapshot: {}", e.what()));
-        }
+        } catch (const InputError &e) { throw InputError(fmt::format("--resume-from-snapshot: {}", e.what())); }
       }();
       if (snap.seed != o.seed)
-        throw InputError(fmt::format("--resume-from-snapshot: the snapshot was made with --seed {}, not {}", snap.seed, o.seed));
+        throw InputError(
+            fmt::format("--resume-from-snapshot: the snapshot was made with --seed {}, not {}", snap.seed, o.seed));
       if (snap.run != run_flags)
         throw InputError(fmt::format("--resume-from-snapshot: the snapshot's run used {}", snap.run));
       if (snap.step >= max_steps)
-        throw InputError(fmt::format("--resume-from-snapshot: the snapshot is at step {}, not before --max-steps {}", snap.step, max_steps));
+        throw InputError(fmt::format("--resume-from-snapshot: the snapshot is at step {}, not before --max-steps {}",
+                                     snap.step, max_steps));
       data->restore(snap.data);
       first_step = snap.step + 1;
     }
@@ -487,9 +536,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
       const std::string path = step == max_steps ? o.save_snapshot : fmt::format("{}.step{}", o.save_snapshot, step);
       try {
         engine.save(path, {step, o.seed, run_flags, data->state()});
-      } catch (const InputError &e) {
-        throw InputError(fmt::format("--save-snapshot: {}", e.what()));
-      }
+      } catch (const InputError &e) { throw InputError(fmt::format("--save-snapshot: {}", e.what())); }
     };
     reset_halide_heap_peak();
     reset_step_heap();
@@ -498,20 +545,29 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     scalars.grad_scale = float(1.0 / (double(plan.rows) * micro));
     scalars.weight_decay = float(o.weight_decay);
 
-    fmt::print(progress, "{}: {}\n{}: policy {}, {}, batch {} x {}, {} steps, {} parameters, arena {} (activations {}; {} under none)\n",
-               program, data->describe(), program, policy_label, precision_name(precision), batch, micro, max_steps,
-               plan.param_count, mib(plan.peak_bytes), mib(plan.activation_bytes), mib(baseline.activation_bytes));
+    fmt::print(
+        progress,
+        "{}: {}\n{}: policy {}, {}, batch {} x {}, {} steps, {} parameters, arena {} (activations {}; {} under none)\n",
+        program, data->describe(), program, policy_label, precision_name(precision), batch, micro, max_steps,
+        plan.param_count, mib(plan.peak_bytes), mib(plan.activation_bytes), mib(baseline.activation_bytes));
     std::fflush(progress);
 
     // --save-initial: what another implementation needs to repeat the run's first steps
-    const std::map<std::string, std::string> initial_metadata = {
-        {"model", std::string(info.name)}, {"policy", std::string(policy_label)},
-        {"precision", std::string(precision_name(precision))}, {"step", std::to_string(first_step)},
-        {"seed", std::to_string(o.seed)}, {"run", run_flags}, {"max_steps", std::to_string(max_steps)},
-        {"learning_rate", fmt::format("{}", o.learning_rate)}, {"lr_scheduler_type", o.lr_scheduler_type},
-        {"warmup_steps", std::to_string(o.warmup_steps)}, {"weight_decay", fmt::format("{}", o.weight_decay)},
-        {"dropout", fmt::format("{}", o.dropout)}, {"beta1", fmt::format("{}", scalars.beta1)},
-        {"beta2", fmt::format("{}", scalars.beta2)}, {"eps", fmt::format("{}", scalars.eps)}};
+    const std::map<std::string, std::string> initial_metadata = {{"model", std::string(info.name)},
+                                                                 {"policy", std::string(policy_label)},
+                                                                 {"precision", std::string(precision_name(precision))},
+                                                                 {"step", std::to_string(first_step)},
+                                                                 {"seed", std::to_string(o.seed)},
+                                                                 {"run", run_flags},
+                                                                 {"max_steps", std::to_string(max_steps)},
+                                                                 {"learning_rate", fmt::format("{}", o.learning_rate)},
+                                                                 {"lr_scheduler_type", o.lr_scheduler_type},
+                                                                 {"warmup_steps", std::to_string(o.warmup_steps)},
+                                                                 {"weight_decay", fmt::format("{}", o.weight_decay)},
+                                                                 {"dropout", fmt::format("{}", o.dropout)},
+                                                                 {"beta1", fmt::format("{}", scalars.beta1)},
+                                                                 {"beta2", fmt::format("{}", scalars.beta2)},
+                                                                 {"eps", fmt::format("{}", scalars.eps)}};
     std::vector<double> step_ms;
     double loss_first = 0, loss_last = 0, window_loss = 0;
     long window_correct = 0, window_rows = 0, window_steps = 0;
@@ -566,7 +622,8 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
       ++window_steps;
       if (step % o.logging_steps == 0 || step == max_steps) {
         const long n = window_steps;
-        fmt::print(progress, "step {:>5}/{} | epoch {:5.2f} | loss {:.4f} | train acc {:5.1f}% | lr {:.2e} | {:.0f} samples/s\n",
+        fmt::print(progress,
+                   "step {:>5}/{} | epoch {:5.2f} | loss {:.4f} | train acc {:5.1f}% | lr {:.2e} | {:.0f} samples/s\n",
                    step, max_steps, double(step) / std::max(1L, steps_per_epoch), window_loss / n,
                    100.0 * window_correct / std::max(1L, window_rows), lr,
                    double(step - first_step + 1) * batch * micro / train_seconds);
@@ -577,8 +634,8 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
       if (o.save_steps > 0 && step % o.save_steps == 0 && step < max_steps) save(step);
       if (o.eval_steps > 0 && step % o.eval_steps == 0 && step < max_steps && eval_samples > 0) {
         const Evaluation e = evaluate(*data, ex, scalars, plan, eval_samples, o.dropout);
-        fmt::print(progress, "step {:>5}/{} | eval loss {:.4f} | eval accuracy {:.2f}% ({} samples)\n", step,
-                   max_steps, e.loss, 100 * e.accuracy, e.samples);
+        fmt::print(progress, "step {:>5}/{} | eval loss {:.4f} | eval accuracy {:.2f}% ({} samples)\n", step, max_steps,
+                   e.loss, 100 * e.accuracy, e.samples);
         std::fflush(progress);
       }
     }
@@ -587,7 +644,8 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     std::optional<Evaluation> eval;
     if (eval_samples > 0) {
       eval = evaluate(*data, ex, scalars, plan, eval_samples, o.dropout);
-      fmt::print(progress, "eval: {} samples | loss {:.4f} | accuracy {:.2f}%\n", eval->samples, eval->loss, 100 * eval->accuracy);
+      fmt::print(progress, "eval: {} samples | loss {:.4f} | accuracy {:.2f}%\n", eval->samples, eval->loss,
+                 100 * eval->accuracy);
     }
     if (info.sample_length > 0) {
       fmt::print(progress, "sample:\n{}\n", generate(info, device, precision, ex, info.sample_length, o.seed));
@@ -597,13 +655,15 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     std::ranges::sort(sorted);
     const double median = sorted[sorted.size() / 2];
     const double samples_per_s = double(max_steps - first_step + 1) * batch * micro / train_seconds;
-    fmt::print(progress,
-               "memory: planned peak {} B, measured peak {} B ({}); activations {} under {} vs {} under none ({:.1f}%)\n"
-               "speed: {:.0f} samples/s ({:.0f} rows/s), median step {:.1f} ms, {} kernel launches per micro-batch ({} recompute)\n",
-               plan.peak_bytes, measured_peak, measured_peak == plan.peak_bytes ? "equal" : "DIFFERENT",
-               mib(plan.activation_bytes), policy_label, mib(baseline.activation_bytes),
-               100.0 * plan.activation_bytes / baseline.activation_bytes, samples_per_s,
-               samples_per_s * model.rows_per_sample(), median, plan.total_launches, plan.recompute_launches);
+    fmt::print(
+        progress,
+        "memory: planned peak {} B, measured peak {} B ({}); activations {} under {} vs {} under none ({:.1f}%)\n"
+        "speed: {:.0f} samples/s ({:.0f} rows/s), median step {:.1f} ms, {} kernel launches per micro-batch ({} "
+        "recompute)\n",
+        plan.peak_bytes, measured_peak, measured_peak == plan.peak_bytes ? "equal" : "DIFFERENT",
+        mib(plan.activation_bytes), policy_label, mib(baseline.activation_bytes),
+        100.0 * plan.activation_bytes / baseline.activation_bytes, samples_per_s,
+        samples_per_s * model.rows_per_sample(), median, plan.total_launches, plan.recompute_launches);
     ex.download("params");
     const std::string param_digest = digest(std::as_bytes(ex.tensor<float>("params")));
     if (o.json) {
@@ -661,11 +721,16 @@ Policy parse_policy(std::string_view text) {
       const std::size_t plus = rest.find('+');
       const std::string_view part = rest.substr(0, plus);
       constexpr std::string_view every = "every_n_layers=";
-      if (part == "none") out = out | none;
-      else if (part == "full") out = out | full;
-      else if (part == "sqrt_n") out = out | sqrt_n;
-      else if (part == "selective") out = out | selective;
-      else if (part == "offload") out = out | offload;
+      if (part == "none")
+        out = out | none;
+      else if (part == "full")
+        out = out | full;
+      else if (part == "sqrt_n")
+        out = out | sqrt_n;
+      else if (part == "selective")
+        out = out | selective;
+      else if (part == "offload")
+        out = out | offload;
       else if (part.starts_with(every)) {
         int n = 0;
         const auto digits = part.substr(every.size());
@@ -674,14 +739,17 @@ Policy parse_policy(std::string_view text) {
           throw InputError(fmt::format("--checkpoint-policy {}: every_n_layers needs a whole number N >= 1", text));
         out = out | Policy{Policy::Kind::every_n_layers, n};
       } else {
-        throw InputError(fmt::format("--checkpoint-policy {}: unknown policy {} (use none, full, every_n_layers=N, sqrt_n, "
-                                     "selective or offload, composed with +)", text, part));
+        throw InputError(
+            fmt::format("--checkpoint-policy {}: unknown policy {} (use none, full, every_n_layers=N, sqrt_n, "
+                        "selective or offload, composed with +)",
+                        text, part));
       }
       if (plus == std::string_view::npos) break;
       rest = rest.substr(plus + 1);
     }
   } catch (const char *why) {  // two schedules that do not compose
-    throw InputError(fmt::format("--checkpoint-policy {}: {}", text, std::string_view(why).substr(std::string_view("remat: ").size())));
+    throw InputError(fmt::format("--checkpoint-policy {}: {}", text,
+                                 std::string_view(why).substr(std::string_view("remat: ").size())));
   }
   return out;
 }
@@ -707,8 +775,9 @@ StagePolicies parse_stage_policies(const Model &model, std::string_view text, St
       if (err != std::errc() || end != item.data() + colon) stage = -1;
     }
     if (stage < 0 || stage >= model.n_stages || !model.stages[stage].checkpointable)
-      throw InputError(fmt::format("--checkpoint-policy {}: {} names no repeat stage (per stage: s<i>:POLICY,... with i one of {})",
-                                   text, item, repeat_stages.empty() ? "none: the model has no repeat stage" : repeat_stages));
+      throw InputError(
+          fmt::format("--checkpoint-policy {}: {} names no repeat stage (per stage: s<i>:POLICY,... with i one of {})",
+                      text, item, repeat_stages.empty() ? "none: the model has no repeat stage" : repeat_stages));
     Policy p = parse_policy(item.substr(colon + 1));
     // a stage's selective set is fixed in its kernels: the annotation's
     p.selection = model.stages[stage].policy.selection;
@@ -721,8 +790,10 @@ StagePolicies parse_stage_policies(const Model &model, std::string_view text, St
 
 Policy parse_budget(std::string_view text) {
   auto bad = [&] {
-    return InputError(fmt::format("--memory-budget {}: expected bytes with an optional unit (512MiB, 2GB, 1000000) or a "
-                                  "percentage of the none plan's peak (60%)", text));
+    return InputError(
+        fmt::format("--memory-budget {}: expected bytes with an optional unit (512MiB, 2GB, 1000000) or a "
+                    "percentage of the none plan's peak (60%)",
+                    text));
   };
   double value = 0;
   const auto [end, err] = std::from_chars(text.data(), text.data() + text.size(), value);
@@ -733,9 +804,10 @@ Policy parse_budget(std::string_view text) {
     if (value > 100 || value != std::floor(value)) throw bad();
     return budget_percent(int(value));
   }
-  const std::map<std::string, double> units = {{"", 1},         {"b", 1},          {"kb", 1e3},        {"mb", 1e6},
-                                               {"gb", 1e9},     {"kib", 1024.0},   {"mib", 1048576.0}, {"gib", 1073741824.0},
-                                               {"k", 1024.0},   {"m", 1048576.0},  {"g", 1073741824.0}};
+  const std::map<std::string, double> units = {
+      {"", 1},       {"b", 1},         {"kb", 1e3},        {"mb", 1e6},
+      {"gb", 1e9},   {"kib", 1024.0},  {"mib", 1048576.0}, {"gib", 1073741824.0},
+      {"k", 1024.0}, {"m", 1048576.0}, {"g", 1073741824.0}};
   const auto u = units.find(unit);
   if (u == units.end() || value * u->second < 1 || value * u->second > 9e18) throw bad();
   return budget((long long)(value * u->second));

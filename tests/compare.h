@@ -34,7 +34,8 @@ struct Comparison {
   std::string describe() const {
     std::ostringstream s;
     s << mismatches << " of " << elements << " elements outside the tolerance";
-    if (mismatches) s << " (first at " << first_mismatch << ": got " << got_at_first << ", reference " << ref_at_first << ")";
+    if (mismatches)
+      s << " (first at " << first_mismatch << ": got " << got_at_first << ", reference " << ref_at_first << ")";
     s << "; worst matching error " << worst_of_scale << " of scale " << scale << " (" << worst << " of the limit)";
     return s.str();
   }
@@ -76,7 +77,8 @@ inline bool show_errors() { return std::getenv("REMAT_SHOW_ERRORS") != nullptr; 
 
 // A baseline that bit-identity tests compare against must be a real result: all finite and not
 // all zero (two runs that both left NaN, or zeros, would compare equal).
-template <class T> bool finite_and_nonzero(std::span<const T> values) {
+template <class T>
+bool finite_and_nonzero(std::span<const T> values) {
   bool nonzero = false;
   for (T v : values) {
     if (!std::isfinite(double(v))) return false;
@@ -84,7 +86,8 @@ template <class T> bool finite_and_nonzero(std::span<const T> values) {
   }
   return nonzero;
 }
-template <class V> bool finite_and_nonzero(const V &values) {
+template <class V>
+bool finite_and_nonzero(const V &values) {
   return finite_and_nonzero(std::span<const typename V::value_type>(values));
 }
 

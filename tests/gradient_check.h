@@ -42,7 +42,8 @@ inline Comparison compare_ref(const Buffer<double> &got, const std::function<dou
   return compare(g, r, tol);
 }
 // grad against central differences of J with respect to every element of `in` (the reference).
-inline Comparison compare_fd(Buffer<double> in, const Buffer<double> &grad, const std::function<double()> &J, Tolerance tol) {
+inline Comparison compare_fd(Buffer<double> in, const Buffer<double> &grad, const std::function<double()> &J,
+                             Tolerance tol) {
   std::vector<double> g, fd;
   in.for_each_element([&](const int *pos) {
     const double keep = in(pos);
@@ -60,10 +61,12 @@ inline void expect(const std::string &what, const Comparison &c) {
   if (show_errors()) std::printf("[errors] %s: %s\n", what.c_str(), c.describe().c_str());
   BOOST_TEST(c.ok(), what << ": " << c.describe());
 }
-inline void check_ref(const std::string &what, const Buffer<double> &got, const std::function<double(const int *)> &ref, Tolerance tol) {
+inline void check_ref(const std::string &what, const Buffer<double> &got, const std::function<double(const int *)> &ref,
+                      Tolerance tol) {
   expect(what, compare_ref(got, ref, tol));
 }
-inline void check_fd(const std::string &what, Buffer<double> in, const Buffer<double> &grad, const std::function<double()> &J, Tolerance tol) {
+inline void check_fd(const std::string &what, Buffer<double> in, const Buffer<double> &grad,
+                     const std::function<double()> &J, Tolerance tol) {
   expect(what, compare_fd(in, grad, J, tol));
 }
 

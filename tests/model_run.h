@@ -21,14 +21,17 @@ struct Run {
   remat::runtime::Executor &ex;
   // canary: the arena starts filled with the canary (NaN) pattern, so a kernel reading a tensor
   // that nothing wrote shows in the gradients
-  Run(const remat::Model &m, std::string_view name, std::span<const remat::runtime::Kernel> kernels, remat::StagePolicies p,
-      int samples, double dropout = 0, bool canary = false,
-      remat::runtime::Device device = remat::runtime::Device::cpu,
-      remat::Precision precision = remat::Precision::fp32, const remat::CostModel &costs = {})
+  Run(const remat::Model &m, std::string_view name, std::span<const remat::runtime::Kernel> kernels,
+      remat::StagePolicies p, int samples, double dropout = 0, bool canary = false,
+      remat::runtime::Device device = remat::runtime::Device::cpu, remat::Precision precision = remat::Precision::fp32,
+      const remat::CostModel &costs = {})
       : model(m),
-        engine(remat::make_plan(m, p, samples, precision, remat::runtime::gemms_of(device, precision), costs), name, kernels,
-               {.device = device, .canary = canary}),
-        plan(engine.plan), arena(engine.arena), scalars(engine.scalars), ex(engine.executor) {
+        engine(remat::make_plan(m, p, samples, precision, remat::runtime::gemms_of(device, precision), costs), name,
+               kernels, {.device = device, .canary = canary}),
+        plan(engine.plan),
+        arena(engine.arena),
+        scalars(engine.scalars),
+        ex(engine.executor) {
     using namespace remat;
     // parameters, their gradients (the alignment padding between parameters is never written by
     // a kernel) and the AdamW moments start at zero, as the trainer's do

@@ -47,8 +47,8 @@ inline int faulty_kernel(void **args) {
 }
 
 // The kernel table with `name` replaced by the faulty kernel.
-inline std::vector<remat::runtime::Kernel> with_fault(std::span<const remat::runtime::Kernel> table, const std::string &name,
-                                                      Planted fault) {
+inline std::vector<remat::runtime::Kernel> with_fault(std::span<const remat::runtime::Kernel> table,
+                                                      const std::string &name, Planted fault) {
   std::vector<remat::runtime::Kernel> out(table.begin(), table.end());
   auto it = std::ranges::find_if(out, [&](const remat::runtime::Kernel &k) { return name == k.name; });
   BOOST_TEST_REQUIRE((it != out.end()), name);
@@ -89,14 +89,17 @@ inline Site overrun_site(const Plan &plan, Landing landing, std::string_view mod
   for (int i = 0; i < int(plan.train.size()); ++i) {
     const Step &st = plan.train[i];
     live.insert(live.end(), st.alloc.begin(), st.alloc.end());
-    auto written = [&](int t) { return std::ranges::any_of(st.args, [&](const Arg &a) { return a.access == Access::write && a.tensor == t; }); };
+    auto written = [&](int t) {
+      return std::ranges::any_of(st.args, [&](const Arg &a) { return a.access == Access::write && a.tensor == t; });
+    };
     for (const Arg &a : st.args) {
       const Tensor &t = plan.tensors[a.tensor];
       if (landing == Landing::other_gradient && a.access == Access::write && t.role == Role::grads && t.view_of >= 0) {
         const std::size_t end = plan.arena_offset(a.tensor) + t.bytes();
         const bool unwritten = std::ranges::none_of(st.args, [&](const Arg &o) {
           const Tensor &x = plan.tensors[o.tensor];
-          return o.access == Access::write && plan.arena_offset(o.tensor) < end + 2 && end < plan.arena_offset(o.tensor) + x.bytes();
+          return o.access == Access::write && plan.arena_offset(o.tensor) < end + 2 &&
+                 end < plan.arena_offset(o.tensor) + x.bytes();
         });
         const Tensor &root = plan.tensors[t.view_of];
         if (unwritten && end + 2 <= root.offset + root.bytes()) return site(i, a, root.name.view());
@@ -126,7 +129,8 @@ inline std::vector<runtime::Kernel> with_overrun(std::span<const runtime::Kernel
   Planted fault;
   fault.on_call = site.call;
   fault.argument = site.argument;
-  BOOST_TEST_REQUIRE(site.argument < real->metadata()->num_arguments, site.kernel << " has no argument " << site.arg->name.view());
+  BOOST_TEST_REQUIRE(site.argument < real->metadata()->num_arguments,
+                     site.kernel << " has no argument " << site.arg->name.view());
   fault.overrun = overrun;
   return with_fault(table, site.kernel, fault);
 }

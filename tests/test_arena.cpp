@@ -1,7 +1,7 @@
 // The measured peak can show a violation of the plan: a kernel writing past the arena (into the
 // guard), or anywhere but its outputs (the free-memory check), is caught and named, and every
-// heap allocation during a phase is counted. On the examples and on a model unlike them. Each check is shown to fire on a planted fault, and
-// to stay quiet on the real kernels.
+// heap allocation during a phase is counted. On the examples and on a model unlike them. Each check is shown to fire on
+// a planted fault, and to stay quiet on the real kernels.
 #include <boost/test/unit_test.hpp>
 
 #include <HalideRuntime.h>
@@ -78,9 +78,7 @@ std::string run_with_overrun(const Example &e, const Plan &plan, const Site &sit
   if (e.model->token_input()) std::ranges::fill(ex.tensor<std::int32_t>("inputs"), 0);
   try {
     ex.run(Executor::Phase::train);
-  } catch (const std::runtime_error &err) {
-    return err.what();
-  }
+  } catch (const std::runtime_error &err) { return err.what(); }
   return "";
 }
 
@@ -95,11 +93,10 @@ BOOST_AUTO_TEST_CASE(a_plan_that_does_not_fit_is_refused) {
   try {
     Executor ex(plan, "mlp", mlp_kernels::table, arena, scalars);
     BOOST_FAIL("a tensor past the arena was accepted");
-  } catch (const std::runtime_error &e) {
-    BOOST_TEST(what(e).find("tensor row_loss") != std::string::npos, what(e));
-  }
+  } catch (const std::runtime_error &e) { BOOST_TEST(what(e).find("tensor row_loss") != std::string::npos, what(e)); }
   Arena small(plan.peak_bytes / 2);
-  BOOST_CHECK_THROW(Executor(cpu_plan(mlp::model, none, batch), "mlp", mlp_kernels::table, small, scalars), std::runtime_error);
+  BOOST_CHECK_THROW(Executor(cpu_plan(mlp::model, none, batch), "mlp", mlp_kernels::table, small, scalars),
+                    std::runtime_error);
 }
 
 // A plan of fewer rows than the kernels' minimum (their GEMM row tiles) is refused, as is a
@@ -117,9 +114,7 @@ BOOST_AUTO_TEST_CASE(a_plan_the_kernels_cannot_run_is_refused) {
   try {
     runtime::Engine engine(stale, "mlp", mlp_kernels::table);
     BOOST_FAIL("a step with an argument missing was accepted");
-  } catch (const std::runtime_error &e) {
-    BOOST_TEST(what(e).find("(a stale build?)") != std::string::npos, what(e));
-  }
+  } catch (const std::runtime_error &e) { BOOST_TEST(what(e).find("(a stale build?)") != std::string::npos, what(e)); }
   Plan swapped = cpu_plan(mlp::model, none, batch);
   std::swap(swapped.train[0].args.front(), swapped.train[0].args.back());  // a read where a write is
   try {
@@ -135,7 +130,8 @@ BOOST_AUTO_TEST_CASE(a_plan_the_kernels_cannot_run_is_refused) {
 // measured peak (the high-water mark) shows the violation too.
 BOOST_AUTO_TEST_CASE(a_write_past_the_plan_is_caught_in_the_guard) {
   // test_cuda's device version plants the same fault in the GPT's library-GEMM plan
-  BOOST_TEST(overrun_site(make_plan(gpt::model, none, 2, Precision::fp32, Gemms::library), Landing::guard, "gpt").step >= 0);
+  BOOST_TEST(
+      overrun_site(make_plan(gpt::model, none, 2, Precision::fp32, Gemms::library), Landing::guard, "gpt").step >= 0);
   for (const Example &e : examples)
     for (Policy p : {none, full}) {
       const Plan plan = cpu_plan(*e.model, p, e.samples);
@@ -184,7 +180,8 @@ BOOST_AUTO_TEST_CASE(a_write_into_another_gradient_is_caught) {
     const Site site = overrun_site(plan, Landing::other_gradient, e.name);
     BOOST_TEST_REQUIRE(site.step >= 0, e.name << ": no step writes a gradient view followed by one it does not write");
     const std::string error = run_with_overrun(e, plan, site, true);
-    BOOST_TEST(error.find("kernel " + site.kernel + " changed tensor grads ") != std::string::npos, e.name << ": " << error);
+    BOOST_TEST(error.find("kernel " + site.kernel + " changed tensor grads ") != std::string::npos,
+               e.name << ": " << error);
   }
 }
 
@@ -212,12 +209,20 @@ BOOST_AUTO_TEST_CASE(real_kernels_keep_the_guarantees) {
         StagePolicies p;
         CostModel costs{};
       };
-      for (const auto &[p, costs] : std::vector<Case>{{none}, {selective}, {full}, {Policy{Policy::Kind::every_n_layers, 2}},
-                                                      {sqrt_n}, {with_offload(sqrt_n)}, {budget(least)},
-                                                      {budget((least + most) / 2)}, {budget((least + most) / 2), offloading},
-                                                      {annotated(*e.model, none)}, {annotated(*e.model, selective)}}) {
+      for (const auto &[p, costs] : std::vector<Case>{{none},
+                                                      {selective},
+                                                      {full},
+                                                      {Policy{Policy::Kind::every_n_layers, 2}},
+                                                      {sqrt_n},
+                                                      {with_offload(sqrt_n)},
+                                                      {budget(least)},
+                                                      {budget((least + most) / 2)},
+                                                      {budget((least + most) / 2), offloading},
+                                                      {annotated(*e.model, none)},
+                                                      {annotated(*e.model, selective)}}) {
         BOOST_TEST_CONTEXT(e.name << " batch " << e.samples << " " << policies_name(*e.model, p).view()
-                                  << (costs.transfer_rate > 0 ? " (may offload)" : "") << " " << precision_name(precision)) {
+                                  << (costs.transfer_rate > 0 ? " (may offload)" : "") << " "
+                                  << precision_name(precision)) {
           Run run(*e.model, e.name, e.table, p, e.samples, e.dropout, true, runtime::Device::cpu, precision, costs);
           Executor checked(run.plan, e.name, e.table, run.arena, run.scalars, {.free_memory = true});
           runtime::reset_step_heap();
@@ -230,9 +235,7 @@ BOOST_AUTO_TEST_CASE(real_kernels_keep_the_guarantees) {
                 BOOST_TEST(finite_and_nonzero(got));
                 BOOST_TEST(std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)) == 0);
               }
-            } catch (const std::exception &error) {
-              BOOST_ERROR(error.what());
-            }
+            } catch (const std::exception &error) { BOOST_ERROR(error.what()); }
           BOOST_TEST(run.arena.high_water() == run.plan.peak_bytes);
           if (run.plan.offload_bytes > 0) ++(costs.transfer_rate > 0 ? offloading_budgets : offloading_others);
           if (const Policy *b = budget_of(*e.model, p)) BOOST_TEST((long long)run.plan.peak_bytes <= b->budget_bytes);
@@ -244,7 +247,8 @@ BOOST_AUTO_TEST_CASE(real_kernels_keep_the_guarantees) {
   // the budget planner offloaded somewhere, and zoo_gated's annotation and sqrt_n+offload did
   BOOST_TEST(offloading_budgets > 0);
   BOOST_TEST(offloading_others > int(models.size()) * 2);
-  BOOST_TEST_MESSAGE("runs that offload: " << offloading_budgets << " budget plans, " << offloading_others << " others");
+  BOOST_TEST_MESSAGE("runs that offload: " << offloading_budgets << " budget plans, " << offloading_others
+                                           << " others");
 }
 
 // Heap allocations during a phase are counted, whoever makes them (here a planted malloc inside

@@ -43,9 +43,9 @@ using namespace remat::testing;
 namespace {
 
 // Shared by the tests that compare an undropped run with the plain reference.
-constexpr Tolerance out_tol{1e-15, 0},   // seen 2.3e-16 of scale (forward and p = 0 alike)
-                    lse_tol{5e-16, 0},   // seen 1.0e-16
-                    dqkv_tol{1e-15, 0};  // seen 2.4e-16
+constexpr Tolerance out_tol{1e-15, 0},  // seen 2.3e-16 of scale (forward and p = 0 alike)
+    lse_tol{5e-16, 0},                  // seen 1.0e-16
+    dqkv_tol{1e-15, 0};                 // seen 2.4e-16
 
 // Plain causal multi-head attention on a [rows, 3C] qkv buffer. mult(h, n, t, s) is the dropout
 // multiplier of P(h, n, t, s) (1 without dropout).
@@ -144,7 +144,11 @@ struct AttentionFixture : Fixture {
   }
   double lse_ref(const int *q) const { return ref.lse(q[1] / T, q[0], q[1] % T); }  // lse(h, b)
   // Forward, then backward from the forward's out and lse with dout = R.
-  struct Run { remat::gen::Attention fwd; Buffer<double> out, lse, dqkv; remat::gen::AttentionGrad bwd; };
+  struct Run {
+    remat::gen::Attention fwd;
+    Buffer<double> out, lse, dqkv;
+    remat::gen::AttentionGrad bwd;
+  };
   Run run(const Dropout &d) {
     Run r;
     r.fwd = tr.attention("attn", qkvp, C, H, d);
@@ -192,8 +196,10 @@ void expect_causal(Func out, Buffer<double> &qkv, int C, int T, int rows) {
         const bool unaffected = b2 / T != n || b2 % T < s;
         bool same = true;
         for (int c2 = 0; c2 < C; ++c2) same = same && o(c2, b2) == base(c2, b2);
-        if (unaffected) BOOST_TEST(same, "qkv(" << c << ", " << b << ") changed out row " << b2);
-        else if (b2 == b && c >= 2 * C) BOOST_TEST(!same, "v(" << c << ", " << b << ") did not reach out row " << b);
+        if (unaffected)
+          BOOST_TEST(same, "qkv(" << c << ", " << b << ") changed out row " << b2);
+        else if (b2 == b && c >= 2 * C)
+          BOOST_TEST(!same, "v(" << c << ", " << b << ") did not reach out row " << b);
       }
     }
 }
@@ -215,13 +221,15 @@ BOOST_FIXTURE_TEST_CASE(rope, Fixture) {
   ImageParam xp = param(x, "x");
   Func y = tr.rope("y", xp, H, KV, D);
   const Buffer<double> yb = Buffer<double>(y.realize({W, rows})).copy();
-  check_ref("rope y", yb, [&](const int *q) {
-    const int c = q[0], b = q[1], e = c % D, half = D / 2;
-    if (c >= (H + KV) * D) return x(c, b);  // v
-    const double angle = (b % T) * std::pow(Transformer::rope_theta, -2.0 * (e % half) / D);
-    return e < half ? x(c, b) * std::cos(angle) - x(c + half, b) * std::sin(angle)
-                    : x(c, b) * std::cos(angle) + x(c - half, b) * std::sin(angle);
-  }, {1e-15, 0});
+  check_ref("rope y", yb,
+            [&](const int *q) {
+              const int c = q[0], b = q[1], e = c % D, half = D / 2;
+              if (c >= (H + KV) * D) return x(c, b);  // v
+              const double angle = (b % T) * std::pow(Transformer::rope_theta, -2.0 * (e % half) / D);
+              return e < half ? x(c, b) * std::cos(angle) - x(c + half, b) * std::sin(angle)
+                              : x(c, b) * std::cos(angle) + x(c - half, b) * std::sin(angle);
+            },
+            {1e-15, 0});
   for (int n = 0; n < N; ++n)
     for (int c = 0; c < W; ++c) BOOST_TEST(yb(c, n * T) == x(c, n * T));  // angle 0: cos 1, sin 0 exactly
   Buffer<double> dx = tr.rope("dx", wrap(R, "dy"), H, KV, D, true).realize({W, rows});
@@ -246,7 +254,8 @@ BOOST_FIXTURE_TEST_CASE(grouped_query_attention, AttentionFixture) {
   };
   auto a = tr.attention("gqa", xp, C12, H4, drop, {}, {}, KV);
   Func out = a.out;
-  const Buffer<double> ob = Buffer<double>(out.realize({C12, rows})).copy(), lse = a.lse.realize({H4, rows}), expect = gref.out();
+  const Buffer<double> ob = Buffer<double>(out.realize({C12, rows})).copy(), lse = a.lse.realize({H4, rows}),
+                       expect = gref.out();
   check_ref("gqa out", ob, [&](const int *q) { return expect(q); }, out_tol);
   const Buffer<double> tiles = tr.attention_tiles("gqa_tiles", xp, C12, H4, drop, {}, {}, KV).out.realize({C12, rows});
   check_ref("gqa tiles out", tiles, [&](const int *q) { return expect(q); }, out_tol);
@@ -279,9 +288,9 @@ BOOST_FIXTURE_TEST_CASE(attention_dropout_backward, AttentionFixture) {
   Run r = run(drop);
   const AttentionRef dref = dropped_ref();
   Buffer<double> expect_out = dref.out(), expect = dref.dqkv(R);
-  check_ref("dropout out", r.out, [&](const int *q) { return expect_out(q); }, {1e-15, 0});  // seen 2.2e-16
+  check_ref("dropout out", r.out, [&](const int *q) { return expect_out(q); }, {1e-15, 0});      // seen 2.2e-16
   check_fd("dropout dqkv fd", qkv, r.dqkv, [&] { return objective(r.fwd.out, R); }, {2e-9, 0});  // seen 3.0e-10
-  check_ref("dropout dqkv", r.dqkv, [&](const int *q) { return expect(q); }, {1e-15, 0});  // seen 1.7e-16
+  check_ref("dropout dqkv", r.dqkv, [&](const int *q) { return expect(q); }, {1e-15, 0});        // seen 1.7e-16
   // lse is the undropped softmax's normalizer: dropout leaves it alone
   check_ref("dropout lse", r.lse, [&](const int *q) { return lse_ref(q); }, lse_tol);
 }
@@ -297,7 +306,8 @@ BOOST_FIXTURE_TEST_CASE(attention_dropout_mask_recompute, AttentionFixture) {
   auto by_query = [](const int *q) { return mult_ref(q[1], q[2] / T, q[2] % T, q[0]); };
   check_ref("forward mask", fwd, by_query, exact);
   check_ref("backward query-side mask", bwd, by_query, exact);
-  check_ref("backward key-side mask", bwd_kv, [](const int *q) { return mult_ref(q[1], q[2] / T, q[0], q[2] % T); }, exact);
+  check_ref(
+      "backward key-side mask", bwd_kv, [](const int *q) { return mult_ref(q[1], q[2] / T, q[0], q[2] % T); }, exact);
   int dropped = 0;
   fwd.for_each_element([&](const int *q) { dropped += q[0] <= q[2] % T && fwd(q) == 0; });
   BOOST_TEST(dropped > 0);  // the sizes above do drop causal probabilities
@@ -318,8 +328,9 @@ BOOST_FIXTURE_TEST_CASE(attention_tiles_match_the_reference, AttentionFixture) {
       check_ref("tiles out", out, [&](const int *q) { return expect_out(q); }, out_tol);
       check_ref("tiles lse", lse, [&](const int *q) { return lse_ref(q); }, lse_tol);
       const Func outf = wrap(out, "out"), dout = wrap(R, "dout");
-      remat::gen::AttentionTilesGrad bwd = tr.attention_tiles_grad(
-          "dtiles", qkvp, tr.attention_delta("dtiles", outf, dout, C, H), wrap(lse, "lse"), dout, C, H, d, Expr(rows), "dqkv");
+      remat::gen::AttentionTilesGrad bwd =
+          tr.attention_tiles_grad("dtiles", qkvp, tr.attention_delta("dtiles", outf, dout, C, H), wrap(lse, "lse"),
+                                  dout, C, H, d, Expr(rows), "dqkv");
       Buffer<double> dqkv = bwd.dqkv.realize({3 * C, rows});
       const Buffer<double> expect_dqkv = r.dqkv(R);
       check_ref("tiles dqkv", dqkv, [&](const int *q) { return expect_dqkv(q); }, dqkv_tol);
@@ -375,7 +386,9 @@ BOOST_FIXTURE_TEST_CASE(dropout_keep_fraction, Fixture) {
       agree_ref += a(c, r) == (keep_ref(99, 5, 7, e, p) ? 1 : 0) && other(c, r) == (keep_ref(99, 6, 7, e, p) ? 1 : 0);
     }
   const double n = double(W) * B, frac = kept / n;
-  if (show_errors()) std::printf("[errors] kept fraction %.6f (|error| %.3g of 1 - p), step + 1 changed %ld bits\n", frac, std::abs(frac - (1 - p)) / (1 - p), differ);
+  if (show_errors())
+    std::printf("[errors] kept fraction %.6f (|error| %.3g of 1 - p), step + 1 changed %ld bits\n", frac,
+                std::abs(frac - (1 - p)) / (1 - p), differ);
   BOOST_TEST(std::abs(frac - (1 - p)) <= 0.01 * (1 - p), "kept fraction " << frac);  // seen 3.5e-3 (0.70247)
   BOOST_TEST(agree_ref == W * B);
   BOOST_TEST(differ > 0.3 * n, "step + 1 changed only " << differ << " bits");  // expect 2 p (1 - p) = 42%, seen 41.9%
@@ -392,7 +405,9 @@ BOOST_FIXTURE_TEST_CASE(dropout_forward_backward, Fixture) {
   Func y = tr.dropout("y", xp, W, d);
   Buffer<double> dx = tr.dropout_grad("dx", wrap(R, "dy"), W, d).realize({W, B});
   Buffer<double> yb = y.realize({W, B});
-  auto factor = [&](const int *q) { return keep_ref(42, 2, 1, uint64_t(q[0]) + uint64_t(W) * q[1], p) ? 1 / (1 - p) : 0.0; };
+  auto factor = [&](const int *q) {
+    return keep_ref(42, 2, 1, uint64_t(q[0]) + uint64_t(W) * q[1], p) ? 1 / (1 - p) : 0.0;
+  };
   // seen 0 in the exact checks: one multiplication on both sides
   check_ref("dropout forward", yb, [&](const int *q) { return x(q) * factor(q); }, exact);
   check_fd("dropout dx fd", x, dx, [&] { return objective(y, R); }, {2e-9, 0});  // seen 4.4e-10
@@ -423,16 +438,22 @@ BOOST_FIXTURE_TEST_CASE(embedding, Fixture) {
   auto J = [&] { return objective(x, R); };
   check_fd("dwte fd", wte, dwte, J, {2e-9, 0});  // seen 5.4e-10
   check_fd("dwpe fd", wpe, dwpe, J, {4e-9, 0});  // seen 7.2e-10
-  check_ref("dwte", dwte, [&](const int *q) {
-    double s = 0;
-    for (int b = 0; b < rows; ++b)
-      if (toks[b] == q[1]) s += R(q[0], b);
-    return s;
-  }, exact);
-  check_ref("dwpe", dwpe, [&](const int *q) {
-    double s = 0;
-    for (int n = 0; n < N; ++n) s += R(q[0], n * T + q[1]);
-    return s;
-  }, exact);
+  check_ref(
+      "dwte", dwte,
+      [&](const int *q) {
+        double s = 0;
+        for (int b = 0; b < rows; ++b)
+          if (toks[b] == q[1]) s += R(q[0], b);
+        return s;
+      },
+      exact);
+  check_ref(
+      "dwpe", dwpe,
+      [&](const int *q) {
+        double s = 0;
+        for (int n = 0; n < N; ++n) s += R(q[0], n * T + q[1]);
+        return s;
+      },
+      exact);
   for (int c = 0; c < C; ++c) BOOST_TEST(dwte(c, 5) == 0.0);  // unused token: no gradient
 }

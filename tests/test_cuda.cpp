@@ -86,7 +86,9 @@ namespace {
 // and the GPU's library GEMMs (their summation orders differ) more than the wider models do, so
 // its bf16 row losses have a limit of their own (Case::bf16_loss); fp32 agrees to 6e-7.
 // CUDA (cuBLASLt's summation order) is held to the same limits; its figures are not yet observed.
-struct Tolerances { testing::Tolerance loss, grads, params; };
+struct Tolerances {
+  testing::Tolerance loss, grads, params;
+};
 constexpr Tolerances fp32_tolerances{{2e-6, 0}, {1e-5, 0}, {5e-7, 0}}, bf16_tolerances{{1e-2, 0}, {5e-2, 0}, {5e-7, 0}};
 
 // A model with its CPU kernels and its GPU kernels for one device; `samples` per micro-batch.
@@ -118,7 +120,8 @@ void expect_close_to_the_cpu(Device device, Precision precision = Precision::fp3
     Run gpu(c.m, c.name, c.gpu, none, c.samples, c.dropout, true, device, precision);
     auto close = [&](std::string_view what, const std::vector<float> &want, const std::vector<float> &got,
                      std::size_t first, std::size_t n, testing::Tolerance tolerance) {
-      const auto result = testing::compare(std::span(got).subspan(first, n), std::span(want).subspan(first, n), tolerance);
+      const auto result =
+          testing::compare(std::span(got).subspan(first, n), std::span(want).subspan(first, n), tolerance);
       BOOST_TEST(result.ok(), c.name << " " << what << ": " << result.describe());
       if (testing::show_errors()) BOOST_TEST_MESSAGE(c.name << " " << what << ": " << result.describe());
     };
@@ -158,16 +161,19 @@ void expect_policies_identical(Device device, int scale, Precision precision = P
     base.ex.run(Executor::Phase::train);
     const auto expected = base.grads();
     // two runs that both left NaN (the canary) or zeros would compare equal
-    BOOST_TEST_REQUIRE(testing::finite_and_nonzero(expected),
-                       c.name << " " << precision_name(precision) << " gradients under none: not all finite, or all zero");
+    BOOST_TEST_REQUIRE(
+        testing::finite_and_nonzero(expected),
+        c.name << " " << precision_name(precision) << " gradients under none: not all finite, or all zero");
     // annotated(selective): zoo_gated's first stage offloads its "gate" internals
-    for (const StagePolicies &p : std::vector<StagePolicies>{selective, full, every_2, sqrt_n, with_offload(full), with_offload(every_2),
-                            with_offload(sqrt_n), annotated(c.m, selective)}) {
+    for (const StagePolicies &p :
+         std::vector<StagePolicies>{selective, full, every_2, sqrt_n, with_offload(full), with_offload(every_2),
+                                    with_offload(sqrt_n), annotated(c.m, selective)}) {
       Run run(c.m, c.name, c.gpu, p, scale * c.samples, c.dropout, true, device, precision);
       run.ex.run(Executor::Phase::train);
       const auto got = run.grads();
-      BOOST_TEST(std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)) == 0,
-                 c.name << " " << precision_name(precision) << " gradients differ under " << policies_name(c.m, p).view());
+      BOOST_TEST(
+          std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)) == 0,
+          c.name << " " << precision_name(precision) << " gradients differ under " << policies_name(c.m, p).view());
     }
   }
 }
@@ -184,7 +190,8 @@ BOOST_AUTO_TEST_CASE(cuda_kernels_are_ptx_for_the_pinned_capability, *boost::uni
     for (auto it = std::sregex_iterator(bytes.begin(), bytes.end(), target); it != std::sregex_iterator(); ++it)
       ((*it)[1] == "sm_" REMAT_CUDA_CAPABILITY ? pinned : other) += 1;
     // one module per kernel with GPU loops (a kernel that is only library GEMMs has none)
-    BOOST_TEST((pinned > count / 2 && pinned <= count), lib << ": " << pinned << " PTX modules for " << count << " CUDA kernels");
+    BOOST_TEST((pinned > count / 2 && pinned <= count),
+               lib << ": " << pinned << " PTX modules for " << count << " CUDA kernels");
     BOOST_TEST(other == 0u);
   }
 }
@@ -250,25 +257,32 @@ BOOST_AUTO_TEST_CASE(pocl_bf16_gpu_schedules_give_bit_identical_gradients, *boos
   expect_policies_identical(Device::opencl, 1, Precision::bf16);
 }
 
-BOOST_AUTO_TEST_CASE(cuda_gradients_match_the_cpu, *boost::unit_test::label("gpu") * boost::unit_test::precondition(cuda_device)) {
+BOOST_AUTO_TEST_CASE(cuda_gradients_match_the_cpu,
+                     *boost::unit_test::label("gpu") * boost::unit_test::precondition(cuda_device)) {
   expect_close_to_the_cpu(Device::cuda);
 }
 
-BOOST_AUTO_TEST_CASE(cuda_policies_give_bit_identical_gradients, *boost::unit_test::label("gpu") * boost::unit_test::precondition(cuda_device)) {
+BOOST_AUTO_TEST_CASE(cuda_policies_give_bit_identical_gradients,
+                     *boost::unit_test::label("gpu") * boost::unit_test::precondition(cuda_device)) {
   expect_policies_identical(Device::cuda, 2);
 }
 
-BOOST_AUTO_TEST_CASE(cuda_bf16_gradients_match_the_cpu, *boost::unit_test::label("gpu") * boost::unit_test::precondition(cuda_device)) {
+BOOST_AUTO_TEST_CASE(cuda_bf16_gradients_match_the_cpu,
+                     *boost::unit_test::label("gpu") * boost::unit_test::precondition(cuda_device)) {
   expect_close_to_the_cpu(Device::cuda, Precision::bf16);
 }
 
-BOOST_AUTO_TEST_CASE(cuda_bf16_policies_give_bit_identical_gradients, *boost::unit_test::label("gpu") * boost::unit_test::precondition(cuda_device)) {
+BOOST_AUTO_TEST_CASE(cuda_bf16_policies_give_bit_identical_gradients,
+                     *boost::unit_test::label("gpu") * boost::unit_test::precondition(cuda_device)) {
   expect_policies_identical(Device::cuda, 2, Precision::bf16);
 }
 
-BOOST_AUTO_TEST_CASE(cuda_measured_peak_equals_the_plan, *boost::unit_test::label("gpu") * boost::unit_test::precondition(cuda_device)) {
-  for (auto [p, precision] : {std::pair{none, Precision::fp32}, {selective, Precision::fp32},
-                              {with_offload(full), Precision::fp32}, {with_offload(full), Precision::bf16}}) {
+BOOST_AUTO_TEST_CASE(cuda_measured_peak_equals_the_plan,
+                     *boost::unit_test::label("gpu") * boost::unit_test::precondition(cuda_device)) {
+  for (auto [p, precision] : {std::pair{none, Precision::fp32},
+                              {selective, Precision::fp32},
+                              {with_offload(full), Precision::fp32},
+                              {with_offload(full), Precision::bf16}}) {
     Run run(gpt::model, "gpt", gpt_kernels::cuda_table, p, 4, 0.1, true, Device::cuda, precision);
     runtime::reset_halide_heap_peak();
     run.ex.run(Executor::Phase::train);
@@ -293,15 +307,20 @@ void overrun_on_the_device(halide_buffer_t *buf) {
 // A test-only kernel table: the GPT's CUDA kernel that writes the tensor ending at the plan's
 // peak runs, then writes 2 bytes past that tensor on the device, into the guard. The run stops
 // with the executor's error (after the phase; with REMAT_CUDA_SYNC=1 after that kernel, naming it).
-BOOST_AUTO_TEST_CASE(cuda_write_past_the_plan_is_caught, *boost::unit_test::label("gpu") * boost::unit_test::precondition(cuda_device)) {
+BOOST_AUTO_TEST_CASE(cuda_write_past_the_plan_is_caught,
+                     *boost::unit_test::label("gpu") * boost::unit_test::precondition(cuda_device)) {
   const int samples = 2;
-  const Plan plan = make_plan(gpt::model, none, samples, Precision::fp32, runtime::gemms_of(Device::cuda, Precision::fp32));
+  const Plan plan =
+      make_plan(gpt::model, none, samples, Precision::fp32, runtime::gemms_of(Device::cuda, Precision::fp32));
   const testing::Site site = testing::overrun_site(plan, testing::Landing::guard, "gpt");
   BOOST_TEST_REQUIRE(site.step >= 0, "no train step writes a tensor that ends at the plan's peak");
-  const std::vector<runtime::Kernel> faulty = testing::with_overrun(gpt_kernels::cuda_table, site, overrun_on_the_device);
+  const std::vector<runtime::Kernel> faulty =
+      testing::with_overrun(gpt_kernels::cuda_table, site, overrun_on_the_device);
   Run run(gpt::model, "gpt", faulty, none, samples, 0.1, true, Device::cuda);
-  BOOST_TEST_REQUIRE(run.arena.size() == plan.peak_bytes, "the arena is not the train plan's size: the guard is elsewhere");
-  BOOST_TEST_MESSAGE("planted: 2 bytes past " << site.arg->name.view() << " of " << site.kernel << " (train step " << site.step << ")");
+  BOOST_TEST_REQUIRE(run.arena.size() == plan.peak_bytes,
+                     "the arena is not the train plan's size: the guard is elsewhere");
+  BOOST_TEST_MESSAGE("planted: 2 bytes past " << site.arg->name.view() << " of " << site.kernel << " (train step "
+                                              << site.step << ")");
   try {
     run.ex.run(Executor::Phase::train);
     BOOST_FAIL("the write past the plan on the device went unnoticed");

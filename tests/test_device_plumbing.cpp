@@ -17,9 +17,7 @@ namespace {
 std::string error_of(auto &&f) {
   try {
     f();
-  } catch (const std::exception &e) {
-    return e.what();
-  }
+  } catch (const std::exception &e) { return e.what(); }
   return {};
 }
 
@@ -27,12 +25,14 @@ std::string error_of(auto &&f) {
 
 BOOST_AUTO_TEST_CASE(gemm_description_names_shape_types_transposes_leading_dimensions_and_epilogue) {
   GemmCall g{.m = 4096, .n = 2304, .k = 768, .trans_b = true, .bf16_in = true};
-  BOOST_TEST(describe(g) == "m=4096 n=2304 k=768, a bf16 [m, k] ld 768, b bf16 [n, k] (trans_b) ld 768, out fp32 ld 2304, "
-                            "epilogue none, beta 0");
+  BOOST_TEST(describe(g) ==
+             "m=4096 n=2304 k=768, a bf16 [m, k] ld 768, b bf16 [n, k] (trans_b) ld 768, out fp32 ld 2304, "
+             "epilogue none, beta 0");
   float bias = 0;
   g = {.bias = &bias, .m = 8, .n = 3, .k = 5, .trans_a = true, .bf16_out = true, .accumulate = true};
-  BOOST_TEST(describe(g) == "m=8 n=3 k=5, a fp32 [k, m] (trans_a) ld 8, b fp32 [k, n] ld 3, out bf16 ld 3, "
-                            "epilogue bias, beta 1");
+  BOOST_TEST(describe(g) ==
+             "m=8 n=3 k=5, a fp32 [k, m] (trans_a) ld 8, b fp32 [k, n] ld 3, out bf16 ld 3, "
+             "epilogue bias, beta 1");
 }
 
 BOOST_AUTO_TEST_CASE(gemm_operands_below_16_byte_alignment_are_refused_by_name) {
@@ -56,8 +56,9 @@ BOOST_AUTO_TEST_CASE(gemm_operands_below_16_byte_alignment_are_refused_by_name) 
 }
 
 BOOST_AUTO_TEST_CASE(a_library_that_does_not_load_is_reported_with_each_candidate_and_its_dlerror) {
-  const std::string message = error_of(
-      [] { cuda::dlopen_first({"/nonexistent/libremat-a.so", "libremat-b.so.1"}, "the test library", RTLD_NOW | RTLD_LOCAL); });
+  const std::string message = error_of([] {
+    cuda::dlopen_first({"/nonexistent/libremat-a.so", "libremat-b.so.1"}, "the test library", RTLD_NOW | RTLD_LOCAL);
+  });
   BOOST_TEST_INFO(message);
   BOOST_TEST(message.starts_with("cannot load the test library; tried /nonexistent/libremat-a.so ("));
   BOOST_TEST(message.find("; libremat-b.so.1 (") != std::string::npos);

@@ -75,7 +75,9 @@ Layer dropout_layer(int c) { return {Op::dropout, c, c}; }
 Layer attention_layer(int c, int heads, int T) {
   return {.op = Op::attention, .in = 3 * c, .out = c, .heads = heads, .kv_heads = heads, .block_size = T};
 }
-Layer embedding_layer(int vocab, int c, int T) { return {.op = Op::embedding, .in = 1, .out = c, .vocab = vocab, .block_size = T}; }
+Layer embedding_layer(int vocab, int c, int T) {
+  return {.op = Op::embedding, .in = 1, .out = c, .vocab = vocab, .block_size = T};
+}
 
 Rows plus(Rows a, const Rows &b) {
   for (std::size_t e = 0; e < a.size(); ++e) a[e] += b[e];
@@ -97,7 +99,12 @@ struct Reference {
   }
   void put_grad(const std::string &name, Rows g) { duplicate_grads += !grads.emplace(name, std::move(g)).second; }
   // Everything a layer's backward needs.
-  struct Saved { Rows in, out; std::vector<double> mean, rstd; std::vector<double> prob; std::vector<std::int32_t> tokens; };
+  struct Saved {
+    Rows in, out;
+    std::vector<double> mean, rstd;
+    std::vector<double> prob;
+    std::vector<std::int32_t> tokens;
+  };
   std::string grad_name(const Site &s, const char *which) const { return name(s, "g", which); }
 
   std::string name(const Site &s, const char *kind, const char *which) const {
@@ -137,7 +144,11 @@ struct Reference {
   // Layers applied one after another (a stem, a head, one residual branch); backward runs them
   // in reverse and returns the gradient of the chain's input.
   struct Chain {
-    struct Applied { Layer layer; Site site; Saved saved; };
+    struct Applied {
+      Layer layer;
+      Site site;
+      Saved saved;
+    };
     std::vector<Applied> applied;
   };
   Rows forward(Chain &c, const Layer &l, const Site &s, const Rows &x) {
@@ -280,7 +291,8 @@ struct Gelu {  // tanh form, as GPT-2
   static constexpr double k0 = 0.7978845608028654, k1 = 0.044715;
   static Rows forward(Reference &, const Layer &, const Site &, const Rows &x, Saved &) {
     Rows y(x.size());
-    for (std::size_t e = 0; e < y.size(); ++e) y[e] = 0.5 * x[e] * (1 + std::tanh(k0 * (x[e] + k1 * x[e] * x[e] * x[e])));
+    for (std::size_t e = 0; e < y.size(); ++e)
+      y[e] = 0.5 * x[e] * (1 + std::tanh(k0 * (x[e] + k1 * x[e] * x[e] * x[e])));
     return y;
   }
   static Rows backward(Reference &, const Layer &, const Site &, const Saved &s, const Rows &dy) {
@@ -339,7 +351,9 @@ struct Dropout {  // the kernels' counter-hash mask, element c + O b
       for (int c = 0; c < O; ++c) y[b * O + c] = x[b * O + c] * r.keep(site, std::uint64_t(c) + std::uint64_t(O) * b);
     return y;
   }
-  static Rows forward(Reference &r, const Layer &l, const Site &site, const Rows &x, Saved &) { return apply(r, l, site, x); }
+  static Rows forward(Reference &r, const Layer &l, const Site &site, const Rows &x, Saved &) {
+    return apply(r, l, site, x);
+  }
   static Rows backward(Reference &r, const Layer &l, const Site &site, const Saved &, const Rows &dy) {
     return apply(r, l, site, dy);
   }
@@ -360,7 +374,9 @@ struct Rope {  // the rotate-half rotation of each q and k head by t 10000^(-2i/
     return y;
   }
   static Rows forward(Reference &r, const Layer &l, const Site &, const Rows &x, Saved &) { return rotate(r, l, x, 1); }
-  static Rows backward(Reference &r, const Layer &l, const Site &, const Saved &, const Rows &dy) { return rotate(r, l, dy, -1); }
+  static Rows backward(Reference &r, const Layer &l, const Site &, const Saved &, const Rows &dy) {
+    return rotate(r, l, dy, -1);
+  }
 };
 
 struct Attention {  // P = softmax of scaled causal scores; out = drop(P) v
@@ -379,7 +395,8 @@ struct Attention {  // P = softmax of scaled causal scores; out = drop(P) v
         }
         for (int e = 0; e < D; ++e) {
           double acc = 0;
-          for (long j = 0; j <= t; ++j) acc += s.prob[(b * H + h) * T + j] * x[(n * T + j) * l.in + Reference::v_col(l, h, e)];
+          for (long j = 0; j <= t; ++j)
+            acc += s.prob[(b * H + h) * T + j] * x[(n * T + j) * l.in + Reference::v_col(l, h, e)];
           y[b * C + h * D + e] = acc;
         }
       }
@@ -427,7 +444,8 @@ struct Embedding {  // token table + position table (none under rope); reads the
   static Rows forward(Reference &r, const Layer &l, const Site &site, const Rows &, Saved &s) {
     const int O = l.out;
     auto wte = r.param(r.name(site, "p", "w"));
-    const std::vector<double> wpe = l.bias ? r.param(r.name(site, "p", "b")) : std::vector<double>(std::size_t(l.block_size) * O, 0.0);
+    const std::vector<double> wpe =
+        l.bias ? r.param(r.name(site, "p", "b")) : std::vector<double>(std::size_t(l.block_size) * O, 0.0);
     auto tokens = r.ex.tensor<std::int32_t>("inputs");
     s.tokens.assign(tokens.begin(), tokens.end());
     Rows y(std::size_t(r.rows) * O);
@@ -454,14 +472,17 @@ struct Entry {
   Rows (*forward)(Reference &, const Layer &, const Site &, const Rows &, Saved &) = nullptr;
   Rows (*backward)(Reference &, const Layer &, const Site &, const Saved &, const Rows &) = nullptr;
 };
-template <class K> constexpr Entry entry(Op op) { return {op, K::forward, K::backward}; }
+template <class K>
+constexpr Entry entry(Op op) {
+  return {op, K::forward, K::backward};
+}
 // by Op; the residual markers are wiring (the model descriptions, zoo_reference), not layers
-constexpr std::array<Entry, n_ops> table = {
-    entry<Linear>(Op::linear),       entry<LayerNorm>(Op::layer_norm), entry<RmsNorm>(Op::rms_norm),
-    entry<Gelu>(Op::gelu),           entry<Relu>(Op::relu),            entry<Swiglu>(Op::swiglu),
-    entry<Dropout>(Op::dropout),     entry<Rope>(Op::rope),            entry<Attention>(Op::attention),
-    entry<Embedding>(Op::embedding),
-    Entry{Op::residual_begin},       Entry{Op::residual_end}};
+constexpr std::array<Entry, n_ops> table = {entry<Linear>(Op::linear),       entry<LayerNorm>(Op::layer_norm),
+                                            entry<RmsNorm>(Op::rms_norm),    entry<Gelu>(Op::gelu),
+                                            entry<Relu>(Op::relu),           entry<Swiglu>(Op::swiglu),
+                                            entry<Dropout>(Op::dropout),     entry<Rope>(Op::rope),
+                                            entry<Attention>(Op::attention), entry<Embedding>(Op::embedding),
+                                            Entry{Op::residual_begin},       Entry{Op::residual_end}};
 static_assert([] {
   for (int i = 0; i < n_ops; ++i)
     if (table[i].op != Op(i)) return false;
@@ -514,9 +535,10 @@ void expect_mlp_description() {
 void expect_gpt_description() {
   BOOST_TEST_REQUIRE(gpt::model.n_stages == 3);
   expect_stage(gpt::model, 0, 1, {Op::embedding, Op::dropout});
-  expect_stage(gpt::model, 1, gpt::n_layer,
-               {Op::residual_begin, Op::layer_norm, Op::linear, Op::attention, Op::linear, Op::dropout, Op::residual_end,
-                Op::residual_begin, Op::layer_norm, Op::linear, Op::gelu, Op::linear, Op::dropout, Op::residual_end});
+  expect_stage(
+      gpt::model, 1, gpt::n_layer,
+      {Op::residual_begin, Op::layer_norm, Op::linear, Op::attention, Op::linear, Op::dropout, Op::residual_end,
+       Op::residual_begin, Op::layer_norm, Op::linear, Op::gelu, Op::linear, Op::dropout, Op::residual_end});
   expect_stage(gpt::model, 2, 1, {Op::layer_norm, Op::linear});
 }
 
@@ -630,8 +652,7 @@ void zoo_reference(Reference &r, const Model &m) {
 std::vector<std::string> grad_tensors(const Plan &plan) {
   std::vector<std::string> out;
   for (const Tensor &t : plan.tensors)
-    if (t.role == Role::grads && t.layer >= 0)
-      out.emplace_back(t.name.view());
+    if (t.role == Role::grads && t.layer >= 0) out.emplace_back(t.name.view());
   return out;
 }
 
@@ -660,8 +681,8 @@ void check_against_reference(Run &run, Wiring wiring, double dropout, Limits lim
   std::set<std::string> planned, computed;
   for (const std::string &name : grad_tensors(run.plan)) planned.insert(name);
   for (const auto &[name, g] : ref.grads) computed.insert(name);
-  BOOST_TEST((planned == computed), what << ": the reference computes " << computed.size() << " gradient tensors, the plan has "
-                                         << planned.size());
+  BOOST_TEST((planned == computed), what << ": the reference computes " << computed.size()
+                                         << " gradient tensors, the plan has " << planned.size());
   double worst = 0;
   std::string worst_name;
   for (const auto &[name, g] : ref.grads) {
@@ -744,14 +765,22 @@ BOOST_AUTO_TEST_CASE(bf16_kernels_match_the_float64_reference) {
 // reference wired from each model's own layer list, dropout 0.1, fp32 under none and selective
 // and bf16 under none (limits zoo_fp32, zoo_bf16).
 BOOST_AUTO_TEST_CASE(zoo_kernels_match_the_float64_reference) {
-  struct Zoo { const Model *model; const char *name; std::span<const runtime::Kernel> table; Wiring wiring; int samples; };
-  const Zoo zoo[] = {{&zoo_rows::model, "zoo_rows", zoo_rows_kernels::table, [](Reference &r) { zoo_reference(r, zoo_rows::model); }, 9},
+  struct Zoo {
+    const Model *model;
+    const char *name;
+    std::span<const runtime::Kernel> table;
+    Wiring wiring;
+    int samples;
+  };
+  const Zoo zoo[] = {{&zoo_rows::model, "zoo_rows", zoo_rows_kernels::table,
+                      [](Reference &r) { zoo_reference(r, zoo_rows::model); }, 9},
                      {&zoo_gated::model, "zoo_gated", zoo_gated_kernels::table,
                       [](Reference &r) { zoo_reference(r, zoo_gated::model); }, 3}};
   for (const Zoo &z : zoo) {
     for (Policy p : {none, selective}) {
       Run run(*z.model, z.name, z.table, p, z.samples, 0.1);
-      check_against_reference(run, z.wiring, 0.1, zoo_fp32, std::string(z.name) + " fp32 " + std::string(policy_name(p).view()));
+      check_against_reference(run, z.wiring, 0.1, zoo_fp32,
+                              std::string(z.name) + " fp32 " + std::string(policy_name(p).view()));
     }
     Run run(*z.model, z.name, z.table, none, 4 * z.samples, 0.1, true, Device::cpu, Precision::bf16);
     check_against_reference(run, z.wiring, 0.1, zoo_bf16, std::string(z.name) + " bf16");
@@ -806,8 +835,8 @@ BOOST_AUTO_TEST_CASE(bf16_policies_give_bit_identical_gradients) {
   base.ex.run(Executor::Phase::train);
   const std::vector<float> expected = base.grads();
   expect_real_gradient(expected);
-  for (Policy p : {selective, full, Policy{Policy::Kind::every_n_layers, 2}, sqrt_n, with_offload(full),
-                   with_offload(sqrt_n)}) {
+  for (Policy p :
+       {selective, full, Policy{Policy::Kind::every_n_layers, 2}, sqrt_n, with_offload(full), with_offload(sqrt_n)}) {
     Run run(gpt::model, "gpt", gpt_kernels::table, p, 2, 0.1, true, Device::cpu, Precision::bf16);
     run.ex.run(Executor::Phase::train);
     BOOST_TEST(same_bits(run.grads(), expected), "bf16 gradients differ under " << policy_name(p).view());
@@ -828,9 +857,9 @@ BOOST_AUTO_TEST_CASE(policies_give_bit_identical_gradients) {
   base.ex.run(Executor::Phase::train);
   const std::vector<float> expected = base.grads();
   expect_real_gradient(expected);
-  for (Policy p : {selective, full, Policy{Policy::Kind::every_n_layers, 2}, Policy{Policy::Kind::every_n_layers, 5},
-                   sqrt_n, with_offload(full), with_offload(Policy{Policy::Kind::every_n_layers, 2}),
-                   with_offload(sqrt_n)}) {
+  for (Policy p :
+       {selective, full, Policy{Policy::Kind::every_n_layers, 2}, Policy{Policy::Kind::every_n_layers, 5}, sqrt_n,
+        with_offload(full), with_offload(Policy{Policy::Kind::every_n_layers, 2}), with_offload(sqrt_n)}) {
     Run run(mlp::model, "mlp", mlp_kernels::table, p, batch);
     run.ex.run(Executor::Phase::train);
     BOOST_TEST(same_bits(run.grads(), expected), "gradients differ under " << policy_name(p).view());
@@ -1012,7 +1041,8 @@ BOOST_AUTO_TEST_CASE(adamw_matches_a_plain_implementation) {
       flat("adam_v")[i] = 1e-4f * (1.5f + u(rng));
     }
   for (const char *root : {"params", "grads", "adam_m", "adam_v"}) run.ex.upload(root);
-  const std::vector<float> p0 = run.read("params"), g0 = run.read("grads"), m0 = run.read("adam_m"), v0 = run.read("adam_v");
+  const std::vector<float> p0 = run.read("params"), g0 = run.read("grads"), m0 = run.read("adam_m"),
+                           v0 = run.read("adam_v");
   auto &s = run.scalars;
   s.lr = 1e-2f;
   s.weight_decay = 0.1f;
@@ -1032,8 +1062,10 @@ BOOST_AUTO_TEST_CASE(adamw_matches_a_plain_implementation) {
     const std::string name(t->name.view());
     const bool decay = gpt_linear_weight(name);
     decayed += decay;
-    if (decay) decayed_end = std::max(decayed_end, t->offset + t->bytes());
-    else plain_begin = std::min(plain_begin, t->offset);
+    if (decay)
+      decayed_end = std::max(decayed_end, t->offset + t->bytes());
+    else
+      plain_begin = std::min(plain_begin, t->offset);
     const std::size_t at = t->offset / 4, n = t->bytes() / 4;
     auto range = [&](const std::vector<float> &v) { return std::span<const float>(v).subspan(at, n); };
     const AdamState want = adamw_reference(a, decay, range(p0), range(g0), range(m0), range(v0));
@@ -1063,13 +1095,13 @@ BOOST_AUTO_TEST_CASE(adamw_matches_a_plain_implementation) {
 BOOST_AUTO_TEST_CASE(bf16_host_conversion_rounds_to_nearest_even) {
   const std::pair<float, std::uint16_t> cases[] = {
       {1.0f, 0x3F80},
-      {1.0f + 0x1.0p-8f, 0x3F80},                // tie: down to even
-      {1.0f + 3 * 0x1.0p-8f, 0x3F82},            // tie: up to even
-      {1.0f + 0x1.0p-8f + 0x1.0p-20f, 0x3F81},   // just above the tie
+      {1.0f + 0x1.0p-8f, 0x3F80},                   // tie: down to even
+      {1.0f + 3 * 0x1.0p-8f, 0x3F82},               // tie: up to even
+      {1.0f + 0x1.0p-8f + 0x1.0p-20f, 0x3F81},      // just above the tie
       {1.0f + 3 * 0x1.0p-8f - 0x1.0p-20f, 0x3F81},  // just below the tie
-      {0.75f + 0x1.0p-9f, 0x3F40},               // tie in [0.5, 1): down to even
-      {0.75f + 3 * 0x1.0p-9f, 0x3F42},           // tie in [0.5, 1): up to even
-      {-(1.0f + 0x1.0p-8f), 0xBF80},             // negative ties
+      {0.75f + 0x1.0p-9f, 0x3F40},                  // tie in [0.5, 1): down to even
+      {0.75f + 3 * 0x1.0p-9f, 0x3F42},              // tie in [0.5, 1): up to even
+      {-(1.0f + 0x1.0p-8f), 0xBF80},                // negative ties
       {-(1.0f + 3 * 0x1.0p-8f), 0xBF82},
       {-5.0f, 0xC0A0},
   };

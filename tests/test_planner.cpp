@@ -24,8 +24,8 @@ namespace {
 
 Model small_model() {
   return check(make_model(input(12), linear(12, 16),
-                          repeat(5, residual(layer_norm(), linear(16, 32), gelu(), linear(32, 16))),
-                          layer_norm(), linear(16, 3), softmax_cross_entropy()))
+                          repeat(5, residual(layer_norm(), linear(16, 32), gelu(), linear(32, 16))), layer_norm(),
+                          linear(16, 3), softmax_cross_entropy()))
       .model;
 }
 // Shapes the examples do not have: a repeat stage first (its blocks pass input gradients to each
@@ -44,8 +44,15 @@ Model flat_model() { return check(make_model(input(8), linear(8, 4), softmax_cro
 const Policy every_2{Policy::Kind::every_n_layers, 2};
 // Every policy a model module or the command line can ask for (--offload goes with any policy;
 // it moves nothing where nothing is checkpointed). selective applies to repeat stages only.
-const std::vector<Policy> all_policies = {none, selective, full, every_2, sqrt_n, with_offload(selective),
-                                          with_offload(full), with_offload(every_2), with_offload(sqrt_n)};
+const std::vector<Policy> all_policies = {none,
+                                          selective,
+                                          full,
+                                          every_2,
+                                          sqrt_n,
+                                          with_offload(selective),
+                                          with_offload(full),
+                                          with_offload(every_2),
+                                          with_offload(sqrt_n)};
 
 std::string str(std::string_view s) { return std::string(s); }
 std::string num(std::size_t v) { return std::to_string(v); }
@@ -251,7 +258,8 @@ std::string check_layout(const Plan &plan) {
 std::string check_plan(const Plan &plan) {
   if (std::string e = check_layout(plan); !e.empty()) return label(plan) + ": layout: " + e;
   for (Phase phase : {Phase::train, Phase::optimize, Phase::eval})
-    if (std::string e = check_schedule(plan, phase); !e.empty()) return label(plan) + ": " + phase_name(phase) + ": " + e;
+    if (std::string e = check_schedule(plan, phase); !e.empty())
+      return label(plan) + ": " + phase_name(phase) + ": " + e;
   return {};
 }
 
@@ -291,7 +299,6 @@ BOOST_AUTO_TEST_CASE(more_mistakes_are_named) {
   BOOST_TEST(error(make_model(input(4), linear(4, 9), causal_self_attention(3), softmax_cross_entropy())) ==
              "remat: stage 0 layer 1 (causal_self_attention): attention needs sequences: tokens(vocab, block_size)");
 }
-
 
 // Plans for the unusual shapes (repeat_first_model and the others above).
 BOOST_AUTO_TEST_CASE(unusual_stacks_plan_consistently) {
@@ -334,7 +341,7 @@ BOOST_AUTO_TEST_CASE(policies_choose_segments) {
   BOOST_TEST(sq[1].first == 4);
   BOOST_TEST(sq[1].last == 7);
   BOOST_TEST(sq[2].last == 11);
-  BOOST_TEST(segments(sqrt_n, 10).size() == 3u);  // ceil(sqrt(10)) = 4 parts, 3+3+3+1
+  BOOST_TEST(segments(sqrt_n, 10).size() == 3u);     // ceil(sqrt(10)) = 4 parts, 3+3+3+1
   BOOST_TEST(segments(sqrt_n, 6).back().last == 3);  // the GPT: 2+2 recomputed, 2 kept
   BOOST_TEST(segments(sqrt_n, 1).empty());
 }
@@ -342,9 +349,12 @@ BOOST_AUTO_TEST_CASE(policies_choose_segments) {
 // Every (model, policy, precision, GEMM placement, batch) combination replays cleanly in train,
 // optimize and eval (check_plan); batch 7 gives row counts off every alignment.
 BOOST_AUTO_TEST_CASE(every_schedule_replays_cleanly) {
-  const std::vector<std::pair<std::string, Model>> models = {
-      {"small", small_model()}, {"repeat_first", repeat_first_model()}, {"two_stacks", two_stacks_model()},
-      {"flat", flat_model()},   {"mlp", mlp::model},                    {"gpt", gpt::model}};
+  const std::vector<std::pair<std::string, Model>> models = {{"small", small_model()},
+                                                             {"repeat_first", repeat_first_model()},
+                                                             {"two_stacks", two_stacks_model()},
+                                                             {"flat", flat_model()},
+                                                             {"mlp", mlp::model},
+                                                             {"gpt", gpt::model}};
   int replayed = 0;
   for (const auto &[model_name, m] : models)
     for (Policy p : all_policies)
@@ -575,15 +585,16 @@ struct Numbers {
   int recompute_launches, total_launches;
 };
 
-template <const Model &M, Policy P, int Batch> struct Frozen {
+template <const Model &M, Policy P, int Batch>
+struct Frozen {
   static constexpr Numbers numbers = [] {
     const Plan p = make_plan(M, P, Batch);
-    Numbers n{p.tensors.size(), 0, p.train.size(), p.peak_bytes, p.activation_bytes, p.eval_peak_bytes,
-              p.offload_bytes, 0, p.param_count, p.recompute_launches, p.total_launches};
+    Numbers n{p.tensors.size(), 0, p.train.size(), p.peak_bytes,         p.activation_bytes, p.eval_peak_bytes,
+              p.offload_bytes,  0, p.param_count,  p.recompute_launches, p.total_launches};
     for (const Step &st : p.train) n.train_args += st.args.size();
     for (const Tensor &t : p.tensors)
-      if (t.view_of < 0 && (t.role == Role::params || t.role == Role::grads || t.role == Role::adam_m ||
-                            t.role == Role::adam_v))
+      if (t.view_of < 0 &&
+          (t.role == Role::params || t.role == Role::grads || t.role == Role::adam_m || t.role == Role::adam_v))
         n.flat_bytes += t.bytes();
     return n;
   }();
@@ -631,8 +642,8 @@ namespace gpt_count {
 constexpr long long B = 8, R = B * gpt::block_size, C = gpt::n_embd, H = gpt::n_head, L = gpt::n_layer, V = gpt::vocab;
 // token and position tables; per block two LayerNorms, q/k/v, projection, MLP up and down; head
 constexpr long long params = V * C + gpt::block_size * C +
-                             L * (4 * C + C * 3 * C + 3 * C + C * C + C + C * 4 * C + 4 * C + 4 * C * C + C) +
-                             2 * C + C * V + V;
+                             L * (4 * C + C * 3 * C + 3 * C + C * C + C + C * 4 * C + 4 * C + 4 * C * C + C) + 2 * C +
+                             C * V + V;
 static_assert(FrozenGpt::numbers.activation_bytes == std::size_t(4 * R * (L * (9 * C + H + 4) + 7 * C)));
 static_assert(FrozenGpt::numbers.param_count == params);
 static_assert(FrozenGpt::numbers.flat_bytes == 4 * 4 * std::size_t(params));  // every size a multiple of 16 floats
@@ -641,7 +652,8 @@ static_assert(FrozenGpt::numbers.eval_peak_bytes <= FrozenGpt::numbers.peak_byte
 }  // namespace gpt_count
 
 // The frozen plan against the run-time planner's plan for the same inputs, element by element.
-template <class F> void compare_with_frozen(const Plan &plan) {
+template <class F>
+void compare_with_frozen(const Plan &plan) {
   const Numbers &n = F::numbers;
   BOOST_TEST(plan.peak_bytes == n.peak_bytes);
   BOOST_TEST(plan.activation_bytes == n.activation_bytes);
@@ -794,7 +806,8 @@ BOOST_AUTO_TEST_CASE(bf16_plans_differ_only_in_activation_sizes) {
       }
     }
   }
-  BOOST_TEST(kernel_name("gpt", 1, Variant::backward_recompute, Precision::bf16).view() == "gpt_s1_backward_recompute_bf16");
+  BOOST_TEST(kernel_name("gpt", 1, Variant::backward_recompute, Precision::bf16).view() ==
+             "gpt_s1_backward_recompute_bf16");
   BOOST_TEST(kernel_name("gpt", 0, Variant::adamw, Precision::bf16).view() == "gpt_adamw");
 }
 
@@ -851,9 +864,10 @@ BOOST_AUTO_TEST_CASE(gpt_never_stores_attention_matrices) {
 
 // Offload: each checkpoint is copied out beside the forward that reads it (the copy overlaps
 // it), dies after it, and the step after waits for the copy before its memory can be reused
-// (the last block's is not offloaded: its restored copy would be needed at once); its restored copy is allocated and fetched one step ahead of the first step that reads
-// it, which waits for the arrival. Only checkpoints travel, and fewer of them are on the device
-// at once than without offload. Under selective nothing is checkpointed: nothing travels.
+// (the last block's is not offloaded: its restored copy would be needed at once); its restored copy is allocated and
+// fetched one step ahead of the first step that reads it, which waits for the arrival. Only checkpoints travel, and
+// fewer of them are on the device at once than without offload. Under selective nothing is checkpointed: nothing
+// travels.
 BOOST_AUTO_TEST_CASE(offload_schedules_transfers_one_step_ahead) {
   for (Policy p : {full, every_2, sqrt_n}) {
     const Plan plain = make_plan(gpt::model, p, 4), plan = make_plan(gpt::model, with_offload(p), 4);
@@ -918,7 +932,10 @@ BOOST_AUTO_TEST_CASE(optimizer_updates_every_parameter_once) {
         const std::vector<Tensor> &ts = plan.tensors;
         const int params = plan.find("params");
         BOOST_TEST_REQUIRE(params >= 0);
-        struct Range { std::size_t begin, end; bool decayed; };
+        struct Range {
+          std::size_t begin, end;
+          bool decayed;
+        };
         std::vector<Range> ranges_;
         for (const Step &st : plan.optimize) {
           BOOST_TEST_REQUIRE((st.variant == Variant::adamw));
@@ -956,7 +973,8 @@ BOOST_AUTO_TEST_CASE(optimizer_updates_every_parameter_once) {
           for (const Range &r : ranges_)
             if (r.begin <= t.offset && t.offset + t.bytes() <= r.end) ++in, decayed = r.decayed;
           BOOST_TEST(in == 1, t.name.view());
-          const bool linear_weight = m.stages[t.stage].layers[t.layer].op == Op::linear && t.name.view().ends_with("_w");
+          const bool linear_weight =
+              m.stages[t.stage].layers[t.layer].op == Op::linear && t.name.view().ends_with("_w");
           BOOST_TEST(decayed == linear_weight, t.name.view());
         }
       }
@@ -997,7 +1015,8 @@ Pairs outcomes(const Chain &c, int s, int t, bool prune, std::map<std::pair<int,
       const long long forward = xs + after + L[s].y + a + L[s].forward_temp[k];
       const long long backward = xs + a + next + L[s].dx + L[s].backward_temp[k];
       const double time = L[s].forward_time[k] + L[s].backward_time[k];
-      if (s == t) out.push_back({std::max(forward, backward), time, backward, 2});
+      if (s == t)
+        out.push_back({std::max(forward, backward), time, backward, 2});
       else
         for (const Outcomes &rest : outcomes(c, s + 1, t, prune, memo))
           out.push_back({std::max({forward, backward, xs + a + rest.peak}), time + rest.seconds, backward, 3});
@@ -1128,7 +1147,10 @@ BOOST_AUTO_TEST_CASE(budget_dp_equals_exhaustive_search_on_random_chains) {
       const BudgetSolution dp = fastest_within(c, budget);
       BOOST_TEST_CONTEXT("blocks " << blocks << " budget " << budget) {
         BOOST_TEST(dp.feasible == (best < 1e300));
-        if (!dp.feasible) { ++infeasible; continue; }
+        if (!dp.feasible) {
+          ++infeasible;
+          continue;
+        }
         BOOST_TEST(dp.unit == 64);  // exact: every size is a multiple of 64
         BOOST_TEST(std::abs(dp.seconds - best) <= 1e-9 * best);
         BOOST_TEST(dp.peak <= budget);
@@ -1140,7 +1162,8 @@ BOOST_AUTO_TEST_CASE(budget_dp_equals_exhaustive_search_on_random_chains) {
   BOOST_TEST(compared > 200);
   BOOST_TEST(infeasible > 10);  // the budgets just below the least peak
   BOOST_TEST(offloading > 20);  // plans that offload were among those compared
-  BOOST_TEST_MESSAGE("budget DP vs enumeration: " << compared << " budgets compared, " << offloading << " of their plans offload");
+  BOOST_TEST_MESSAGE("budget DP vs enumeration: " << compared << " budgets compared, " << offloading
+                                                  << " of their plans offload");
 }
 
 namespace {
@@ -1165,8 +1188,11 @@ Model random_model(std::mt19937 &rng) {
 // live bytes at its highest point are the dynamic program's peak.
 BOOST_AUTO_TEST_CASE(budget_plans_fit_and_their_peak_is_the_dps) {
   std::mt19937 rng(11);
-  std::vector<std::pair<std::string, Model>> models = {{"mlp", mlp::model}, {"gpt", gpt::model}, {"small", small_model()},
-                                                       {"repeat_first", repeat_first_model()}, {"two_stacks", two_stacks_model()}};
+  std::vector<std::pair<std::string, Model>> models = {{"mlp", mlp::model},
+                                                       {"gpt", gpt::model},
+                                                       {"small", small_model()},
+                                                       {"repeat_first", repeat_first_model()},
+                                                       {"two_stacks", two_stacks_model()}};
   for (int i = 0; i < 6; ++i) models.push_back({"random" + std::to_string(i), random_model(rng)});
   int plans = 0, offloading = 0, below_smallest = 0, below_offloading = 0;
   long long worst_holes = 0;
@@ -1177,12 +1203,13 @@ BOOST_AUTO_TEST_CASE(budget_plans_fit_and_their_peak_is_the_dps) {
           const int batch = 8;
           const CostModel costs{.transfer_rate = rate};
           const Chain c = chain_of(m, batch, pr, g, costs);
-          const std::size_t lo = smallest_plan(m, batch, pr, g).peak_bytes, hi = make_plan(m, none, batch, pr, g).peak_bytes;
+          const std::size_t lo = smallest_plan(m, batch, pr, g).peak_bytes,
+                            hi = make_plan(m, none, batch, pr, g).peak_bytes;
           BOOST_TEST(lo <= hi);
           for (int step = 0; step <= 4; ++step) {
             const long long budget = (long long)(lo + (hi - lo) * step / 4);
-            BOOST_TEST_CONTEXT(name << " " << precision_name(pr) << (g == Gemms::library ? " library" : " halide") << " budget " << budget
-                                    << " transfer rate " << rate) {
+            BOOST_TEST_CONTEXT(name << " " << precision_name(pr) << (g == Gemms::library ? " library" : " halide")
+                                    << " budget " << budget << " transfer rate " << rate) {
               const Planned p = plan_for(m, remat::budget(budget), batch, pr, g, costs);
               BOOST_TEST_REQUIRE(p.ok(), p.error.view());
               BOOST_TEST(check_plan(p.plan) == "");
@@ -1201,9 +1228,11 @@ BOOST_AUTO_TEST_CASE(budget_plans_fit_and_their_peak_is_the_dps) {
           const Planned below = plan_for(m, remat::budget((long long)lo - 1), batch, pr, g, costs);
           if (rate == 0 || !below.ok()) {
             BOOST_TEST(!below.ok());
-            BOOST_TEST(std::string(below.error.view()).find("needs " + std::to_string(lo) + " bytes") != std::string::npos,
-                       below.error.view());
-            if (rate > 0) BOOST_TEST(std::string(below.error.view()).ends_with("(offloading checkpoints did not fit either)"));
+            BOOST_TEST(
+                std::string(below.error.view()).find("needs " + std::to_string(lo) + " bytes") != std::string::npos,
+                below.error.view());
+            if (rate > 0)
+              BOOST_TEST(std::string(below.error.view()).ends_with("(offloading checkpoints did not fit either)"));
           } else {
             BOOST_TEST(below.plan.peak_bytes < lo);
             BOOST_TEST(check_plan(below.plan) == "");
@@ -1214,8 +1243,9 @@ BOOST_AUTO_TEST_CASE(budget_plans_fit_and_their_peak_is_the_dps) {
   BOOST_TEST(plans == int(models.size()) * 4 * 2 * 5);
   BOOST_TEST(offloading > 20);
   BOOST_TEST_MESSAGE("budget plans: " << offloading << " of " << plans << " offload; " << below_smallest
-                                      << " fit below the smallest on-device plan (" << below_offloading << " offloading); the arena's placement added at most "
-                                      << worst_holes << " bytes of holes to the live peak");
+                                      << " fit below the smallest on-device plan (" << below_offloading
+                                      << " offloading); the arena's placement added at most " << worst_holes
+                                      << " bytes of holes to the live peak");
 }
 
 // The fixed policies, lowered to strategies, give the chain's evaluation the plans' live peaks
@@ -1233,7 +1263,8 @@ BOOST_AUTO_TEST_CASE(fixed_policies_evaluate_to_their_plans_live_peak) {
 // The least-memory plan of a deep stack keeps O(1) checkpoints and recomputes O(n^2) forwards
 // (the memory-poor schedule of the literature), where full keeps n.
 BOOST_AUTO_TEST_CASE(least_memory_is_the_memory_poor_extreme) {
-  const Model deep = check(make_model(input(8), linear(8, 16), repeat(12, residual(layer_norm(), linear(16, 64), gelu(), linear(64, 16))),
+  const Model deep = check(make_model(input(8), linear(8, 16),
+                                      repeat(12, residual(layer_norm(), linear(16, 64), gelu(), linear(64, 16))),
                                       layer_norm(), linear(16, 3), softmax_cross_entropy()))
                          .model;
   const Plan least = smallest_plan(deep, 8, Precision::fp32, Gemms::library);
@@ -1250,9 +1281,9 @@ BOOST_AUTO_TEST_CASE(least_memory_is_the_memory_poor_extreme) {
     }
     return most;
   };
-  BOOST_TEST_MESSAGE("block outputs live at once: least-memory " << most_live_block_inputs(least) << ", full "
-                                                                 << most_live_block_inputs(plan_full) << "; recompute launches "
-                                                                 << least.recompute_launches << " vs " << plan_full.recompute_launches);
+  BOOST_TEST_MESSAGE("block outputs live at once: least-memory "
+                     << most_live_block_inputs(least) << ", full " << most_live_block_inputs(plan_full)
+                     << "; recompute launches " << least.recompute_launches << " vs " << plan_full.recompute_launches);
   BOOST_TEST(least.peak_bytes < plan_full.peak_bytes);
   BOOST_TEST(most_live_block_inputs(least) <= 4);
   BOOST_TEST(most_live_block_inputs(plan_full) >= 12);
@@ -1261,16 +1292,17 @@ BOOST_AUTO_TEST_CASE(least_memory_is_the_memory_poor_extreme) {
 
 // A budget fixed in a model module is solved at compile time.
 namespace {
-constexpr Model budget_model = checked<make_model(input(8), linear(8, 16),
-                                                  repeat(6, residual(layer_norm(), linear(16, 32), gelu(), linear(32, 16))),
-                                                  layer_norm(), linear(16, 3), softmax_cross_entropy())>();
+constexpr Model budget_model = checked<make_model(
+    input(8), linear(8, 16), repeat(6, residual(layer_norm(), linear(16, 32), gelu(), linear(32, 16))), layer_norm(),
+    linear(16, 3), softmax_cross_entropy())>();
 static_assert(feasible<budget_model, budget(200 * KiB), 16>());
 static_assert(make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32, Gemms::library).peak_bytes <= 200 * KiB);
 static_assert(make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32, Gemms::library).peak_bytes >
               make_plan(budget_model, full, 16, Precision::fp32, Gemms::library).peak_bytes);
 }  // namespace
 BOOST_AUTO_TEST_CASE(a_budget_is_solved_at_compile_time) {
-  constexpr std::size_t peak = make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32, Gemms::library).peak_bytes;
+  constexpr std::size_t peak =
+      make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32, Gemms::library).peak_bytes;
   BOOST_TEST(peak == make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32, Gemms::library).peak_bytes);
 }
 
@@ -1278,9 +1310,9 @@ BOOST_AUTO_TEST_CASE(a_budget_is_solved_at_compile_time) {
 // byte: zoo_gated's annotated stages (s1 save_and_offload_only_these_names({"rotated"}, {"gate"}),
 // s2 every_n_layers(2) | recompute_modules(norm)) give the plan of the same values set per stage
 // at run time over none (the flag "s1:selective,s2:every_n_layers=2+selective" does the same:
-// a stage's selective set is its kernels', the annotation's); a schedule-only annotation gives the plan of the same layers
-// without it under that schedule; and the named selective set keeps exactly the named outputs
-// (and the row statistics).
+// a stage's selective set is its kernels', the annotation's); a schedule-only annotation gives the plan of the same
+// layers without it under that schedule; and the named selective set keeps exactly the named outputs (and the row
+// statistics).
 namespace {
 void expect_same_plan(const Plan &a, const Plan &b) {
   BOOST_TEST(a.peak_bytes == b.peak_bytes);
@@ -1293,9 +1325,11 @@ void expect_same_plan(const Plan &a, const Plan &b) {
   }
   for (std::size_t i = 0; i < a.train.size(); ++i) {
     BOOST_TEST((a.train[i].variant == b.train[i].variant && a.train[i].stage == b.train[i].stage &&
-                a.train[i].block == b.train[i].block && a.train[i].alloc == b.train[i].alloc && a.train[i].free == b.train[i].free));
+                a.train[i].block == b.train[i].block && a.train[i].alloc == b.train[i].alloc &&
+                a.train[i].free == b.train[i].free));
     BOOST_TEST_REQUIRE(a.train[i].args.size() == b.train[i].args.size());
-    for (std::size_t k = 0; k < a.train[i].args.size(); ++k) BOOST_TEST(a.train[i].args[k].tensor == b.train[i].args[k].tensor);
+    for (std::size_t k = 0; k < a.train[i].args.size(); ++k)
+      BOOST_TEST(a.train[i].args[k].tensor == b.train[i].args[k].tensor);
   }
 }
 }  // namespace

@@ -88,7 +88,8 @@ std::string broken_dataset(const std::string &name, const std::string &file, con
 
 BOOST_AUTO_TEST_CASE(policies_agree_and_peaks_are_exact) {
   std::map<std::string, nlohmann::json> runs;
-  for (std::string policy : {"none", "selective", "full", "every_n_layers=2", "sqrt_n", "s1:every_n_layers=4+selective"}) {
+  for (std::string policy :
+       {"none", "selective", "full", "every_n_layers=2", "sqrt_n", "s1:every_n_layers=4+selective"}) {
     const Result r = train("--max-steps 1 --batch-size 256 --json --eval-samples 0 --checkpoint-policy " + policy);
     BOOST_TEST_REQUIRE(r.exit_code == 0, r.err);
     runs[policy] = summary(r);
@@ -98,7 +99,7 @@ BOOST_AUTO_TEST_CASE(policies_agree_and_peaks_are_exact) {
       BOOST_TEST(j.contains(key), key);
     BOOST_TEST(j["measured_peak_bytes"] == j["planned_peak_bytes"], policy);
     BOOST_TEST(j["halide_heap_peak_bytes"] == 0, policy);
-    BOOST_TEST(j["loss_first"].is_number(), policy);  // NaN would be null
+    BOOST_TEST(j["loss_first"].is_number(), policy);      // NaN would be null
     BOOST_TEST(j["step_heap_allocations"] == 0, policy);  // no heap allocation at all inside the steps
     BOOST_TEST(j["batch_size"] == 256);
   }
@@ -249,7 +250,8 @@ BOOST_AUTO_TEST_CASE(budget_plans_offload_on_a_gpu_only) {
   const Result gpu = train_gpt("--device cuda --memory-budget 55% --plan-report --cost-table " + table);
   BOOST_TEST_REQUIRE(gpu.exit_code == 0, gpu.err);
   BOOST_TEST(gpu.out.find("forward_discard (offloads input)") != std::string::npos, gpu.out);
-  BOOST_TEST(gpu.out.find("waits in pinned host memory between forward and backward (offload)") != std::string::npos, gpu.out);
+  BOOST_TEST(gpu.out.find("waits in pinned host memory between forward and backward (offload)") != std::string::npos,
+             gpu.out);
   BOOST_TEST(gpu.out.find("B (2.0 MiB) of pinned host memory") != std::string::npos, gpu.out);
   const Result cpu = train_gpt("--memory-budget 55% --plan-report --cost-table " + table);
   BOOST_TEST_REQUIRE(cpu.exit_code == 0, cpu.err);
@@ -266,9 +268,9 @@ BOOST_AUTO_TEST_CASE(device_cuda_needs_a_gpu) {
     BOOST_TEST(summary(r)["device"] == "cuda");
     return;
   }
-  expect_one_line_error("--device cuda --max-steps 1 --json",
-                        REMAT_BUILT_WITH_CUDA ? "--device cuda: no usable GPU (0 device(s) found"
-                                              : "this build of remat has no CUDA support");
+  expect_one_line_error("--device cuda --max-steps 1 --json", REMAT_BUILT_WITH_CUDA
+                                                                  ? "--device cuda: no usable GPU (0 device(s) found"
+                                                                  : "this build of remat has no CUDA support");
 }
 
 BOOST_AUTO_TEST_CASE(bad_datasets_are_one_line_errors) {
@@ -279,8 +281,7 @@ BOOST_AUTO_TEST_CASE(bad_datasets_are_one_line_errors) {
   expect_one_line_error("--max-steps 1 --data-dir " + truncated, "truncated or corrupt");
   const std::string garbage = broken_dataset("garbage", images, "echo 'not an idx file at all' | gzip");
   expect_one_line_error("--max-steps 1 --data-dir " + garbage, "not an idx file");
-  const std::string bad_gzip =
-      broken_dataset("bad-gzip", images, "head -c 5000 " + real_data + "/" + images);
+  const std::string bad_gzip = broken_dataset("bad-gzip", images, "head -c 5000 " + real_data + "/" + images);
   expect_one_line_error("--max-steps 1 --data-dir " + bad_gzip, "gzip");
 }
 
@@ -325,7 +326,8 @@ BOOST_AUTO_TEST_CASE(gpt_policies_agree_with_dropout) {
 BOOST_AUTO_TEST_CASE(bf16_runs_agree_across_policies) {
   std::map<std::string, nlohmann::json> runs;
   for (std::string policy : {"none", "full", "every_n_layers=2", "selective"}) {
-    const Result r = train_gpt("--bf16 --max-steps 2 --json --eval-samples 16 --dropout 0.1 --checkpoint-policy " + policy);
+    const Result r =
+        train_gpt("--bf16 --max-steps 2 --json --eval-samples 16 --dropout 0.1 --checkpoint-policy " + policy);
     BOOST_TEST_REQUIRE(r.exit_code == 0, r.err);
     runs[policy] = summary(r);
     BOOST_TEST(runs[policy]["precision"] == "bf16");
@@ -343,7 +345,8 @@ BOOST_AUTO_TEST_CASE(bf16_runs_agree_across_policies) {
   BOOST_TEST(f["precision"] == "fp32");
   BOOST_TEST(f["grad_digest"] != runs["none"]["grad_digest"]);
   BOOST_TEST(runs["none"]["activation_bytes"].get<double>() < 0.6 * f["activation_bytes"].get<double>());
-  BOOST_TEST(std::abs(runs["none"]["loss_first"].get<double>() - f["loss_first"].get<double>()) < 0.02 * f["loss_first"].get<double>());
+  BOOST_TEST(std::abs(runs["none"]["loss_first"].get<double>() - f["loss_first"].get<double>()) <
+             0.02 * f["loss_first"].get<double>());
 
   const Result mlp = train("--bf16 --max-steps 20 --batch-size 64 --json --eval-samples 512");
   BOOST_TEST_REQUIRE(mlp.exit_code == 0, mlp.err);
@@ -384,7 +387,8 @@ BOOST_AUTO_TEST_CASE(resumed_runs_repeat_the_uninterrupted_run) {
   for (auto [program, extra] : {std::pair{std::string(TRAIN_MLP), std::string("--batch-size 64")},
                                 {std::string(TRAIN_GPT), std::string("--batch-size 4 --dropout 0.1")}}) {
     // past warm-up, in the cosine phase, with gradient accumulation
-    const std::string common = "--max-steps 5 --warmup-steps 1 --gradient-accumulation-steps 2 --json --eval-samples 0 " + extra;
+    const std::string common =
+        "--max-steps 5 --warmup-steps 1 --gradient-accumulation-steps 2 --json --eval-samples 0 " + extra;
     const Result whole = run(program, common + " --save-steps 2 --save-snapshot " + snap);
     BOOST_TEST_REQUIRE(whole.exit_code == 0, whole.err);
     BOOST_TEST_REQUIRE(fs::exists(snap + ".step2"));
@@ -396,8 +400,9 @@ BOOST_AUTO_TEST_CASE(resumed_runs_repeat_the_uninterrupted_run) {
     BOOST_TEST(b["param_digest"] == a["param_digest"], program);
     BOOST_TEST(b["measured_peak_bytes"] == b["planned_peak_bytes"]);
     // other flags would not repeat the run: refused
-    const Result other = run(program, "--max-steps 6 --warmup-steps 1 --gradient-accumulation-steps 2 --eval-samples 0 " +
-                                          extra + " --resume-from-snapshot " + snap + ".step2");
+    const Result other =
+        run(program, "--max-steps 6 --warmup-steps 1 --gradient-accumulation-steps 2 --eval-samples 0 " + extra +
+                         " --resume-from-snapshot " + snap + ".step2");
     BOOST_TEST(other.exit_code == 2);
     BOOST_TEST(other.err.find("the snapshot's run used") != std::string::npos, other.err);
   }
@@ -405,8 +410,10 @@ BOOST_AUTO_TEST_CASE(resumed_runs_repeat_the_uninterrupted_run) {
   expect_one_line_error("--max-steps 4 --resume-from-snapshot " + snap, "a snapshot of model gpt");
   const std::string cut = (scratch_dir() / "cut").string();
   BOOST_TEST_REQUIRE(std::system(("head -c 5000000 " + snap + " > " + cut).c_str()) == 0);
-  const Result r = run(TRAIN_GPT, "--max-steps 5 --warmup-steps 1 --gradient-accumulation-steps 2 --batch-size 4 "
-                                  "--dropout 0.1 --resume-from-snapshot " + cut);
+  const Result r = run(TRAIN_GPT,
+                       "--max-steps 5 --warmup-steps 1 --gradient-accumulation-steps 2 --batch-size 4 "
+                       "--dropout 0.1 --resume-from-snapshot " +
+                           cut);
   BOOST_TEST(r.exit_code == 2);
   BOOST_TEST(r.err.find("truncated") != std::string::npos, r.err);
   expect_one_line_error("--max-steps 1 --save-snapshot /nonexistent/dir/snap", "cannot write");

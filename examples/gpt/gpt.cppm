@@ -12,19 +12,16 @@ inline constexpr int vocab = 128;      // bytes; non-ASCII bytes are read as '?'
 inline constexpr int block_size = 64;  // T: characters of context
 inline constexpr int n_layer = 6, n_head = 4, n_embd = 128;
 
-inline constexpr remat::Block transformer_block = remat::chain(
-    remat::residual(remat::layer_norm(), remat::linear(n_embd, 3 * n_embd),
-                    remat::causal_self_attention(n_head), remat::linear(n_embd, n_embd),
-                    remat::dropout()),
-    remat::residual(remat::layer_norm(), remat::linear(n_embd, 4 * n_embd), remat::gelu(),
-                    remat::linear(4 * n_embd, n_embd), remat::dropout()));
+inline constexpr remat::Block transformer_block =
+    remat::chain(remat::residual(remat::layer_norm(), remat::linear(n_embd, 3 * n_embd),
+                                 remat::causal_self_attention(n_head), remat::linear(n_embd, n_embd), remat::dropout()),
+                 remat::residual(remat::layer_norm(), remat::linear(n_embd, 4 * n_embd), remat::gelu(),
+                                 remat::linear(4 * n_embd, n_embd), remat::dropout()));
 
-inline constexpr remat::Model model = remat::checked<remat::make_model(
-    remat::tokens(vocab, block_size),
-    remat::embedding(vocab, n_embd), remat::dropout(),
-    remat::repeat(n_layer, transformer_block),
-    remat::layer_norm(), remat::linear(n_embd, vocab),
-    remat::softmax_cross_entropy(vocab))>();
+inline constexpr remat::Model model =
+    remat::checked<remat::make_model(remat::tokens(vocab, block_size), remat::embedding(vocab, n_embd),
+                                     remat::dropout(), remat::repeat(n_layer, transformer_block), remat::layer_norm(),
+                                     remat::linear(n_embd, vocab), remat::softmax_cross_entropy(vocab))>();
 
 // The policy `make train` uses unless --checkpoint-policy says otherwise.
 inline constexpr remat::Policy policy = remat::selective;

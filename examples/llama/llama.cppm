@@ -20,10 +20,8 @@ inline constexpr remat::Block llama_block = remat::chain(
                     remat::linear(hidden, n_embd, remat::no_bias)));
 
 inline constexpr remat::Model model = remat::checked<remat::make_model(
-    remat::tokens(vocab, block_size), remat::token_embedding(vocab, n_embd),
-    remat::repeat(n_layer, llama_block),
-    remat::rms_norm(), remat::linear(n_embd, vocab, remat::no_bias),
-    remat::softmax_cross_entropy(vocab))>();
+    remat::tokens(vocab, block_size), remat::token_embedding(vocab, n_embd), remat::repeat(n_layer, llama_block),
+    remat::rms_norm(), remat::linear(n_embd, vocab, remat::no_bias), remat::softmax_cross_entropy(vocab))>();
 
 // The policy `make train-llama` uses unless --checkpoint-policy says otherwise.
 inline constexpr remat::Policy policy = remat::selective;

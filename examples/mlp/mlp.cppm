@@ -4,16 +4,13 @@ export module mlp;
 import remat.language;
 
 export namespace mlp {
-inline constexpr int image_pixels = 28 * 28, width = 256, hidden = 2 * width, blocks = 16,
-                     classes = 10;
+inline constexpr int image_pixels = 28 * 28, width = 256, hidden = 2 * width, blocks = 16, classes = 10;
 
 inline constexpr remat::Model model = remat::checked<remat::make_model(
-    remat::input(image_pixels),
-    remat::linear(image_pixels, width),
-    remat::repeat(blocks, remat::residual(remat::layer_norm(), remat::linear(width, hidden),
-                                          remat::gelu(), remat::linear(hidden, width))),
-    remat::layer_norm(), remat::linear(width, classes),
-    remat::softmax_cross_entropy(classes))>();
+    remat::input(image_pixels), remat::linear(image_pixels, width),
+    remat::repeat(blocks, remat::residual(remat::layer_norm(), remat::linear(width, hidden), remat::gelu(),
+                                          remat::linear(hidden, width))),
+    remat::layer_norm(), remat::linear(width, classes), remat::softmax_cross_entropy(classes))>();
 
 // The policy `make train` uses unless --checkpoint-policy says otherwise.
 inline constexpr remat::Policy policy = remat::full;

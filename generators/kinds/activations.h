@@ -1,13 +1,17 @@
 // Rules of the elementwise activation kinds (gelu, relu): part of modelc.cpp, included after
 // StageKernels. Their backward reads their input.
-Built gelu_forward(StageKernels &k, int j, const std::string &name) { return {k.L.gelu(name, k.value(k.blk.source(j)))}; }
+Built gelu_forward(StageKernels &k, int j, const std::string &name) {
+  return {k.L.gelu(name, k.value(k.blk.source(j)))};
+}
 void gelu_backward(StageKernels &k, int j, Func, Func d) {
   const int src = k.blk.source(j);
   if (k.flows(src)) k.add_grad(src, {k.L.gelu_grad(str(cat("gelu", j, "_dx")), k.value(src), d)});
 }
 constexpr KindRules gelu_rules{Op::gelu, nullptr, gelu_forward, gelu_backward};
 
-Built relu_forward(StageKernels &k, int j, const std::string &name) { return {k.L.relu(name, k.value(k.blk.source(j)))}; }
+Built relu_forward(StageKernels &k, int j, const std::string &name) {
+  return {k.L.relu(name, k.value(k.blk.source(j)))};
+}
 void relu_backward(StageKernels &k, int j, Func, Func d) {
   const int src = k.blk.source(j);
   if (k.flows(src)) k.add_grad(src, {k.L.relu_grad(str(cat("relu", j, "_dx")), k.value(src), d)});
@@ -20,6 +24,7 @@ Built swiglu_forward(StageKernels &k, int j, const std::string &name) {
 }
 void swiglu_backward(StageKernels &k, int j, Func, Func d) {
   const int src = k.blk.source(j);
-  if (k.flows(src)) k.add_grad(src, {k.L.swiglu_grad(str(cat("swiglu", j, "_dx")), k.value(src), d, k.blk.layers[j].out)});
+  if (k.flows(src))
+    k.add_grad(src, {k.L.swiglu_grad(str(cat("swiglu", j, "_dx")), k.value(src), d, k.blk.layers[j].out)});
 }
 constexpr KindRules swiglu_rules{Op::swiglu, nullptr, swiglu_forward, swiglu_backward};

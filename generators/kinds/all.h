@@ -12,13 +12,14 @@
 #include "kinds/rope.h"
 
 constexpr std::array<const KindRules *, n_ops> kind_rules = {
-    &linear_rules,  &layer_norm_rules, &rms_norm_rules, &gelu_rules,      &relu_rules,
-    &swiglu_rules,  &dropout_rules,    &rope_rules,     &attention_rules, &embedding_rules,
-    &residual_begin_rules, &residual_end_rules};
-static_assert([] {
-  for (int i = 0; i < n_ops; ++i)
-    if (kind_rules[i]->op != Op(i)) return false;
-  return true;
-}(), "remat model compiler: kind_rules is indexed by Op");
+    &linear_rules,  &layer_norm_rules, &rms_norm_rules,  &gelu_rules,      &relu_rules,           &swiglu_rules,
+    &dropout_rules, &rope_rules,       &attention_rules, &embedding_rules, &residual_begin_rules, &residual_end_rules};
+static_assert(
+    [] {
+      for (int i = 0; i < n_ops; ++i)
+        if (kind_rules[i]->op != Op(i)) return false;
+      return true;
+    }(),
+    "remat model compiler: kind_rules is indexed by Op");
 
 const KindRules &rules_of(Op op) { return *kind_rules[std::size_t(op)]; }

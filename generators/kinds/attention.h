@@ -25,7 +25,8 @@ Built attention_forward(StageKernels &k, int j, const std::string &name) {
     finish(a);
     k.sched.attention_tiles(a, !saved_lse, l.out / l.heads, k.tr.T);
   } else {
-    gen::Attention a = k.tr.attention(str(cat("att", j)), qkv, l.out, l.heads, k.dropout_at(j), saved_lse, name, l.kv_heads);
+    gen::Attention a =
+        k.tr.attention(str(cat("att", j)), qkv, l.out, l.heads, k.dropout_at(j), saved_lse, name, l.kv_heads);
     finish(a);
     k.sched.attention(a, !saved_lse, l.out / l.heads, k.tr.T);
   }
@@ -35,18 +36,18 @@ Built attention_forward(StageKernels &k, int j, const std::string &name) {
 void attention_backward(StageKernels &k, int j, Func, Func d) {
   const Layer &l = k.blk.layers[j];
   const int src = k.blk.source(j);
-  gen::AttentionGrad g =
-      k.tr.attention_grad(str(cat("att", j)), k.value(src), k.value(j), k.f.stats.at(j)[0], d, l.out, l.heads, k.dropout_at(j),
-                          l.kv_heads);
+  gen::AttentionGrad g = k.tr.attention_grad(str(cat("att", j)), k.value(src), k.value(j), k.f.stats.at(j)[0], d, l.out,
+                                             l.heads, k.dropout_at(j), l.kv_heads);
   k.sched.attention_delta(g.delta);
   k.output(g.delta);
   const int head_dim = l.out / l.heads;
-  Contribution c{g.dqkv, {}, -1, [&k, g, head_dim](Func consumer) { k.sched.attention_grad(consumer, g, head_dim, k.tr.T); }};
+  Contribution c{
+      g.dqkv, {}, -1, [&k, g, head_dim](Func consumer) { k.sched.attention_grad(consumer, g, head_dim, k.tr.T); }};
   if (k.attention_tiles(l))
-    c.whole = [&k, qkv = k.value(src), lse = k.f.stats.at(j)[0], dout = d, delta = g.delta, drop = k.dropout_at(j), batch = k.batch, j,
-               l, head_dim](const std::string &name) {
-      gen::AttentionTilesGrad t =
-          k.tr.attention_tiles_grad(str(cat("datt", j)), qkv, delta, lse, dout, l.out, l.heads, drop, batch, name, l.kv_heads);
+    c.whole = [&k, qkv = k.value(src), lse = k.f.stats.at(j)[0], dout = d, delta = g.delta, drop = k.dropout_at(j),
+               batch = k.batch, j, l, head_dim](const std::string &name) {
+      gen::AttentionTilesGrad t = k.tr.attention_tiles_grad(str(cat("datt", j)), qkv, delta, lse, dout, l.out, l.heads,
+                                                            drop, batch, name, l.kv_heads);
       k.sched.attention_tiles_grad(t, head_dim, k.tr.T);
       return t.dqkv;
     };

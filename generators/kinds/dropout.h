@@ -9,6 +9,7 @@ Built dropout_forward(StageKernels &k, int j, const std::string &name) {
 }
 void dropout_backward(StageKernels &k, int j, Func, Func d) {
   const int src = k.blk.source(j);
-  if (k.flows(src)) k.add_grad(src, {k.tr.dropout_grad(str(cat("drop", j, "_dx")), d, k.blk.layers[j].out, k.dropout_at(j))});
+  if (k.flows(src))
+    k.add_grad(src, {k.tr.dropout_grad(str(cat("drop", j, "_dx")), d, k.blk.layers[j].out, k.dropout_at(j))});
 }
 constexpr KindRules dropout_rules{Op::dropout, nullptr, dropout_forward, dropout_backward};

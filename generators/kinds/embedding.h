@@ -10,11 +10,10 @@ Built embedding_forward(StageKernels &k, int j, const std::string &name) {
 void embedding_backward(StageKernels &k, int j, Func, Func d) {
   const bool positions = k.blk.layers[j].bias;
   const std::string gw_name = k.grad_of(j, "w"), gb_name = positions ? k.grad_of(j, "b") : gw_name + "_positions";
-  gen::EmbeddingGrad g = k.tr.embedding_grad(str(cat("emb", j)), k.f.x, d, k.blk.layers[j].vocab, k.batch,
-                                             k.accumulated(gw_name, k.L.constant(0), {k.v.c, k.v.b}),
-                                             positions ? k.accumulated(gb_name, k.L.constant(0), {k.v.c, k.v.b})
-                                                       : k.L.constant(0),
-                                             gw_name, gb_name);
+  gen::EmbeddingGrad g = k.tr.embedding_grad(
+      str(cat("emb", j)), k.f.x, d, k.blk.layers[j].vocab, k.batch,
+      k.accumulated(gw_name, k.L.constant(0), {k.v.c, k.v.b}),
+      positions ? k.accumulated(gb_name, k.L.constant(0), {k.v.c, k.v.b}) : k.L.constant(0), gw_name, gb_name);
   k.sched.embedding_grad(g);
   k.output(g.dwte);
   if (positions) k.output(g.dwpe);

@@ -7,7 +7,8 @@ void layer_norm_statistics(StageKernels &k, int j) {
     k.f.stats[j] = {k.args.read(st[0]), k.args.read(st[1])};
     return;
   }
-  Layers::LayerNormStats s = k.L.layer_norm_stats(str(st[0].name), str(st[1].name), k.value(k.blk.source(j)), k.blk.layers[j].in);
+  Layers::LayerNormStats s =
+      k.L.layer_norm_stats(str(st[0].name), str(st[1].name), k.value(k.blk.source(j)), k.blk.layers[j].in);
   k.sched.row_reduction(s.mean, {s.sum});
   k.sched.row_reduction(s.rstd, {s.sq});
   k.output(s.mean);
@@ -23,8 +24,8 @@ Built layer_norm_forward(StageKernels &k, int j, const std::string &name) {
 void layer_norm_backward(StageKernels &k, int j, Func, Func d) {
   const Layer &l = k.blk.layers[j];
   const int src = k.blk.source(j);
-  auto g = k.L.layer_norm_grad(str(cat("s", j, "_1")), str(cat("s", j, "_2")), str(cat("ln", j, "_dx")), k.value(src), layer_norm_stats(k, j),
-                               k.param(j, "w"), d, l.in, k.batch);
+  auto g = k.L.layer_norm_grad(str(cat("s", j, "_1")), str(cat("s", j, "_2")), str(cat("ln", j, "_dx")), k.value(src),
+                               layer_norm_stats(k, j), k.param(j, "w"), d, l.in, k.batch);
   k.write_column_sum_grad(j, "w", g.dgamma, l.in);
   k.write_column_sum_grad(j, "b", g.dbeta, l.in);
   if (!k.flows(src)) return;

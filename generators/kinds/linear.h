@@ -5,9 +5,10 @@ Built linear_forward(StageKernels &k, int j, const std::string &name) {
   const Layer &l = k.blk.layers[j];
   const int src = k.blk.source(j);
   if (k.gemms == Gemms::library) {
-    if (!k.buffered(src)) throw std::runtime_error("library GEMM: the input of linear " + std::to_string(j) + " is not a buffer");
-    return {k.library_gemm(name, k.stored(src), l.in, false, k.gemm_weight(j), l.out, false, k.library_bias(j), l.in, Expr(0),
-                           k.stored_type()),
+    if (!k.buffered(src))
+      throw std::runtime_error("library GEMM: the input of linear " + std::to_string(j) + " is not a buffer");
+    return {k.library_gemm(name, k.stored(src), l.in, false, k.gemm_weight(j), l.out, false, k.library_bias(j), l.in,
+                           Expr(0), k.stored_type()),
             true};
   }
   std::optional<Func> bias;
@@ -30,9 +31,8 @@ void linear_backward(StageKernels &k, int j, Func d_stored, Func d) {
                              k.args.scalar(Scalar::accumulate), Float(32));
     k.output(gw);
   } else {
-    MatMul gw = k.L.linear_weight_grad(gw_name, k.value(src), d, k.batch, [&](Expr sum) {
-      return k.accumulated(gw_name, sum, {k.v.c, k.v.b});
-    });
+    MatMul gw = k.L.linear_weight_grad(gw_name, k.value(src), d, k.batch,
+                                       [&](Expr sum) { return k.accumulated(gw_name, sum, {k.v.c, k.v.b}); });
     k.sched.matmul(gw, l.in, l.out);
     k.output(gw.out);
   }

@@ -20,8 +20,8 @@ Built rms_norm_forward(StageKernels &k, int j, const std::string &name) {
 void rms_norm_backward(StageKernels &k, int j, Func, Func d) {
   const Layer &l = k.blk.layers[j];
   const int src = k.blk.source(j);
-  auto g = k.L.rms_norm_grad(str(cat("s", j, "_1")), str(cat("rms", j, "_dx")), k.value(src), k.f.stats.at(j)[0], k.param(j, "w"), d, l.in,
-                             k.batch);
+  auto g = k.L.rms_norm_grad(str(cat("s", j, "_1")), str(cat("rms", j, "_dx")), k.value(src), k.f.stats.at(j)[0],
+                             k.param(j, "w"), d, l.in, k.batch);
   k.write_column_sum_grad(j, "w", g.dgamma, l.in);
   if (!k.flows(src)) return;
   k.sched.row_reduction(g.s);

@@ -17,6 +17,7 @@ inline constexpr remat::Model model = remat::checked<remat::make_model(
     remat::repeat(4, remat::residual(remat::linear(width, hidden), remat::relu(), remat::linear(hidden, width),
                                      remat::dropout())),
     // loose: an attention whose q/k/v tensor is also a residual's skip (two gradients into it)
-    remat::linear(width, 3 * width), remat::residual(remat::causal_self_attention(heads), remat::linear(width, 3 * width)),
+    remat::linear(width, 3 * width),
+    remat::residual(remat::causal_self_attention(heads), remat::linear(width, 3 * width)),
     remat::linear(3 * width, vocab), remat::softmax_cross_entropy(vocab))>();
 }  // namespace unusual
