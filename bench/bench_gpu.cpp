@@ -50,9 +50,10 @@ nlohmann::json run_policy(Policy p, int batch, int steps, Precision precision, d
   Executor &ex = engine.executor;
   engine.init_params(1);  // as the trainer starts them
   std::mt19937_64 rng(1);
-  for (auto &t : ex.tensor<std::int32_t>("inputs")) t = int(rng() % gpt2s::vocab);
-  for (auto &l : ex.tensor<std::int32_t>("labels")) l = int(rng() % gpt2s::vocab);
-  for (auto name : {"inputs", "labels"}) ex.upload(name);
+  for (auto &t : ex.tensor<std::int32_t>(plan.inputs())) t = int(rng() % gpt2s::vocab);
+  for (auto &l : ex.tensor<std::int32_t>(plan.labels())) l = int(rng() % gpt2s::vocab);
+  ex.upload(plan.inputs());
+  ex.upload(plan.labels());
   scalars.grad_scale = 1.f / float(plan.rows);
   scalars.lr = 1e-4f;
   scalars.step = 1;
@@ -62,8 +63,8 @@ nlohmann::json run_policy(Policy p, int batch, int steps, Precision precision, d
   };
   runtime::reset_halide_heap_peak();
   ex.run(Executor::Phase::train);  // warm-up step; its gradients and peak are the figures
-  ex.download("grads");
-  const std::string grad_digest = runtime::digest(std::as_bytes(ex.tensor<float>("grads")));
+  ex.download(plan.grads());
+  const std::string grad_digest = runtime::digest(std::as_bytes(ex.tensor<float>(plan.grads())));
   ex.run(Executor::Phase::optimize);
   const std::size_t measured = arena.high_water() + runtime::halide_heap().peak;
   arena.synchronize();

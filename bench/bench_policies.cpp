@@ -59,17 +59,18 @@ void bench(const char *title, const char *name, const Model &model, std::span<co
     c->arena = &c->engine->arena;
     c->scalars = &c->engine->scalars;
     c->ex = &c->engine->executor;
-    for (auto root : {"params", "adam_m", "adam_v"})
+    const Plan &plan = *c->plan;
+    for (TensorId root : {plan.params(), plan.adam_m(), plan.adam_v()})
       for (float &x : c->ex->tensor<float>(root)) x = 0.01f * u(rng);
-    std::ranges::fill(c->ex->tensor<float>("grads"), 0.f);  // the padding between parameters stays 0
+    std::ranges::fill(c->ex->tensor<float>(plan.grads()), 0.f);  // the padding between parameters stays 0
     if (model.token_input())
-      for (auto &t : c->ex->tensor<std::int32_t>("inputs")) t = int(rng() % model.input.vocab);
+      for (auto &t : c->ex->tensor<std::int32_t>(plan.inputs())) t = int(rng() % model.input.vocab);
     else {
-      std::vector<float> images(c->plan->tensors[c->plan->find("inputs")].bytes() / c->ex->element_size("inputs"));
+      std::vector<float> images(plan.tensors[plan.inputs().index].bytes() / c->ex->element_size(plan.inputs()));
       for (float &x : images) x = u(rng);
-      c->ex->set_values("inputs", images);
+      c->ex->set_values(plan.inputs(), images);
     }
-    for (auto &l : c->ex->tensor<std::int32_t>("labels")) l = int(rng() % model.classes());
+    for (auto &l : c->ex->tensor<std::int32_t>(plan.labels())) l = int(rng() % model.classes());
     c->scalars->grad_scale = 1.f / float(c->plan->rows);
     c->scalars->lr = 1e-4f;
     cases.push_back(std::move(c));

@@ -211,8 +211,9 @@ constexpr bool persistent(Role r) {
 constexpr bool is_activation(Role r) { return r == Role::block_input || r == Role::internal || r == Role::recomputed; }
 
 struct Tensor {
-  Name name;  // s<stage>.b<block>.<local> (eval.<...> for evaluation) or a global name; a
-              // segment replay's rebuilt copies reuse the names of the originals
+  // What it is (placed at its block and phase; a segment replay's rebuilt copies have the keys of
+  // the originals); name_of(key) names it.
+  TensorKey key;
   Role role{};
   int dims = 1;
   std::array<long long, 2> extent{};
@@ -220,11 +221,7 @@ struct Tensor {
   int view_of = -1;             // for views: the root tensor and the byte offset inside it
   std::size_t offset = 0;       // roots: arena offset; views: offset inside the root
   std::size_t host_offset = 0;  // offloaded tensors: offset in the pinned host buffer
-  // Where it comes from, for reports: its block, the layer that makes it, its name there (the
-  // kernel argument's: h3, rstd2, y, p0_w), what it holds, and for a saved internal the layer
-  // whose backward reads it.
-  int stage = -1, block = -1, layer = -1;
-  Name local;
+  // What it holds, and for a saved internal the layer whose backward reads it.
   LocalTensor::Kind kind = LocalTensor::Kind::activation;
   int read_by = -1;
   Init init = Init::zeros;  // parameters: how the trainer starts them
@@ -235,11 +232,18 @@ struct Tensor {
   }
 };
 
-// A buffer argument of a kernel call, bound to a tensor of the plan.
+// A buffer argument of a kernel call, bound to a tensor of the plan (the executor binds by position).
 struct Arg {
-  Name name;   // the kernel argument's name (for messages: the executor binds by position)
   int tensor;  // index into Plan::tensors
   Access access = Access::read;
+  TensorKey key{};  // the kernel's argument (its signature's: x, h3, p2_w...), for reports and messages
+};
+
+// A tensor of a plan: the handle the runtime's tensor access takes (the plan's finders make them).
+struct TensorId {
+  int index = -1;
+  constexpr bool valid() const { return index >= 0; }
+  constexpr bool operator==(const TensorId &) const = default;
 };
 
 struct Step {
@@ -289,10 +293,37 @@ struct Plan {
   int recompute_launches = 0;     // kernels per micro-batch that recompute forward work
   int total_launches = 0;
 
-  constexpr int find(std::string_view name) const {
+  // The first tensor with this key (a segment replay's rebuilt copies share their original's), or none.
+  constexpr TensorId find(const TensorKey &k) const {
     for (int i = 0; i < int(tensors.size()); ++i)
-      if (tensors[i].name == name) return i;
-    return -1;
+      if (tensors[i].key == k) return {i};
+    return {};
+  }
+  // ... one the plan must have.
+  constexpr TensorId at(const TensorKey &k) const {
+    const TensorId t = find(k);
+    if (!t.valid()) throw "remat planner: the plan has no tensor of this key";
+    return t;
+  }
+  // What a trainer reads and writes: the flat parameters, gradients and AdamW moments (each
+  // layer's are views into them: at(key::parameter(block, layer, i).at(stage, block_index))), the
+  // batch, the per-row metrics, a block's output and the logits of a phase.
+  constexpr TensorId params() const { return at(key::of(Slot::params)); }
+  constexpr TensorId grads() const { return at(key::of(Slot::grads)); }
+  constexpr TensorId adam_m() const { return at(key::of(Slot::adam_m)); }
+  constexpr TensorId adam_v() const { return at(key::of(Slot::adam_v)); }
+  constexpr TensorId inputs() const { return at(key::of(Slot::inputs)); }
+  constexpr TensorId labels() const { return at(key::of(Slot::labels)); }
+  constexpr TensorId row_loss() const { return at(key::of(Slot::row_loss)); }
+  constexpr TensorId row_correct() const { return at(key::of(Slot::row_correct)); }
+  constexpr TensorId block_output(int stage, int block, Phase phase) const {
+    return at(key::block_output().at(stage, block, phase));
+  }
+  // The logits the loss kernel of the phase reads (the last block's output).
+  constexpr TensorId logits(Phase phase) const {
+    for (const Step &st : phase == Phase::train ? train : eval)
+      if (st.variant == Variant::loss) return {st.args[0].tensor};
+    throw "remat planner: the plan has no loss step";
   }
   // Where tensor t starts in the arena (a view: its root's offset plus its own).
   constexpr std::size_t arena_offset(int t) const {
@@ -353,15 +384,11 @@ struct Builder {
     plan.tensors.push_back(t);
     return int(plan.tensors.size()) - 1;
   }
-  bool naming_eval = false;  // evaluation tensors are named eval.<name>
+  Phase phase = Phase::train;  // of the tensors being made
   constexpr int local(int stage, int block, Role role, const LocalTensor &lt, int read_by = -1) {
-    Tensor t{cat(naming_eval ? "eval." : "", prefix(stage, block).view(), lt.name.view()), role, lt.dims};
+    Tensor t{lt.key.at(stage, block, phase), role, lt.dims};
     t.elem_bytes = element_bytes(lt, precision);
     for (int d = 0; d < lt.dims; ++d) t.extent[d] = lt.extent[d] < 0 ? n_rows : lt.extent[d];
-    t.stage = stage;
-    t.block = block;
-    t.layer = lt.layer;
-    t.local = lt.name;
     t.kind = lt.kind;
     t.read_by = read_by;
     t.init = lt.init;
@@ -387,26 +414,37 @@ struct Builder {
       }
       const int t = bind(a);
       if (t < 0) throw "remat planner: a kernel argument the planner cannot bind";
-      st.args.push_back({a.tensor.name, t, a.access});
+      st.args.push_back({t, a.access, a.tensor.key});
     }
   }
   constexpr void free_activation(Step &st, int t) const {  // data tensors stay
     if (plan.tensors[t].role != Role::data) st.free.push_back(t);
   }
-  static constexpr Name prefix(int stage, int block) { return cat("s", stage, ".b", block, "."); }
 
-  // Per (stage, block): tensor ids of parameters and gradients (views into the flat buffers), in
-  // the order of params(block).
+  // Per (stage, block): tensor ids of parameters (views into the flat buffer), in the order of
+  // params(block); their gradients are the same keys' gradients.
   std::vector<std::vector<std::vector<int>>> param_args{}, grad_args{};
+  // The parameter (or the gradient) of unit u that kernel argument `k` (a parameter or a gradient
+  // key, either side of an accumulation) names.
+  constexpr int parameter_of(const Unit &u, const TensorKey &k) const {
+    const bool gradient = k.slot == Slot::gradient || k.slot == Slot::gradient_prev;
+    const std::vector<int> &ids = param_args[u.stage][u.block];
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      TensorKey p = plan.tensors[ids[i]].key.local();
+      if (gradient) p = key::gradient(p, k.slot == Slot::gradient_prev);
+      if (p == k) return gradient ? grad_args[u.stage][u.block][i] : ids[i];
+    }
+    return -1;
+  }
   int params_root = -1, grads_root = -1, m_root = -1, v_root = -1;
   long long decayed_slots = 0;  // floats of the decayed range, padding included
   static constexpr long long slot_alignment = arena_alignment / 4;
 
   constexpr void make_params() {
-    params_root = add({"params", Role::params, 1});
-    grads_root = add({"grads", Role::grads, 1});
-    m_root = add({"adam_m", Role::adam_m, 1});
-    v_root = add({"adam_v", Role::adam_v, 1});
+    params_root = add({key::of(Slot::params), Role::params, 1});
+    grads_root = add({key::of(Slot::grads), Role::grads, 1});
+    m_root = add({key::of(Slot::adam_m), Role::adam_m, 1});
+    v_root = add({key::of(Slot::adam_v), Role::adam_v, 1});
     param_args.resize(m.n_stages);
     grad_args.resize(m.n_stages);
     for (int s = 0; s < m.n_stages; ++s) {
@@ -433,10 +471,9 @@ struct Builder {
             plan.tensors[p].view_of = params_root;
             plan.tensors[p].offset = std::size_t(slots) * 4;
             Tensor g = plan.tensors[p];
-            g.name = cat(prefix(s, b).view(), grad_name(lt.name).view());
+            g.key = key::gradient(g.key);
             g.role = Role::grads;
             g.view_of = grads_root;
-            g.local = grad_name(lt.name);
             param_args[s][b][i] = p;
             grad_args[s][b][i++] = add(g);
             count += lt.elements(n_rows);
@@ -462,11 +499,11 @@ struct Builder {
   // Forward of one block. Returns the output tensor; the kept internals go to *kept with `role`.
   constexpr int forward(std::vector<Step> &out, const Unit &u, int x, Keep keep, Role role, std::vector<int> *kept) {
     Step st = step(u.stage, forward_variant(keep), u.block, u.rng);
-    int y = -1, n_params = 0;
+    int y = -1;
     bind(st, [&](const KernelArg &a) {
       switch (a.role) {
       case ArgRole::block_input: return x;
-      case ArgRole::parameter: return param_args[u.stage][u.block][n_params++];
+      case ArgRole::parameter: return parameter_of(u, a.tensor.key);
       case ArgRole::block_output: return y = live(st, local(st, Role::block_input, a));
       case ArgRole::saved: {
         const int t = live(st, local(st, role, a));
@@ -488,18 +525,20 @@ struct Builder {
                          Keep keep) {
     Step st = step(u.stage, backward_variant(keep), u.block, u.rng);
     st.recompute = keep != Keep::all;
-    int dx = -1, n_params = 0, n_prev = 0, n_grads = 0, n_saved = 0;
+    int dx = -1, n_saved = 0;
     bind(st, [&](const KernelArg &a) {
       switch (a.role) {
       case ArgRole::block_input: return x;
       case ArgRole::output_grad: return dy;
-      case ArgRole::parameter: return param_args[u.stage][u.block][n_params++];
+      case ArgRole::parameter: return parameter_of(u, a.tensor.key);
       // written, and read back when accumulating (in place)
-      case ArgRole::gradient: return grad_args[u.stage][u.block][a.access == Access::read ? n_prev++ : n_grads++];
+      case ArgRole::gradient: return parameter_of(u, a.tensor.key);
       case ArgRole::input_grad: return dx = live(st, local(st, Role::gradient, a));
       case ArgRole::saved: {
-        if (n_saved == int(kept.size())) return -1;
-        const int t = bring_back(kept[n_saved++]);
+        const auto it = std::ranges::find_if(kept, [&](int t) { return plan.tensors[t].key.local() == a.tensor.key; });
+        if (it == kept.end()) return -1;
+        ++n_saved;
+        const int t = bring_back(*it);
         st.free.push_back(t);
         return t;
       }
@@ -515,16 +554,17 @@ struct Builder {
   }
 
   // The loss kernel on the logits x: writes the logits' gradient (a new tensor) and the metrics.
-  constexpr Step loss_step(int x, int labels, const int (&metrics)[4], Name dlogits_name, bool keep_dlogits) {
+  constexpr Step loss_step(int x, int labels, bool keep_dlogits) {
     Step st = step(-1, Variant::loss, 0, 0);
-    int n_metrics = 0;
     bind(st, [&](const KernelArg &a) {
       switch (a.role) {
       case ArgRole::block_input: return x;
       case ArgRole::labels: return labels;
-      case ArgRole::metric: return metrics[n_metrics++];
+      case ArgRole::metric: return plan.at(a.tensor.key).index;
       case ArgRole::input_grad: {
-        const int dlogits = add({dlogits_name, Role::gradient, 2, {m.classes(), n_rows}, element_bytes(a.element)});
+        TensorKey k = a.tensor.key;
+        k.phase = phase;
+        const int dlogits = add({k, Role::gradient, 2, {m.classes(), n_rows}, element_bytes(a.element)});
         return live(st, dlogits, !keep_dlogits);
       }
       default: return -1;
@@ -570,8 +610,8 @@ struct Builder {
     const Selection &named = policies.stage[u.stage].selection;
     for (int t : kept) {  // the named layer's output; its row statistics (small) stay
       const Tensor &x = plan.tensors[t];
-      if (x.layer >= 0 && x.kind == LocalTensor::Kind::activation &&
-          named.offloads_tag(m.stages[u.stage].layers[x.layer].tag))
+      if (x.key.layer >= 0 && x.kind == LocalTensor::Kind::activation &&
+          named.offloads_tag(m.stages[u.stage].layers[x.key.layer].tag))
         offload(t, int(plan.train.size()));
     }
   }
@@ -601,7 +641,7 @@ struct Builder {
   }
 
   std::vector<Unit> units{};
-  int labels = -1, metrics[4]{};
+  int labels = -1;
 
   constexpr void check_kernel(const Unit &u, Variant v) const {
     if (!has_kernel(m, u.stage, v)) throw "remat planner: the strategy asks for a kernel a loose stage does not have";
@@ -624,7 +664,7 @@ struct Builder {
     auto &train = plan.train;
     switch (d.op) {
     case Decision::Op::loss:
-      train.push_back(loss_step(x, labels, metrics, "dlogits", true));
+      train.push_back(loss_step(x, labels, true));
       return train.back().alloc[0];  // the logits' gradient
     case Decision::Op::recompute: {
       check_kernel(units[s], Variant::backward_recompute);
@@ -670,15 +710,13 @@ struct Builder {
   constexpr void setup() {
     n_rows = (long long)batch * m.rows_per_sample();
     make_params();
-    inputs = m.token_input() ? add({"inputs", Role::data, 1, {n_rows, 0}})
-                             : add({"inputs",
-                                    Role::data,
-                                    2,
-                                    {m.input.width, n_rows},
-                                    element_bytes(rows("inputs", m.input.width), precision)});
-    labels = add({"labels", Role::data, 1, {n_rows, 0}});
-    const char *metric_names[4] = {"row_loss", "row_correct", "row_max", "row_lse"};
-    for (int i = 0; i < 4; ++i) metrics[i] = add({metric_names[i], Role::metrics, 1, {n_rows, 0}});
+    const TensorKey in = key::of(Slot::inputs);
+    inputs = m.token_input()
+                 ? add({in, Role::data, 1, {n_rows, 0}})
+                 : add({in, Role::data, 2, {m.input.width, n_rows}, element_bytes(rows(in, m.input.width), precision)});
+    labels = add({key::of(Slot::labels), Role::data, 1, {n_rows, 0}});
+    for (Slot metric : {Slot::row_loss, Slot::row_correct, Slot::row_max, Slot::row_lse})
+      add({key::of(metric), Role::metrics, 1, {n_rows, 0}});
     units = units_of(m);
   }
   constexpr std::size_t persistent_bytes() const {
@@ -708,34 +746,32 @@ struct Builder {
       if (begin == end) continue;
       Step st = step(-1, Variant::adamw, decayed ? 0 : 1, 0);
       st.weight_decay = decayed;
-      int views[4]{};  // p, g, m, v over [begin, end)
-      for (auto [i, name, root] :
-           {std::tuple{0, "p", params_root}, {1, "g", grads_root}, {2, "m", m_root}, {3, "v", v_root}}) {
-        Tensor view{cat(name, decayed ? "_decayed" : "_plain"), plan.tensors[root].role, 1, {end - begin, 0}};
+      std::vector<std::pair<Slot, int>> views;  // p, g, m, v over [begin, end); m, v read and written in place
+      for (auto [slot, root] : {std::pair{Slot::adamw_param, params_root},
+                                {Slot::adamw_grad, grads_root},
+                                {Slot::adamw_m, m_root},
+                                {Slot::adamw_v, v_root}}) {
+        Tensor view{key::adamw(slot, decayed ? 0 : 1), plan.tensors[root].role, 1, {end - begin, 0}};
         view.view_of = root;
         view.offset = std::size_t(begin) * 4;
-        views[i] = add(view);
+        views.push_back({slot, add(view)});
       }
-      int n_moments = 0;  // m, v read; then m, v written in place
       bind(st, [&](const KernelArg &a) {
-        switch (a.role) {
-        case ArgRole::parameter: return views[0];
-        case ArgRole::gradient: return views[1];
-        case ArgRole::moment: return views[2 + n_moments++ % 2];
-        default: return -1;
-        }
+        for (auto [slot, view] : views)
+          if (slot == a.tensor.key.slot) return view;
+        return -1;
       });
       plan.optimize.push_back(st);
     }
     // ---- evaluation: forward-discard of every block, then the loss kernel ----
-    naming_eval = true;
+    phase = Phase::eval;
     int x = inputs;
     for (const Unit &unit : units) {
       const int y = forward(plan.eval, unit, x, Keep::nothing, Role::internal, nullptr);
       free_activation(plan.eval.back(), x);
       x = y;
     }
-    plan.eval.push_back(loss_step(x, labels, metrics, "eval_dlogits", false));
+    plan.eval.push_back(loss_step(x, labels, false));
 
     schedule_transfers();
     place();
@@ -787,7 +823,7 @@ export namespace remat {
 // The seconds of one kernel call: measured (--calibrate) when the table has the kernel, else an
 // estimate from its arithmetic (kernel_flops) and the bytes of its arguments.
 struct KernelTime {
-  Name kernel;  // kernel_name("", stage, variant, precision): _s2_backward_saved
+  KernelKey kernel;
   double seconds = 0;
 };
 struct CostModel {
@@ -798,7 +834,7 @@ struct CostModel {
   // offloaded (the CPU, whose arena is host memory already)
   double transfer_rate = 0;
   std::vector<KernelTime> measured{};
-  constexpr double seconds(const Name &kernel, double flops, double bytes) const {
+  constexpr double seconds(const KernelKey &kernel, double flops, double bytes) const {
     for (const KernelTime &k : measured)
       if (k.kernel == kernel) return k.seconds;
     return flops / flop_rate + bytes / byte_rate + launch;
@@ -848,7 +884,7 @@ constexpr Chain chain_of(const Model &m, int batch, Precision precision, Gemms g
         count(a.role, bytes(a));
       }
     const double flops = stage >= 0 ? kernel_flops(m.stages[stage], v, rows, gemms) : 0;
-    return costs.seconds(kernel_name("", stage, v, precision), flops, moved);
+    return costs.seconds(kernel_key(stage, v, precision), flops, moved);
   };
   for (const Unit &u : b.units) {
     Link l;

@@ -26,30 +26,185 @@ enum class Keep : std::uint8_t {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Tensors of one block, by local name. The generators name kernel arguments the same way; the
-// planner binds each local name to a tensor of the arena. R = rows (B samples x rows per sample).
+// Tensor keys: what a tensor is, made in one place (the constructors in namespace `key` below) and
+// compared as a value. A kernel's arguments (LocalTensor), the plan's tensors (Tensor) and the
+// runtime's handles are found by their keys; name_of(key) is a tensor's name, for display only
+// (plan report, messages, safetensors, Halide's Func names). R = rows (B samples x rows per
+// sample); within a block, k is the layer:
 //   x [R, C_in]  block input (token ids [R] for an embedding)     y [R, C_out] block output
-//   h<k> [R, C]  output of layer k (k < last)
-//   mean<k>, rstd<k> [R] LayerNorm row statistics;   att<k>_lse [R, H] attention log-sum-exp
-//   p<k>_w, p<k>_b  parameters of layer k (linear: w [K, O] row-major so y = x w + b;
-//                   layer_norm: gamma, beta [C]; embedding: token table [V, C], positions [T, C])
-//   g<k>_w, g<k>_b  their gradients
-// Backward workspace: dh<k> [R, C] gradient of h<k>; s<k>_1, s<k>_2 [R] LayerNorm row sums;
-//   p<k>_wt [O, K] transposed weight for the input gradient of a linear; att<k>_delta [R, H].
+//   h<k> [R, C]  output of layer k (k < last)                      dx, dy  their gradients
+//   p<k>_w, p<k>_b  parameters of layer k (the kind's Kind::params: linear: w [K, O] row-major so
+//                   y = x w + b; layer_norm: gamma, beta [C]; embedding: token table [V, C],
+//                   positions [T, C]);   g<k>_w, g<k>_b  their gradients (g<k>_w_prev: what an
+//                   accumulating backward reads)
+//   mean<k>, rstd<k> [R] LayerNorm row statistics; att<k>_lse [R, H] attention log-sum-exp (the
+//                   kind's Kind::stats)
+// Backward workspace: dh<k> [R, C] gradient of h<k>; s<k>_1, s<k>_2 [R] LayerNorm row sums,
+//   att<k>_delta [R, H] (the kind's Kind::workspace); p<k>_wt [O, K] transposed weight for the
+//   input gradient of a linear; p<k>_w16, p<k>_b16 bf16 copies of a linear's weight and bias;
+//   dp<k> [R, K] a library GEMM's product, when the linear's input has other gradients too.
 // ---------------------------------------------------------------------------------------------
+enum class Slot : std::uint8_t {
+  // a block's
+  block_input,        // x
+  block_output,       // y
+  output_grad,        // dy
+  input_grad,         // dx
+  layer_output,       // h<layer>
+  layer_grad,         // dh<layer>
+  parameter,          // the layer's parameter `index` (its kind's Kind::params)
+  gradient,           // ... its gradient
+  gradient_prev,      // ... its gradient as an accumulating backward reads it
+  statistic,          // the layer's statistic `index` (its kind's Kind::stats)
+  workspace,          // the layer's backward workspace `index` (its kind's Kind::workspace)
+  weight_copy,        // a linear's bf16 weight (index 0) or bias (index 1)
+  weight_transposed,  // a linear's transposed weight
+  product,            // a library GEMM's product dy w^T
+  // the loss kernel's
+  logits,
+  labels,
+  dlogits,
+  row_loss,
+  row_correct,
+  row_max,
+  row_lse,
+  // AdamW's, over a flat range of parameters (the plan's ranges: index 0 decayed, 1 not)
+  adamw_param,
+  adamw_grad,
+  adamw_m,
+  adamw_v,
+  // the plan's persistent buffers (per-layer parameters and gradients are views into them)
+  params,
+  grads,
+  adam_m,
+  adam_v,
+  inputs,
+};
+
+// The phase a plan tensor belongs to: a training micro-batch, or evaluation (forward and loss).
+enum class Phase : std::uint8_t { train, eval };
+
+struct TensorKey {
+  Slot slot{};
+  Op op{};                 // the kind of `layer` (its statistics and workspace are named by it)
+  std::int8_t layer = -1;  // -1: none
+  std::int8_t index = 0;   // which of the layer's parameters, statistics, workspace; AdamW's range
+  std::int8_t stage = -1;  // plan tensors of a block: its stage and its index in the stage (-1: none)
+  std::int16_t block = -1;
+  Phase phase = Phase::train;
+  constexpr bool operator==(const TensorKey &) const = default;
+  constexpr auto operator<=>(const TensorKey &) const = default;
+  // The same tensor of a kernel (no block placement, training phase), as signatures list it.
+  constexpr TensorKey local() const {
+    TensorKey k = *this;
+    k.stage = -1;
+    k.block = -1;
+    k.phase = Phase::train;
+    return k;
+  }
+  // The tensor of this kernel at block `b` of stage `s` in phase `p`.
+  constexpr TensorKey at(int s, int b, Phase p = Phase::train) const {
+    TensorKey k = *this;
+    k.stage = std::int8_t(s);
+    k.block = std::int16_t(b);
+    k.phase = p;
+    return k;
+  }
+};
+
+// The keys, each made here only.
+namespace key {
+constexpr TensorKey of(Slot s) { return {.slot = s}; }
+constexpr TensorKey of(Slot s, Op op, int layer, int index = 0) {
+  return {.slot = s, .op = op, .layer = std::int8_t(layer), .index = std::int8_t(index)};
+}
+constexpr TensorKey of(Slot s, const Block &b, int layer, int index = 0) {
+  return of(s, b.layers[layer].op, layer, index);
+}
+constexpr TensorKey block_input() { return of(Slot::block_input); }
+constexpr TensorKey block_output() { return of(Slot::block_output); }
+constexpr TensorKey output_grad() { return of(Slot::output_grad); }
+constexpr TensorKey input_grad() { return of(Slot::input_grad); }
+constexpr TensorKey layer_output(const Block &b, int k) { return of(Slot::layer_output, b, k); }
+constexpr TensorKey layer_grad(const Block &b, int k) { return of(Slot::layer_grad, b, k); }
+constexpr TensorKey parameter(const Block &b, int k, int i) { return of(Slot::parameter, b, k, i); }
+constexpr TensorKey statistic(const Block &b, int k, int i) { return of(Slot::statistic, b, k, i); }
+constexpr TensorKey workspace(const Block &b, int k, int i) { return of(Slot::workspace, b, k, i); }
+constexpr TensorKey weight_copy(const Block &b, int k, int i) { return of(Slot::weight_copy, b, k, i); }
+constexpr TensorKey weight_transposed(const Block &b, int k) { return of(Slot::weight_transposed, b, k); }
+constexpr TensorKey product(const Block &b, int k) { return of(Slot::product, b, k); }
+// A parameter's gradient (as written, or as an accumulating backward reads it).
+constexpr TensorKey gradient(TensorKey parameter, bool previous = false) {
+  parameter.slot = previous ? Slot::gradient_prev : Slot::gradient;
+  return parameter;
+}
+// An AdamW argument over the plan's flat range `range` (0 decayed, 1 not; -1: the kernel's own).
+constexpr TensorKey adamw(Slot s, int range = -1) { return {.slot = s, .index = std::int8_t(range)}; }
+}  // namespace key
+
+// A tensor's name, for display only (nothing parses it): s<stage>.b<block>.<local> for a block's
+// tensors in a plan, eval. before those of evaluation, the local name alone in a kernel.
+constexpr Name name_of(const TensorKey &k) {
+  Name n;
+  if (k.phase == Phase::eval) n.append("eval.");
+  if (k.stage >= 0) n.append("s").append(int(k.stage)).append(".b").append(int(k.block)).append(".");
+  const int l = k.layer;
+  auto rule_name = [&](const TensorRule &r, std::string_view prefix = {}, std::string_view suffix = {}) -> Name & {
+    return n.append(prefix.empty() ? r.stem : prefix).append(l).append(r.suffix).append(suffix);
+  };
+  const Kind &kd = kind(k.op);
+  switch (k.slot) {
+  case Slot::block_input: return n.append("x");
+  case Slot::block_output: return n.append("y");
+  case Slot::output_grad: return n.append("dy");
+  case Slot::input_grad: return n.append("dx");
+  case Slot::layer_output: return n.append("h").append(l);
+  case Slot::layer_grad: return n.append("dh").append(l);
+  case Slot::parameter: return rule_name(kd.params[k.index]);
+  case Slot::gradient: return rule_name(kd.params[k.index], "g");
+  case Slot::gradient_prev: return rule_name(kd.params[k.index], "g", "_prev");
+  case Slot::statistic: return rule_name(kd.stats[k.index]);
+  case Slot::workspace: return rule_name(kd.workspace[k.index]);
+  case Slot::weight_copy: return n.append("p").append(l).append(k.index == 0 ? "_w16" : "_b16");
+  case Slot::weight_transposed: return n.append("p").append(l).append("_wt");
+  case Slot::product: return n.append("dp").append(l);
+  case Slot::logits: return n.append("logits");
+  case Slot::labels: return n.append("labels");
+  case Slot::dlogits: return n.append("dlogits");
+  case Slot::row_loss: return n.append("row_loss");
+  case Slot::row_correct: return n.append("row_correct");
+  case Slot::row_max: return n.append("row_max");
+  case Slot::row_lse: return n.append("row_lse");
+  case Slot::adamw_param:
+  case Slot::adamw_grad:
+  case Slot::adamw_m:
+  case Slot::adamw_v: {
+    constexpr std::string_view parts[] = {"p", "g", "m", "v"};
+    n.append(parts[int(k.slot) - int(Slot::adamw_param)]);
+    return k.index < 0 ? n : n.append(k.index == 0 ? "_decayed" : "_plain");
+  }
+  case Slot::params: return n.append("params");
+  case Slot::grads: return n.append("grads");
+  case Slot::adam_m: return n.append("adam_m");
+  case Slot::adam_v: return n.append("adam_v");
+  case Slot::inputs: return n.append("inputs");
+  }
+  return n;
+}
+
 struct LocalTensor {
   // activation: values and gradients of the data flowing through the layers (bf16 in a bf16
   // plan); statistic: per-row sums, LayerNorm and attention statistics; parameter: weights and
   // their gradients. Statistics and parameters are always fp32. index: token ids, class labels
   // and per-row correctness (int32).
   enum class Kind : std::uint8_t { activation, statistic, parameter, index };
-  Name name;
+  TensorKey key;
   int dims = 2;                 // extent[0] is the innermost (contiguous) dimension
   std::array<int, 2> extent{};  // -1: the row count R
-  int layer = -1;               // the layer that produces it (-1: none)
   bool decay = false;           // parameters: AdamW weight decay applies
   Kind kind = Kind::activation;
-  Init init = Init::zeros;  // parameters: how the trainer starts them
+  Init init = Init::zeros;                           // parameters: how the trainer starts them
+  constexpr int layer() const { return key.layer; }  // the layer that produces it (-1: none)
   constexpr long long elements(long long rows) const {
     long long n = 1;
     for (int d = 0; d < dims; ++d) n *= extent[d] < 0 ? rows : extent[d];
@@ -57,14 +212,8 @@ struct LocalTensor {
   }
 };
 
-constexpr LocalTensor rows(Name name, int width, int layer = -1) { return {name, 2, {width, -1}, layer}; }
-constexpr LocalTensor row_stat(Name name, int layer = -1) {
-  return {name, 1, {-1, 0}, layer, false, LocalTensor::Kind::statistic};
-}
-// Attention statistics [R, H] (log-sum-exp, and delta in backward).
-constexpr LocalTensor head_stat(Name name, int heads, int layer = -1) {
-  return {name, 2, {heads, -1}, layer, false, LocalTensor::Kind::statistic};
-}
+constexpr LocalTensor rows(TensorKey key, int width) { return {key, 2, {width, -1}}; }
+constexpr LocalTensor row_stat(TensorKey key) { return {key, 1, {-1, 0}, false, LocalTensor::Kind::statistic}; }
 
 // Precision of a plan and its kernels. bf16: activations, their gradients and GEMM operands are
 // bf16 (every layer output is rounded to bf16 where it is computed, so a recompute rounds the
@@ -90,24 +239,31 @@ constexpr int element_bytes(Element e) {
 }
 constexpr int element_bytes(const LocalTensor &lt, Precision p) { return element_bytes(element_of(lt, p)); }
 
-constexpr LocalTensor output_of(const Block &b, int k) { return rows(cat("h", k), b.layers[k].out, k); }
+constexpr LocalTensor output_of(const Block &b, int k) { return rows(key::layer_output(b, k), b.layers[k].out); }
 
-// The tensor a kind's rule describes, for layer k of block b.
-constexpr LocalTensor tensor_of(const TensorRule &r, const Block &b, int k, LocalTensor::Kind kind) {
+// The tensor rule `index` of a kind's `slot` (parameter, statistic or workspace) describes, for
+// layer k of block b.
+constexpr LocalTensor tensor_of(Slot slot, int index, const Block &b, int k, LocalTensor::Kind kind) {
   const Layer &l = b.layers[k];
-  LocalTensor t{cat(r.stem, k, r.suffix), r.dims, {}, k, r.decay, kind, r.init};
+  const TensorRules &rules = slot == Slot::parameter   ? remat::kind(l.op).params
+                             : slot == Slot::statistic ? remat::kind(l.op).stats
+                                                       : remat::kind(l.op).workspace;
+  const TensorRule &r = rules[std::size_t(index)];
+  LocalTensor t{key::of(slot, b, k, index), r.dims, {}, r.decay, kind, r.init};
   for (int d = 0; d < r.dims; ++d) t.extent[d] = int(dim_of(l, r.extent[d]));
   return t;
 }
-constexpr void add_tensors(std::vector<LocalTensor> &to, const TensorRules &rules, const Block &b, int k,
-                           LocalTensor::Kind kind, bool input_grad = true) {
-  for (const TensorRule &r : rules)
-    if (present(r, b.layers[k], input_grad)) to.push_back(tensor_of(r, b, k, kind));
+constexpr void add_tensors(std::vector<LocalTensor> &to, Slot slot, const Block &b, int k, LocalTensor::Kind kind,
+                           bool input_grad = true) {
+  const Kind &kd = remat::kind(b.layers[k].op);
+  const TensorRules &rules = slot == Slot::parameter ? kd.params : slot == Slot::statistic ? kd.stats : kd.workspace;
+  for (int i = 0; i < int(rules.size()); ++i)
+    if (present(rules[std::size_t(i)], b.layers[k], input_grad)) to.push_back(tensor_of(slot, i, b, k, kind));
 }
 
 constexpr std::vector<LocalTensor> stats_of(const Block &b, int k) {
   std::vector<LocalTensor> out;
-  add_tensors(out, kind(b.layers[k].op).stats, b, k, LocalTensor::Kind::statistic);
+  add_tensors(out, Slot::statistic, b, k, LocalTensor::Kind::statistic);
   return out;
 }
 
@@ -176,9 +332,11 @@ constexpr bool saved(const Block &b, int j, Keep keep, Gemms g = Gemms::halide) 
 constexpr bool weight_copy(Precision p) { return p == Precision::bf16; }
 constexpr bool bias_copy(Gemms g, Precision p) { return g == Gemms::library && p == Precision::bf16; }
 constexpr LocalTensor weight_copy_of(const Block &b, int k) {
-  return {cat("p", k, "_w16"), 2, {b.layers[k].out, b.layers[k].in}, k};
+  return {key::weight_copy(b, k, 0), 2, {b.layers[k].out, b.layers[k].in}};
 }
-constexpr LocalTensor bias_copy_of(const Block &b, int k) { return {cat("p", k, "_b16"), 1, {b.layers[k].out, 0}, k}; }
+constexpr LocalTensor bias_copy_of(const Block &b, int k) {
+  return {key::weight_copy(b, k, 1), 1, {b.layers[k].out, 0}};
+}
 constexpr void add_parameter_copies(std::vector<LocalTensor> &to, const Block &b, int k, Gemms g, Precision p) {
   if (!kind(b.layers[k].op).gemm) return;
   if (weight_copy(p)) to.push_back(weight_copy_of(b, k));
@@ -219,7 +377,7 @@ constexpr bool product_buffer(const Block &b, int k, Gemms g) {
   return g == Gemms::library && kind(b.layers[k].op).gemm && consumers(b, b.source(k)) > 1;
 }
 constexpr LocalTensor product_of(const Block &b, int k) {
-  return {cat("dp", k), 2, {b.layers[k].in, -1}, k, false, LocalTensor::Kind::statistic};
+  return {key::product(b, k), 2, {b.layers[k].in, -1}, false, LocalTensor::Kind::statistic};
 }
 
 // The outputs a backward under `keep` rebuilds: those it reads but were not saved, and the
@@ -250,11 +408,11 @@ constexpr KernelTensors backward_tensors(const Block &b, Keep keep, bool needs_i
   for (int j = 0; j < b.n_layers; ++j) {  // workspace
     const Layer &l = b.layers[j];
     const bool grad_in = b.source(j) >= 0 || needs_input_grad;
-    if (is_internal(b, j)) t.workspace.push_back(rows(cat("dh", j), l.out, j));
-    add_tensors(t.workspace, kind(l.op).workspace, b, j, LocalTensor::Kind::statistic, grad_in);
+    if (is_internal(b, j)) t.workspace.push_back(rows(key::layer_grad(b, j), l.out));
+    add_tensors(t.workspace, Slot::workspace, b, j, LocalTensor::Kind::statistic, grad_in);
     add_parameter_copies(t.workspace, b, j, g, p);
     if (kind(l.op).gemm && grad_in && g == Gemms::halide)
-      t.workspace.push_back({cat("p", j, "_wt"), 2, {l.in, l.out}, j});
+      t.workspace.push_back({key::weight_transposed(b, j), 2, {l.in, l.out}});
     if (product_buffer(b, j, g) && grad_in) t.workspace.push_back(product_of(b, j));
   }
   return t;
@@ -262,15 +420,8 @@ constexpr KernelTensors backward_tensors(const Block &b, Keep keep, bool needs_i
 
 constexpr std::vector<LocalTensor> params(const Block &b) {
   std::vector<LocalTensor> out;
-  for (int k = 0; k < b.n_layers; ++k)
-    add_tensors(out, kind(b.layers[k].op).params, b, k, LocalTensor::Kind::parameter);
+  for (int k = 0; k < b.n_layers; ++k) add_tensors(out, Slot::parameter, b, k, LocalTensor::Kind::parameter);
   return out;
-}
-
-constexpr Name grad_name(const Name &param) {  // p3_w -> g3_w
-  Name g = param;
-  g.chars[0] = 'g';
-  return g;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -338,12 +489,29 @@ constexpr Variant backward_variant(Keep k) {
                                 : Variant::backward_recompute;
 }
 
-// Kernel symbol: <model>_s<stage>_<variant>, <model>_loss, <model>_adamw, with a _bf16 suffix
-// for bf16 kernels (AdamW works on fp32 only and is shared).
-constexpr Name kernel_name(std::string_view model, int stage, Variant v, Precision p = Precision::fp32) {
-  const std::string_view suffix = p == Precision::bf16 && v != Variant::adamw ? "_bf16" : "";
-  if (v == Variant::loss || v == Variant::adamw) return cat(model, "_", variant_name(v), suffix);
-  return cat(model, "_s", stage, "_", variant_name(v), suffix);
+// What a kernel is: stage `stage`'s block kernel of a variant (stage -1: the loss or AdamW kernel) in
+// a precision (AdamW works on fp32 only). The generated kernel tables list their kernels by it;
+// the executor and the costs find kernels by it.
+struct KernelKey {
+  int stage = -1;
+  Variant variant{};
+  Precision precision = Precision::fp32;
+  constexpr bool operator==(const KernelKey &) const = default;
+  constexpr auto operator<=>(const KernelKey &) const = default;
+};
+constexpr KernelKey kernel_key(int stage, Variant v, Precision p) {
+  if (v == Variant::loss || v == Variant::adamw) stage = -1;
+  return {stage, v, v == Variant::adamw ? Precision::fp32 : p};
+}
+// A kernel's name, for display and as its C symbol (the model compiler's): <model>_s<stage>_<variant>,
+// <model>_loss, <model>_adamw, with a _bf16 suffix for bf16 kernels; without a model, the name
+// within one (_s2_backward_saved).
+constexpr Name name_of(std::string_view model, const KernelKey &k) {
+  Name n;
+  n.append(model);
+  if (k.stage >= 0) n.append("_s").append(k.stage);
+  n.append("_").append(variant_name(k.variant));
+  return k.precision == Precision::bf16 ? n.append("_bf16") : n;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -422,7 +590,7 @@ static_assert(
 constexpr const ScalarInfo &info(Scalar s) { return scalars[int(s)]; }
 
 struct KernelArg {
-  LocalTensor tensor;  // buffers: name, dims, extent (-1: rows), layer, kind, init; scalars: the name
+  LocalTensor tensor;  // buffers: key, dims, extent (-1: rows), kind, init (scalars: none)
   ArgRole role{};
   Access access = Access::read;
   Element element = Element::f32;
@@ -458,36 +626,34 @@ constexpr Gemms gemms_for(bool gpu, Precision p) {
 // The signature of a kernel: stage s's block kernel of variant v, or the loss / AdamW kernel.
 constexpr std::vector<KernelArg> signature(const Model &m, int stage, Variant v, Precision p, Gemms g) {
   std::vector<KernelArg> out, reads, writes;
-  auto scalar = [&](Scalar s) {
-    out.push_back({{Name{}.append(info(s).name)}, ArgRole::scalar, Access::read, info(s).element, s});
-  };
+  auto scalar = [&](Scalar s) { out.push_back({{}, ArgRole::scalar, Access::read, info(s).element, s}); };
   auto buffer = [&](const LocalTensor &t, ArgRole role, Access access, int read_by = -1) {
     (access == Access::read ? reads : writes).push_back({t, role, access, element_of(t, p), {}, read_by});
   };
-  auto flat = [](Name name, LocalTensor::Kind kind = LocalTensor::Kind::parameter) {
-    return LocalTensor{name, 1, {-1, 0}, -1, false, kind};
+  auto flat = [](TensorKey k, LocalTensor::Kind kind = LocalTensor::Kind::parameter) {
+    return LocalTensor{k, 1, {-1, 0}, false, kind};
   };
   if (v == Variant::loss) {
     scalar(Scalar::grad_scale);
-    buffer(rows("logits", m.classes()), ArgRole::block_input, Access::read);
-    buffer(flat("labels", LocalTensor::Kind::index), ArgRole::labels, Access::read);
-    buffer(rows("dlogits", m.classes()), ArgRole::input_grad, Access::write);
-    buffer(row_stat("row_loss"), ArgRole::metric, Access::write);
-    buffer(flat("row_correct", LocalTensor::Kind::index), ArgRole::metric, Access::write);
-    buffer(row_stat("row_max"), ArgRole::metric, Access::write);
-    buffer(row_stat("row_lse"), ArgRole::metric, Access::write);
+    buffer(rows(key::of(Slot::logits), m.classes()), ArgRole::block_input, Access::read);
+    buffer(flat(key::of(Slot::labels), LocalTensor::Kind::index), ArgRole::labels, Access::read);
+    buffer(rows(key::of(Slot::dlogits), m.classes()), ArgRole::input_grad, Access::write);
+    buffer(row_stat(key::of(Slot::row_loss)), ArgRole::metric, Access::write);
+    buffer(flat(key::of(Slot::row_correct), LocalTensor::Kind::index), ArgRole::metric, Access::write);
+    buffer(row_stat(key::of(Slot::row_max)), ArgRole::metric, Access::write);
+    buffer(row_stat(key::of(Slot::row_lse)), ArgRole::metric, Access::write);
   } else if (v == Variant::adamw) {  // over a flat range of parameters
     for (Scalar s :
          {Scalar::lr, Scalar::beta1, Scalar::beta2, Scalar::eps, Scalar::weight_decay, Scalar::bias1, Scalar::bias2})
       scalar(s);
-    buffer(flat("p"), ArgRole::parameter, Access::read);
-    buffer(flat("g"), ArgRole::gradient, Access::read);
-    buffer(flat("m"), ArgRole::moment, Access::read);
-    buffer(flat("v"), ArgRole::moment, Access::read);
+    buffer(flat(key::adamw(Slot::adamw_param)), ArgRole::parameter, Access::read);
+    buffer(flat(key::adamw(Slot::adamw_grad)), ArgRole::gradient, Access::read);
+    buffer(flat(key::adamw(Slot::adamw_m)), ArgRole::moment, Access::read);
+    buffer(flat(key::adamw(Slot::adamw_v)), ArgRole::moment, Access::read);
     // the kernel's Tuple output {p, m, v}, written in place over its inputs
-    buffer(flat("adamw.0"), ArgRole::parameter, Access::write);
-    buffer(flat("adamw.1"), ArgRole::moment, Access::write);
-    buffer(flat("adamw.2"), ArgRole::moment, Access::write);
+    buffer(flat(key::adamw(Slot::adamw_param)), ArgRole::parameter, Access::write);
+    buffer(flat(key::adamw(Slot::adamw_m)), ArgRole::moment, Access::write);
+    buffer(flat(key::adamw(Slot::adamw_v)), ArgRole::moment, Access::write);
   } else {
     const Block &b = m.stages[stage];
     const bool backward = is_backward(v), needs_dx = needs_input_grad(m, stage);
@@ -498,17 +664,18 @@ constexpr std::vector<KernelArg> signature(const Model &m, int stage, Variant v,
     if (masks)
       for (Scalar s : {Scalar::seed, Scalar::step, Scalar::rng_block, Scalar::drop_threshold, Scalar::drop_scale})
         scalar(s);
-    const LocalTensor x = m.token_input() && stage == 0 ? flat("x", LocalTensor::Kind::index) : rows("x", b.in());
+    const LocalTensor x = m.token_input() && stage == 0 ? flat(key::block_input(), LocalTensor::Kind::index)
+                                                        : rows(key::block_input(), b.in());
     buffer(x, ArgRole::block_input, Access::read);
-    if (backward) buffer(rows("dy", b.out()), ArgRole::output_grad, Access::read);
+    if (backward) buffer(rows(key::output_grad(), b.out()), ArgRole::output_grad, Access::read);
     for (const LocalTensor &t : ps) buffer(t, ArgRole::parameter, Access::read);
-    if (backward && needs_dx) buffer(rows("dx", b.in()), ArgRole::input_grad, Access::write);
-    if (!backward) buffer(rows("y", b.out()), ArgRole::block_output, Access::write);
+    if (backward && needs_dx) buffer(rows(key::input_grad(), b.in()), ArgRole::input_grad, Access::write);
+    if (!backward) buffer(rows(key::block_output(), b.out()), ArgRole::block_output, Access::write);
     for (const LocalTensor &t : ps)
       if (backward) {
         LocalTensor grad = t, prev = t;
-        grad.name = grad_name(t.name);
-        prev.name = cat(grad.name.view(), "_prev");
+        grad.key = key::gradient(t.key);
+        prev.key = key::gradient(t.key, true);
         buffer(prev, ArgRole::gradient, Access::read);
         buffer(grad, ArgRole::gradient, Access::write);
       }
@@ -516,7 +683,7 @@ constexpr std::vector<KernelArg> signature(const Model &m, int stage, Variant v,
         backward ? backward_tensors(b, keep_of(v), needs_dx, g, p) : forward_tensors(b, keep_of(v), g, p);
     for (const LocalTensor &t : kt.saved)
       buffer(t, ArgRole::saved, backward ? Access::read : Access::write,
-             t.kind == LocalTensor::Kind::statistic ? t.layer : reader_of(b, t.layer));
+             t.kind == LocalTensor::Kind::statistic ? t.layer() : reader_of(b, t.layer()));
     for (const LocalTensor &t : kt.scratch) buffer(t, ArgRole::scratch, Access::write);
     for (const LocalTensor &t : kt.workspace) buffer(t, ArgRole::workspace, Access::write);
   }

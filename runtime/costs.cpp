@@ -8,13 +8,16 @@ module;
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 module remat.trainer;
 import remat;
@@ -57,18 +60,40 @@ nlohmann::json read_table(const std::string &path) {
     return j;
   } catch (const nlohmann::json::exception &e) { throw InputError(fmt::format("cost table {}: {}", path, e.what())); }
 }
+
+// A kernel's variant and precision as the table writes them (their names).
+template <class Enum, std::size_t N>
+std::optional<Enum> named(const std::array<Enum, N> &all, std::string_view (*name)(Enum), const std::string &text) {
+  for (Enum e : all)
+    if (name(e) == text) return e;
+  return std::nullopt;
+}
+constexpr std::array variants = {Variant::forward_save,
+                                 Variant::forward_selective,
+                                 Variant::forward_discard,
+                                 Variant::backward_saved,
+                                 Variant::backward_selective,
+                                 Variant::backward_recompute,
+                                 Variant::loss,
+                                 Variant::adamw};
+constexpr std::array precisions = {Precision::fp32, Precision::bf16};
 }  // namespace
 
+// An entry is a list of {"stage", "variant", "precision", "seconds"}; one of an older remat (an
+// object by kernel name) counts as absent: the costs are estimated until --calibrate replaces it.
 std::optional<CostModel> load_costs(const std::string &path, const std::string &machine, const std::string &key) {
   const nlohmann::json table = read_table(path);
-  if (!table.contains(machine) || !table[machine].contains(key)) return std::nullopt;
+  if (!table.contains(machine) || !table[machine].contains(key) || !table[machine][key].is_array()) return std::nullopt;
   CostModel costs;
   try {
-    for (const auto &[kernel, seconds] : table[machine][key].items()) {
-      if (!seconds.is_number() || seconds.get<double>() < 0)
-        throw InputError(
-            fmt::format("cost table {}: {} / {} / {} is not a number of seconds", path, machine, key, kernel));
-      costs.measured.push_back({Name(kernel.c_str()), seconds.get<double>()});
+    for (const nlohmann::json &k : table[machine][key]) {
+      const auto variant = named<Variant>(variants, variant_name, k.at("variant").get<std::string>());
+      const auto precision = named<Precision>(precisions, precision_name, k.at("precision").get<std::string>());
+      const double seconds = k.at("seconds").get<double>();
+      if (!variant || !precision || !(seconds >= 0))
+        throw InputError(fmt::format("cost table {}: {} / {} holds an entry that is no kernel's time: {}", path,
+                                     machine, key, k.dump()));
+      costs.measured.push_back({kernel_key(k.at("stage").get<int>(), *variant, *precision), seconds});
     }
   } catch (const nlohmann::json::exception &e) { throw InputError(fmt::format("cost table {}: {}", path, e.what())); }
   return costs;
@@ -76,8 +101,12 @@ std::optional<CostModel> load_costs(const std::string &path, const std::string &
 
 void save_costs(const std::string &path, const std::string &machine, const std::string &key, const CostModel &costs) {
   nlohmann::json table = read_table(path);
-  nlohmann::json entry = nlohmann::json::object();
-  for (const KernelTime &k : costs.measured) entry[std::string(k.kernel.view())] = k.seconds;
+  nlohmann::json entry = nlohmann::json::array();
+  for (const KernelTime &k : costs.measured)
+    entry.push_back({{"stage", k.kernel.stage},
+                     {"variant", variant_name(k.kernel.variant)},
+                     {"precision", precision_name(k.kernel.precision)},
+                     {"seconds", k.seconds}});
   table[machine][key] = entry;
   std::filesystem::create_directories(
       std::filesystem::path(path).parent_path().empty() ? "." : std::filesystem::path(path).parent_path());
@@ -131,7 +160,7 @@ std::unique_ptr<Engine> timed_engine(const Plan &plan, const ModelInfo &info, De
 CostModel calibrate(const ModelInfo &info, Device device, Precision precision, int batch, DataSource &data) {
   const Model &m = info.model;
   const Gemms gemms = gemms_of(device, precision);
-  std::map<std::string, std::vector<double>> per_call;  // kernel key -> seconds of each call
+  std::map<KernelKey, std::vector<double>> per_call;  // seconds of each call, by kernel
   // none, selective and full run every block kernel of the repeat stages; the evaluation runs
   // every stage's forward_discard
   for (const Policy &p : {none, selective, full}) {
@@ -142,14 +171,14 @@ CostModel calibrate(const ModelInfo &info, Device device, Precision precision, i
       const std::vector<double> seconds = engine->executor.call_seconds(phase);
       for (std::size_t i = 0; i < steps->size(); ++i) {
         const Step &st = (*steps)[i];
-        per_call[std::string(kernel_name("", st.stage, st.variant, precision).view())].push_back(seconds[i] / runs);
+        per_call[kernel_key(st.stage, st.variant, precision)].push_back(seconds[i] / runs);
       }
     }
   }
   CostModel costs;
   for (auto &[kernel, calls] : per_call) {
     std::ranges::sort(calls);
-    costs.measured.push_back({Name(kernel.c_str()), calls[calls.size() / 2]});
+    costs.measured.push_back({kernel, calls[calls.size() / 2]});
   }
   return costs;
 }

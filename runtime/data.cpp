@@ -141,16 +141,16 @@ public:
 private:
   template <class Row>
   void copy(const Dataset &ds, Row row, Executor &ex) {
-    auto labels = ex.tensor<std::int32_t>("labels");
+    auto labels = ex.tensor<std::int32_t>(ex.plan.labels());
     images.resize(labels.size() * ds.width);
     for (std::size_t r = 0; r < labels.size(); ++r) {
       const int i = row(r);
       std::copy_n(ds.images.begin() + std::size_t(i) * ds.width, ds.width, images.begin() + r * ds.width);
       labels[r] = ds.labels[i];
     }
-    ex.set_values("inputs", images);  // fp32 or bf16, as the plan's precision
-    ex.upload("inputs");
-    ex.upload("labels");
+    ex.set_values(ex.plan.inputs(), images);  // fp32 or bf16, as the plan's precision
+    ex.upload(ex.plan.inputs());
+    ex.upload(ex.plan.labels());
   }
   Dataset train, test;
   std::vector<float> images;  // one batch, before it goes to the arena
@@ -200,15 +200,15 @@ public:
 private:
   template <class Start>
   void fill(Executor &ex, Start start, const std::vector<std::int32_t> &text) {
-    auto inputs = ex.tensor<std::int32_t>("inputs");
-    auto labels = ex.tensor<std::int32_t>("labels");
+    auto inputs = ex.tensor<std::int32_t>(ex.plan.inputs());
+    auto labels = ex.tensor<std::int32_t>(ex.plan.labels());
     for (std::size_t s = 0; s < inputs.size() / T; ++s) {
       const std::size_t at = start(s);
       std::copy_n(text.begin() + at, T, inputs.begin() + s * T);
       std::copy_n(text.begin() + at + 1, T, labels.begin() + s * T);
     }
-    ex.upload("inputs");
-    ex.upload("labels");
+    ex.upload(ex.plan.inputs());
+    ex.upload(ex.plan.labels());
   }
   Corpus corpus;
   int T;

@@ -8,6 +8,7 @@ module;
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -26,7 +27,8 @@ namespace remat::runtime {
 namespace {
 static_assert(std::endian::native == std::endian::little, "snapshots store little-endian float32");
 constexpr std::string_view magic = "remat-snapshot 1";
-constexpr const char *state_tensors[] = {"params", "adam_m", "adam_v"};
+// What a snapshot holds, in its order: the parameters, the AdamW moments.
+std::array<TensorId, 3> state_tensors(const Plan &plan) { return {plan.params(), plan.adam_m(), plan.adam_v()}; }
 // U(-1, 1) from 53 random bits
 float uniform(std::mt19937_64 &rng) { return float(double(rng() >> 11) * 0x1.0p-53 * 2.0 - 1.0); }
 }  // namespace
@@ -65,10 +67,12 @@ Engine::Engine(Plan p, std::string_view name, std::span<const Kernel> kernels, O
 
 void Engine::init_params(std::uint64_t seed) {
   std::mt19937_64 rng(seed);
-  for (auto name : {"params", "grads", "adam_m", "adam_v"}) std::ranges::fill(executor.tensor<float>(name), 0.f);
-  for (const Tensor &t : plan.tensors) {
-    if (t.role != Role::params || t.layer < 0) continue;  // a layer's parameter (not a flat range)
-    auto values = executor.tensor<float>(t.name.view());
+  const TensorId flat[] = {plan.params(), plan.grads(), plan.adam_m(), plan.adam_v()};
+  for (TensorId t : flat) std::ranges::fill(executor.tensor<float>(t), 0.f);
+  for (int i = 0; i < int(plan.tensors.size()); ++i) {
+    const Tensor &t = plan.tensors[i];
+    if (t.role != Role::params || t.key.layer < 0) continue;  // a layer's parameter (not a flat range)
+    auto values = executor.tensor<float>(TensorId{i});
     switch (t.init) {
     case Init::uniform_fan_in: {
       const float bound = 1.f / std::sqrt(float(t.extent[1]));
@@ -79,7 +83,7 @@ void Engine::init_params(std::uint64_t seed) {
     case Init::zeros: break;
     }
   }
-  for (auto name : {"params", "grads", "adam_m", "adam_v"}) executor.upload(name);
+  for (TensorId t : flat) executor.upload(t);
 }
 
 void Engine::save(const std::string &path, const SnapshotState &state) {
@@ -92,9 +96,9 @@ void Engine::save(const std::string &path, const SnapshotState &state) {
                                    {"data", state.data},
                                    {"byte_order", "little"}};
     out << magic << '\n' << header.dump() << '\n';
-    for (const char *name : state_tensors) {
-      executor.download(name);
-      const auto values = executor.tensor<float>(name);
+    for (TensorId t : state_tensors(plan)) {
+      executor.download(t);
+      const auto values = executor.tensor<float>(t);
       out.write(reinterpret_cast<const char *>(values.data()), std::streamsize(values.size_bytes()));
     }
   });
@@ -122,11 +126,11 @@ SnapshotState Engine::load(const std::string &path) {
       throw nlohmann::json::other_error::create(501, "", nullptr);
   } catch (const nlohmann::json::exception &) { throw InputError(fmt::format("snapshot {}: corrupt header", path)); }
   if (state.step < 1) throw InputError(fmt::format("snapshot {}: corrupt header (step {})", path, state.step));
-  for (const char *name : state_tensors) {
-    auto values = executor.tensor<float>(name);
+  for (TensorId t : state_tensors(plan)) {
+    auto values = executor.tensor<float>(t);
     if (!in.read(reinterpret_cast<char *>(values.data()), std::streamsize(values.size_bytes())))
       throw InputError(fmt::format("snapshot {}: truncated", path));
-    executor.upload(name);
+    executor.upload(t);
   }
   if (in.peek() != std::ifstream::traits_type::eof())
     throw InputError(fmt::format("snapshot {}: trailing bytes after the parameters", path));

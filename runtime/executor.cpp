@@ -191,10 +191,10 @@ struct Executor::Bound {
 };
 
 namespace {
-const Kernel &find_kernel(std::span<const Kernel> kernels, const Name &name) {
+const Kernel &find_kernel(std::span<const Kernel> kernels, std::string_view model, const KernelKey &key) {
   for (const Kernel &k : kernels)
-    if (name.view() == k.name) return k;
-  throw std::runtime_error(fmt::format("kernel {} is not in the generated kernel table", name.view()));
+    if (k.key == key) return k;
+  throw std::runtime_error(fmt::format("kernel {} is not in the generated kernel table", name_of(model, key).view()));
 }
 
 void *scalar_field(Scalars &s, Scalar which) {
@@ -301,15 +301,15 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
   for (const Tensor &t : plan.tensors) {
     const std::size_t room = t.view_of < 0 ? arena.size() : plan.tensors[t.view_of].bytes();
     if (t.offset > room || t.bytes() > room - t.offset)
-      throw std::runtime_error(fmt::format("tensor {} ({} bytes at {}) does not fit in {} ({} bytes)", t.name.view(),
-                                           t.bytes(), t.offset,
-                                           t.view_of < 0 ? "the arena" : plan.tensors[t.view_of].name.view(), room));
+      throw std::runtime_error(
+          fmt::format("tensor {} ({} bytes at {}) does not fit in {} ({} bytes)", name_of(t.key).view(), t.bytes(),
+                      t.offset, t.view_of < 0 ? "the arena" : name_of(plan.tensors[t.view_of].key).view(), room));
   }
   auto bind = [&](const Step &st) {
     auto b = std::make_unique<Bound>();
     b->rng_block = st.rng_block;
     b->flops = st.flops;
-    b->kernel = &find_kernel(kernels, kernel_name(model_name, st.stage, st.variant, plan.precision));
+    b->kernel = &find_kernel(kernels, model_name, kernel_key(st.stage, st.variant, plan.precision));
     // The kernel's arguments are the step's, position by position (its signature's order:
     // scalars, then buffers read, then buffers written); the metadata only confirms it.
     const halide_filter_metadata_t *md = b->kernel->metadata();
@@ -336,15 +336,15 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
       const Arg *it = &st.args[a - n_scalars];
       const bool written = arg.kind == halide_argument_kind_output_buffer;
       if (arg.kind == halide_argument_kind_input_scalar || written != (it->access == Access::write))
-        throw std::runtime_error(fmt::format("{}: argument {} ({}) is not the {} buffer {} of the plan",
-                                             b->kernel->name, a, arg.name,
-                                             it->access == Access::write ? "written" : "read", it->name.view()));
+        throw std::runtime_error(fmt::format(
+            "{}: argument {} ({}) is not the {} buffer {} of the plan", b->kernel->name, a, arg.name,
+            it->access == Access::write ? "written" : "read", name_of(plan.tensors[it->tensor].key).view()));
       const Tensor &t = plan.tensors[it->tensor];
       b->bytes += t.bytes();
       if (t.dims != arg.dimensions || t.elem_bytes != arg.type.bytes())
         throw std::runtime_error(
             fmt::format("{}: argument {} has {} dimensions of {}-byte elements, tensor {} {} of {}", b->kernel->name,
-                        arg.name, arg.dimensions, arg.type.bytes(), t.name.view(), t.dims, t.elem_bytes));
+                        arg.name, arg.dimensions, arg.type.bytes(), name_of(t.key).view(), t.dims, t.elem_bytes));
       const std::size_t offset = plan.arena_offset(it->tensor);
       halide_buffer_t &buf = b->buffers[a];
       buf = {};
@@ -354,7 +354,7 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
       std::int32_t stride = 1;
       if (t.bytes() > std::size_t(INT32_MAX))
         throw std::runtime_error(
-            fmt::format("tensor {} has {} bytes; Halide buffers hold at most 2 GiB", t.name.view(), t.bytes()));
+            fmt::format("tensor {} has {} bytes; Halide buffers hold at most 2 GiB", name_of(t.key).view(), t.bytes()));
       for (int d = 0; d < t.dims; ++d) {
         b->shapes[a][d] = {0, std::int32_t(t.extent[d]), stride, 0};
         stride *= std::int32_t(t.extent[d]);
@@ -511,7 +511,7 @@ void Executor::check_after(const Bound &b, const Step &st, std::vector<int> *liv
   if (!live_roots) return;
   if (const auto [byte, t] = untouched.changed(arena.data()); byte >= 0)
     throw std::runtime_error(fmt::format("kernel {} changed tensor {} (arena byte {}), which it does not write",
-                                         b.kernel->name, plan.tensors[t].name.view(), byte));
+                                         b.kernel->name, name_of(plan.tensors[t].key).view(), byte));
   std::vector<int> &live = *live_roots;
   std::ranges::sort(live, {}, [&](int t) { return plan.tensors[t].offset; });
   std::size_t at = 0;
@@ -523,13 +523,13 @@ void Executor::check_after(const Bound &b, const Step &st, std::vector<int> *liv
                       "nearest live tensor below it is {})",
                       b.kernel->name, hit, after));
   };
-  std::string_view below = "none";
+  Name below = "none";
   for (int t : live) {
-    check_gap(plan.tensors[t].offset, below);
+    check_gap(plan.tensors[t].offset, below.view());
     at = std::max(at, plan.tensors[t].offset + plan.tensors[t].bytes());
-    below = plan.tensors[t].name.view();
+    below = name_of(plan.tensors[t].key);
   }
-  check_gap(arena.size(), below);
+  check_gap(arena.size(), below.view());
   for (int t : st.free) {
     arena.release(plan.tensors[t].offset, plan.tensors[t].bytes());
     std::erase(live, t);
@@ -619,24 +619,20 @@ long Executor::timed_runs(Phase phase) const {
   return calls.empty() ? 0 : calls.front()->calls;
 }
 
-int Executor::find(std::string_view name) const {
-  const int i = plan.find(name);
-  if (i < 0) throw std::runtime_error(fmt::format("the plan has no tensor {}", name));
-  return i;
-}
-
-std::pair<std::size_t, std::size_t> Executor::locate(std::string_view name, std::size_t elem_bytes) const {
-  const int i = find(name);
-  const Tensor &t = plan.tensors[i];
+std::pair<std::size_t, std::size_t> Executor::locate(TensorId id, std::size_t elem_bytes) const {
+  if (id.index < 0 || id.index >= int(plan.tensors.size()))
+    throw std::runtime_error(fmt::format("tensor handle {} is not one of this plan's", id.index));
+  const Tensor &t = plan.tensors[id.index];
   if (elem_bytes && std::size_t(t.elem_bytes) != elem_bytes)
-    throw std::runtime_error(fmt::format("tensor {} has {}-byte elements, not {}", name, t.elem_bytes, elem_bytes));
-  return {plan.arena_offset(i), t.bytes()};
+    throw std::runtime_error(
+        fmt::format("tensor {} has {}-byte elements, not {}", name_of(t.key).view(), t.elem_bytes, elem_bytes));
+  return {plan.arena_offset(id.index), t.bytes()};
 }
 
-std::vector<float> Executor::values(std::string_view name) const {
-  auto [offset, bytes] = locate(name);
+std::vector<float> Executor::values(TensorId t) const {
+  auto [offset, bytes] = locate(t);
   const std::byte *at = arena.data() + offset;
-  const std::size_t size = element_size(name);
+  const std::size_t size = element_size(t);
   std::vector<float> out(bytes / size);
   if (size == 4) {
     std::memcpy(out.data(), at, bytes);
@@ -650,12 +646,13 @@ std::vector<float> Executor::values(std::string_view name) const {
   return out;
 }
 
-void Executor::set_values(std::string_view name, std::span<const float> from) {
-  auto [offset, bytes] = locate(name);
+void Executor::set_values(TensorId t, std::span<const float> from) {
+  auto [offset, bytes] = locate(t);
   std::byte *at = arena.data() + offset;
-  const std::size_t size = element_size(name);
+  const std::size_t size = element_size(t);
   if (from.size() * size != bytes)
-    throw std::runtime_error(fmt::format("tensor {} holds {} bytes, not {} values", name, bytes, from.size()));
+    throw std::runtime_error(fmt::format("tensor {} holds {} bytes, not {} values",
+                                         name_of(plan.tensors[t.index].key).view(), bytes, from.size()));
   if (size == 4) {
     std::memcpy(at, from.data(), bytes);
   } else {
@@ -666,17 +663,18 @@ void Executor::set_values(std::string_view name, std::span<const float> from) {
   }
 }
 
-std::size_t Executor::element_size(std::string_view name) const {
-  return std::size_t(plan.tensors[find(name)].elem_bytes);
+std::size_t Executor::element_size(TensorId t) const {
+  locate(t);
+  return std::size_t(plan.tensors[t.index].elem_bytes);
 }
 
-void Executor::upload(std::string_view name) {
-  auto [offset, bytes] = locate(name);
+void Executor::upload(TensorId t) {
+  auto [offset, bytes] = locate(t);
   arena.upload(offset, bytes);
 }
 
-void Executor::download(std::string_view name) {
-  auto [offset, bytes] = locate(name);
+void Executor::download(TensorId t) {
+  auto [offset, bytes] = locate(t);
   arena.download(offset, bytes);
 }
 

@@ -24,8 +24,10 @@ import remat;
 
 export namespace remat::runtime {
 
-// A generated kernel: its symbol, Halide's uniform entry point and its argument metadata.
+// A generated kernel: what it is (the executor finds it by that), its name (its symbol), Halide's
+// uniform entry point and its argument metadata.
 struct Kernel {
+  KernelKey key;
   const char *name;
   int (*argv)(void **);
   const halide_filter_metadata_t *(*metadata)();
@@ -152,34 +154,35 @@ public:
   ~Executor();
   enum class Phase { train, optimize, eval };
   void run(Phase phase);
-  // The host view of a tensor whose elements are T (on CUDA, the arena's mirror: download()
-  // before reading what kernels wrote, upload() after writing).
+  // The host view of a tensor of the plan whose elements are T (on CUDA, the arena's mirror:
+  // download() before reading what kernels wrote, upload() after writing). Tensors are the plan's
+  // handles: plan.params(), plan.row_loss(), plan.at(key)...
   template <class T>
-  std::span<T> tensor(std::string_view name) const {
-    auto [offset, bytes] = locate(name, sizeof(T));
+  std::span<T> tensor(TensorId t) const {
+    auto [offset, bytes] = locate(t, sizeof(T));
     return {reinterpret_cast<T *>(arena.data() + offset), bytes / sizeof(T)};
   }
   // A floating-point tensor (fp32 or bf16) as floats, read from / written to the host view.
-  std::vector<float> values(std::string_view name) const;
-  void set_values(std::string_view name, std::span<const float> values);
-  std::size_t element_size(std::string_view name) const;
-  void upload(std::string_view name);
-  void download(std::string_view name);
+  std::vector<float> values(TensorId t) const;
+  void set_values(TensorId t, std::span<const float> values);
+  std::size_t element_size(TensorId t) const;
+  void upload(TensorId t);
+  void download(TensorId t);
   // With time_calls set (or REMAT_PROFILE), each call's seconds are summed over the runs: the
   // seconds of call i of a phase, and how many runs were timed (--calibrate).
   bool time_calls = false;
   std::vector<double> call_seconds(Phase phase) const;
   long timed_runs(Phase phase) const;
 
+  const Plan &plan;
+
 private:
-  int find(std::string_view name) const;  // the tensor's index; throws for a name the plan lacks
   // arena offset and bytes; elem_bytes (when not 0) must be the tensor's element size
-  std::pair<std::size_t, std::size_t> locate(std::string_view name, std::size_t elem_bytes = 0) const;
+  std::pair<std::size_t, std::size_t> locate(TensorId t, std::size_t elem_bytes = 0) const;
   struct Bound;
   struct Transfers;
   struct Untouched;
   void check_after(const Bound &b, const Step &step, std::vector<int> *live_roots, const Untouched &untouched);
-  const Plan &plan;
   Arena &arena;
   Checks checks;
   std::vector<std::unique_ptr<Bound>> train_calls, optimize_calls, eval_calls;

@@ -24,25 +24,26 @@ void save_initial(const std::string &path, const Model &model, const Plan &plan,
     std::span<const std::byte> data;
   };
   std::vector<Entry> entries;
-  ex.download("params");
-  for (const Tensor &t : plan.tensors) {  // the per-layer parameter views (not AdamW's flat ranges)
-    if (t.role != Role::params || t.layer < 0) continue;
+  ex.download(plan.params());
+  for (int i = 0; i < int(plan.tensors.size()); ++i) {  // the per-layer parameter views (not AdamW's flat ranges)
+    const Tensor &t = plan.tensors[i];
+    if (t.role != Role::params || t.key.layer < 0) continue;
     std::vector<long long> shape = {t.extent[0]};
     if (t.dims == 2) shape = {t.extent[1], t.extent[0]};  // [rows, contiguous]
-    entries.push_back({std::string(t.name.view()), "F32", shape, std::as_bytes(ex.tensor<float>(t.name.view()))});
+    entries.push_back({std::string(name_of(t.key).view()), "F32", shape, std::as_bytes(ex.tensor<float>(TensorId{i}))});
   }
-  ex.download("inputs");
-  ex.download("labels");
+  ex.download(plan.inputs());
+  ex.download(plan.labels());
   const long long batch = plan.batch, per_sample = model.rows_per_sample();
   const std::vector<long long> rows = per_sample > 1 ? std::vector{batch, per_sample} : std::vector{batch};
   std::vector<float> pixels;  // the stored inputs as fp32 (bf16 plans store them rounded)
   if (model.token_input()) {
-    entries.push_back({"inputs", "I32", rows, std::as_bytes(ex.tensor<std::int32_t>("inputs"))});
+    entries.push_back({"inputs", "I32", rows, std::as_bytes(ex.tensor<std::int32_t>(plan.inputs()))});
   } else {
-    pixels = ex.values("inputs");
+    pixels = ex.values(plan.inputs());
     entries.push_back({"inputs", "F32", {batch, model.input.width}, std::as_bytes(std::span(pixels))});
   }
-  entries.push_back({"labels", "I32", rows, std::as_bytes(ex.tensor<std::int32_t>("labels"))});
+  entries.push_back({"labels", "I32", rows, std::as_bytes(ex.tensor<std::int32_t>(plan.labels()))});
 
   nlohmann::json header = {{"__metadata__", metadata}};
   std::size_t at = 0;

@@ -112,10 +112,10 @@ Evaluation evaluate(DataSource &data, Executor &ex, Scalars &scalars, const Plan
   for (long first = 0; first < e.samples; first += plan.batch) {
     data.load_eval_batch(ex, first);
     ex.run(Executor::Phase::eval);
-    ex.download("row_loss");
-    ex.download("row_correct");
-    const auto l = ex.tensor<float>("row_loss");
-    const auto c = ex.tensor<std::int32_t>("row_correct");
+    ex.download(plan.row_loss());
+    ex.download(plan.row_correct());
+    const auto l = ex.tensor<float>(plan.row_loss());
+    const auto c = ex.tensor<std::int32_t>(plan.row_correct());
     const long rows = std::min<long>(plan.batch, e.samples - first) * rows_per_sample;
     for (long r = 0; r < rows; ++r) {
       loss_sum += l[r];
@@ -138,23 +138,22 @@ std::string generate(const ModelInfo &info, Device device, Precision precision, 
   Engine engine(make_plan(model, none, samples, precision, gemms_of(device, precision)), info.name,
                 device == Device::cuda ? info.cuda_kernels : info.kernels, {.device = device, .canary = false});
   Executor &ex = engine.executor;
-  trained.download("params");
-  std::ranges::copy(trained.tensor<float>("params"), ex.tensor<float>("params").begin());
-  ex.upload("params");
-  const int last = model.n_stages - 1;
-  const std::string logits_name = fmt::format("eval.s{}.b{}.y", last, model.stages[last].repeat - 1);
+  trained.download(trained.plan.params());
+  std::ranges::copy(trained.tensor<float>(trained.plan.params()), ex.tensor<float>(engine.plan.params()).begin());
+  ex.upload(engine.plan.params());
+  const TensorId logits = engine.plan.logits(Phase::eval);
   std::mt19937_64 rng(seed);
   std::vector<std::int32_t> text = {'\n'};
   std::string out;
-  auto inputs = ex.tensor<std::int32_t>("inputs");
+  auto inputs = ex.tensor<std::int32_t>(engine.plan.inputs());
   for (int i = 0; i < length; ++i) {
     const int n = std::min<int>(int(text.size()), T);
     std::fill(inputs.begin(), inputs.end(), std::int32_t{' '});
     std::copy(text.end() - n, text.end(), inputs.begin());
-    ex.upload("inputs");
+    ex.upload(engine.plan.inputs());
     ex.run(Executor::Phase::eval);
-    ex.download(logits_name);
-    const auto all_logits = ex.values(logits_name);
+    ex.download(logits);
+    const auto all_logits = ex.values(logits);
     const auto logits = std::span(all_logits).subspan(std::size_t(n - 1) * V, V);
     const float top = *std::ranges::max_element(logits);
     std::vector<double> p(V);
@@ -212,18 +211,18 @@ void print_plan_report(std::FILE *out, const Model &model, const Plan &plan, con
         if (is_backward(later.variant))
           for (const Arg &a : later.args) read_by_backward |= a.tensor == t;
       if (!read_by_backward) continue;
-      const Block &blk = model.stages[x.stage];
+      const Block &blk = model.stages[x.key.stage];
       std::string why;
       if (x.role == Role::block_input) {  // a block's output: the input of the next block
-        const bool last_of_stage = x.block + 1 == blk.repeat;
-        const int stage = last_of_stage ? x.stage + 1 : x.stage, block = last_of_stage ? 0 : x.block + 1;
+        const bool last_of_stage = x.key.block + 1 == blk.repeat;
+        const int stage = last_of_stage ? x.key.stage + 1 : x.key.stage, block = last_of_stage ? 0 : x.key.block + 1;
         bool checkpoint = false;
         for (const Step &st : plan.train)
           checkpoint |= st.stage == stage && st.block == block && st.variant == Variant::backward_recompute;
         why = checkpoint ? fmt::format("checkpoint: input of s{}.b{}, whose backward recomputes from it", stage, block)
                          : fmt::format("input of s{}.b{}, read by its backward", stage, block);
-      } else if (x.layer >= 0) {
-        const Layer &l = blk.layers[x.layer];
+      } else if (x.key.layer >= 0) {
+        const Layer &l = blk.layers[x.key.layer];
         if (x.kind == LocalTensor::Kind::statistic)
           why = fmt::format("{} row statistics, read by its backward", op_name(l.op));
         else
@@ -233,7 +232,8 @@ void print_plan_report(std::FILE *out, const Model &model, const Plan &plan, con
       if (fetched.contains(t)) why += "; waits in pinned host memory between forward and backward (offload)";
       const std::string shape =
           x.dims == 1 ? fmt::format("[{}]", x.extent[0]) : fmt::format("[{}, {}]", x.extent[1], x.extent[0]);
-      fmt::print(out, "s{}.b{:<4} {:<22} {:>16} {:>12}  {}\n", x.stage, x.block, x.local.view(), shape, x.bytes(), why);
+      fmt::print(out, "s{}.b{:<4} {:<22} {:>16} {:>12}  {}\n", x.key.stage, x.key.block, name_of(x.key.local()).view(),
+                 shape, x.bytes(), why);
       total += x.bytes();
     }
   double flops = 0, recompute_flops = 0;
@@ -473,7 +473,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
       if (t.bytes() > std::size_t(INT32_MAX))
         throw InputError(
             fmt::format("--batch-size {}: tensor {} would hold {} bytes; kernels take at most 2 GiB per tensor", batch,
-                        t.name.view(), t.bytes()));
+                        name_of(t.key).view(), t.bytes()));
     if (o.offload && plan.offload_bytes == 0)
       throw InputError(fmt::format("--offload: policy {} keeps no checkpoints (use full, every_n_layers=N or sqrt_n)",
                                    policy_label));
@@ -587,15 +587,15 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
         }
         scalars.accumulate = m > 0;
         ex.run(Executor::Phase::train);
-        ex.download("row_loss");
-        ex.download("row_correct");
-        for (float l : ex.tensor<float>("row_loss")) loss_sum += l;
-        for (std::int32_t c : ex.tensor<std::int32_t>("row_correct")) window_correct += c;
+        ex.download(plan.row_loss());
+        ex.download(plan.row_correct());
+        for (float l : ex.tensor<float>(plan.row_loss())) loss_sum += l;
+        for (std::int32_t c : ex.tensor<std::int32_t>(plan.row_correct())) window_correct += c;
         window_rows += plan.rows;
       }
       if (first) {
-        ex.download("grads");
-        grad_digest = digest(std::as_bytes(ex.tensor<float>("grads")));
+        ex.download(plan.grads());
+        grad_digest = digest(std::as_bytes(ex.tensor<float>(plan.grads())));
       }
       const double lr = learning_rate(o, step, max_steps);
       scalars.lr = float(lr);
@@ -664,8 +664,8 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
         mib(plan.activation_bytes), policy_label, mib(baseline.activation_bytes),
         100.0 * plan.activation_bytes / baseline.activation_bytes, samples_per_s,
         samples_per_s * model.rows_per_sample(), median, plan.total_launches, plan.recompute_launches);
-    ex.download("params");
-    const std::string param_digest = digest(std::as_bytes(ex.tensor<float>("params")));
+    ex.download(plan.params());
+    const std::string param_digest = digest(std::as_bytes(ex.tensor<float>(plan.params())));
     if (o.json) {
       auto optional = [&](auto f) { return eval ? nlohmann::json(f(*eval)) : nlohmann::json(); };
       nlohmann::json j = {

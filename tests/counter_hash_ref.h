@@ -1,4 +1,4 @@
-// The dropout counter hash of generators/attention.h, written out again in plain C++ (not
+// The dropout counter hash of generators/kinds/dropout/algorithm.h, written out again in plain C++ (not
 // through Halide Exprs), for tests that check masks independently.
 #pragma once
 

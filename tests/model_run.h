@@ -35,34 +35,37 @@ struct Run {
     using namespace remat;
     // parameters, their gradients (the alignment padding between parameters is never written by
     // a kernel) and the AdamW moments start at zero, as the trainer's do
-    for (auto root : {"params", "grads", "adam_m", "adam_v"}) std::ranges::fill(ex.tensor<float>(root), 0.f);
+    const remat::TensorId flat[] = {plan.params(), plan.grads(), plan.adam_m(), plan.adam_v()};
+    for (remat::TensorId t : flat) std::ranges::fill(ex.tensor<float>(t), 0.f);
     std::mt19937_64 rng(7);
     std::uniform_real_distribution<float> u(-1.f, 1.f);
-    for (const Tensor &t : plan.tensors)
-      if (t.role == Role::params && t.layer >= 0) {
+    for (int i = 0; i < int(plan.tensors.size()); ++i)
+      if (const Tensor &t = plan.tensors[i]; t.role == Role::params && t.key.layer >= 0) {
         // random biases and gains around their trained start, so that every term of a rule shows
         const float scale = t.init == Init::uniform_fan_in ? 1.f / std::sqrt(float(t.extent[1])) : 0.2f;
-        for (float &x : ex.tensor<float>(t.name.view())) x = scale * u(rng) + (t.init == Init::ones ? 1.f : 0.f);
+        for (float &x : ex.tensor<float>(TensorId{i})) x = scale * u(rng) + (t.init == Init::ones ? 1.f : 0.f);
       }
     if (m.token_input())
-      for (auto &t : ex.tensor<std::int32_t>("inputs")) t = int(rng() % m.input.vocab);
+      for (auto &t : ex.tensor<std::int32_t>(plan.inputs())) t = int(rng() % m.input.vocab);
     else {
-      std::vector<float> images(plan.tensors[plan.find("inputs")].bytes() / ex.element_size("inputs"));
+      std::vector<float> images(plan.tensors[plan.inputs().index].bytes() / ex.element_size(plan.inputs()));
       for (float &x : images) x = 0.5f * (u(rng) + 1);
-      ex.set_values("inputs", images);
+      ex.set_values(plan.inputs(), images);
     }
-    auto labels = ex.tensor<std::int32_t>("labels");
+    auto labels = ex.tensor<std::int32_t>(plan.labels());
     for (std::size_t b = 0; b < labels.size(); ++b) labels[b] = int((b * 7 + 3) % m.classes());
-    for (auto tensor : {"params", "grads", "adam_m", "adam_v", "inputs", "labels"}) ex.upload(tensor);
+    for (remat::TensorId t : flat) ex.upload(t);
+    ex.upload(plan.inputs());
+    ex.upload(plan.labels());
     scalars.grad_scale = 1.f / float(plan.rows);
     scalars.seed = 1234;
     scalars.step = 3;
     scalars.set_dropout(dropout);
   }
-  std::vector<float> read(std::string_view tensor) {
+  std::vector<float> read(remat::TensorId tensor) {
     ex.download(tensor);
     auto g = ex.tensor<float>(tensor);
     return {g.begin(), g.end()};
   }
-  std::vector<float> grads() { return read("grads"); }
+  std::vector<float> grads() { return read(plan.grads()); }
 };

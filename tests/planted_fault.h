@@ -46,12 +46,12 @@ inline int faulty_kernel(void **args) {
   return err;
 }
 
-// The kernel table with `name` replaced by the faulty kernel.
+// The kernel table with kernel `key` replaced by the faulty kernel.
 inline std::vector<remat::runtime::Kernel> with_fault(std::span<const remat::runtime::Kernel> table,
-                                                      const std::string &name, Planted fault) {
+                                                      const remat::KernelKey &key, Planted fault) {
   std::vector<remat::runtime::Kernel> out(table.begin(), table.end());
-  auto it = std::ranges::find_if(out, [&](const remat::runtime::Kernel &k) { return name == k.name; });
-  BOOST_TEST_REQUIRE((it != out.end()), name);
+  auto it = std::ranges::find_if(out, [&](const remat::runtime::Kernel &k) { return k.key == key; });
+  BOOST_TEST_REQUIRE((it != out.end()), name_of("", key).view());
   fault.real = it->argv;
   planted = fault;
   it->argv = faulty_kernel;
@@ -71,17 +71,24 @@ enum class Landing { guard, free_memory, neighbour, other_gradient };
 struct Site {
   int step = -1;
   const Arg *arg = nullptr;  // into the plan's steps
-  std::string kernel;        // the kernel that step calls
+  KernelKey key;             // the kernel that step calls
+  std::string kernel;        // ... its name (in the executor's messages)
   int call = 0;              // which of that kernel's calls in the train phase it is (0: the first)
   int argument = -1;         // the argument's position among the kernel's
   std::string neighbour;     // what the overrun lands in, if a tensor
 };
 inline Site overrun_site(const Plan &plan, Landing landing, std::string_view model) {
-  auto kernel = [&](int i) { return kernel_name(model, plan.train[i].stage, plan.train[i].variant, plan.precision); };
-  auto site = [&](int i, const Arg &a, std::string_view neighbour) {
+  auto kernel = [&](int i) { return kernel_key(plan.train[i].stage, plan.train[i].variant, plan.precision); };
+  auto site = [&](int i, const Arg &a, const Name &neighbour) {
     int call = 0;
     for (int j = 0; j < i; ++j) call += kernel(j) == kernel(i);
-    return Site{i, &a, std::string(kernel(i).view()), call, argument_index(plan.train[i], a), std::string(neighbour)};
+    return Site{i,
+                &a,
+                kernel(i),
+                std::string(name_of(model, kernel(i)).view()),
+                call,
+                argument_index(plan.train[i], a),
+                std::string(neighbour.view())};
   };
   std::vector<int> live;
   for (int t = 0; t < int(plan.tensors.size()); ++t)
@@ -102,7 +109,7 @@ inline Site overrun_site(const Plan &plan, Landing landing, std::string_view mod
                  end < plan.arena_offset(o.tensor) + x.bytes();
         });
         const Tensor &root = plan.tensors[t.view_of];
-        if (unwritten && end + 2 <= root.offset + root.bytes()) return site(i, a, root.name.view());
+        if (unwritten && end + 2 <= root.offset + root.bytes()) return site(i, a, name_of(root.key));
       }
       if (a.access != Access::write || t.view_of >= 0 || landing == Landing::other_gradient) continue;
       const std::size_t end = t.offset + t.bytes();
@@ -113,7 +120,7 @@ inline Site overrun_site(const Plan &plan, Landing landing, std::string_view mod
       const bool lands = landing == Landing::guard         ? end == plan.peak_bytes
                          : landing == Landing::free_memory ? end + 2 <= plan.peak_bytes && hit == live.end()
                                                            : hit != live.end() && !written(*hit);
-      if (lands) return site(i, a, hit == live.end() ? "" : plan.tensors[*hit].name.view());
+      if (lands) return site(i, a, hit == live.end() ? Name{} : name_of(plan.tensors[*hit].key));
     }
     for (int t : st.free) std::erase(live, t);
   }
@@ -124,15 +131,15 @@ inline Site overrun_site(const Plan &plan, Landing landing, std::string_view mod
 // call (`overrun` writes them where the buffer is not in host memory).
 inline std::vector<runtime::Kernel> with_overrun(std::span<const runtime::Kernel> table, const Site &site,
                                                  void (*overrun)(halide_buffer_t *) = nullptr) {
-  const auto real = std::ranges::find_if(table, [&](const runtime::Kernel &k) { return site.kernel == k.name; });
+  const auto real = std::ranges::find_if(table, [&](const runtime::Kernel &k) { return k.key == site.key; });
   BOOST_TEST_REQUIRE((real != table.end()), "no kernel " << site.kernel);
   Planted fault;
   fault.on_call = site.call;
   fault.argument = site.argument;
   BOOST_TEST_REQUIRE(site.argument < real->metadata()->num_arguments,
-                     site.kernel << " has no argument " << site.arg->name.view());
+                     site.kernel << " has no argument " << site.argument);
   fault.overrun = overrun;
-  return with_fault(table, site.kernel, fault);
+  return with_fault(table, site.key, fault);
 }
 
 }  // namespace remat::testing

@@ -74,8 +74,8 @@ std::string run_with_overrun(const Example &e, const Plan &plan, const Site &sit
   arena.fill_canary();
   runtime::Scalars scalars;
   Executor ex(plan, e.name, faulty, arena, scalars, {.free_memory = free_memory_check});
-  std::ranges::fill(ex.tensor<std::int32_t>("labels"), 0);
-  if (e.model->token_input()) std::ranges::fill(ex.tensor<std::int32_t>("inputs"), 0);
+  std::ranges::fill(ex.tensor<std::int32_t>(plan.labels()), 0);
+  if (e.model->token_input()) std::ranges::fill(ex.tensor<std::int32_t>(plan.inputs()), 0);
   try {
     ex.run(Executor::Phase::train);
   } catch (const std::runtime_error &err) { return err.what(); }
@@ -87,7 +87,7 @@ std::string run_with_overrun(const Example &e, const Plan &plan, const Site &sit
 // A plan that does not fit its arena is refused before anything runs.
 BOOST_AUTO_TEST_CASE(a_plan_that_does_not_fit_is_refused) {
   Plan plan = cpu_plan(mlp::model, none, batch);
-  plan.tensors[plan.find("row_loss")].offset = plan.peak_bytes - 8;  // ends past the arena
+  plan.tensors[plan.row_loss().index].offset = plan.peak_bytes - 8;  // ends past the arena
   Arena arena(plan.peak_bytes);
   runtime::Scalars scalars;
   try {
@@ -257,11 +257,12 @@ BOOST_AUTO_TEST_CASE(heap_allocations_during_steps_are_counted) {
   const Plan plan = cpu_plan(mlp::model, full, batch);
   Planted fault;
   fault.allocate = 1000;
-  const std::vector<Kernel> faulty = with_fault(mlp_kernels::table, "mlp_loss", fault);
+  const std::vector<Kernel> faulty =
+      with_fault(mlp_kernels::table, kernel_key(-1, Variant::loss, Precision::fp32), fault);
   Arena arena(plan.peak_bytes);
   runtime::Scalars scalars;
   Executor ex(plan, "mlp", faulty, arena, scalars);
-  std::ranges::fill(ex.tensor<std::int32_t>("labels"), 0);
+  std::ranges::fill(ex.tensor<std::int32_t>(plan.labels()), 0);
   runtime::reset_step_heap();
   ex.run(Executor::Phase::train);
   BOOST_TEST(runtime::step_heap().allocations >= 1u);

@@ -126,17 +126,17 @@ void expect_close_to_the_cpu(Device device, Precision precision = Precision::fp3
       if (testing::show_errors()) BOOST_TEST_MESSAGE(c.name << " " << what << ": " << result.describe());
     };
     for (Run *r : {&cpu, &gpu}) r->ex.run(Executor::Phase::train);
-    const auto loss_cpu = cpu.read("row_loss"), loss_gpu = gpu.read("row_loss");
+    const auto loss_cpu = cpu.read(cpu.plan.row_loss()), loss_gpu = gpu.read(gpu.plan.row_loss());
     close("row_loss", loss_cpu, loss_gpu, 0, loss_cpu.size(), tol.loss);
     const auto g_cpu = cpu.grads(), g_gpu = gpu.grads();
     for (const Tensor &t : cpu.plan.tensors)
-      if (t.role == Role::grads && t.layer >= 0)
-        close(t.name.view(), g_cpu, g_gpu, t.offset / 4, t.bytes() / 4, tol.grads);
+      if (t.role == Role::grads && t.key.layer >= 0)
+        close(name_of(t.key).view(), g_cpu, g_gpu, t.offset / 4, t.bytes() / 4, tol.grads);
     // AdamW from the same gradients on both sides: its update is about lr x sign(g), so feeding it
     // each side's own gradients would turn a rounding difference in a near-zero gradient into a
     // difference of 2 lr in the parameter, and compare nothing of the AdamW kernel itself.
-    std::ranges::copy(g_cpu, gpu.ex.tensor<float>("grads").begin());
-    gpu.ex.upload("grads");
+    std::ranges::copy(g_cpu, gpu.ex.tensor<float>(gpu.plan.grads()).begin());
+    gpu.ex.upload(gpu.plan.grads());
     for (Run *r : {&cpu, &gpu}) {
       r->scalars.lr = 1e-2f;
       r->scalars.bias1 = 0.1f;
@@ -144,10 +144,10 @@ void expect_close_to_the_cpu(Device device, Precision precision = Precision::fp3
       r->scalars.weight_decay = 0.01f;
       r->ex.run(Executor::Phase::optimize);
     }
-    const auto p_cpu = cpu.read("params"), p_gpu = gpu.read("params");
+    const auto p_cpu = cpu.read(cpu.plan.params()), p_gpu = gpu.read(gpu.plan.params());
     close("params after AdamW", p_cpu, p_gpu, 0, p_cpu.size(), tol.params);
     for (Run *r : {&cpu, &gpu}) r->ex.run(Executor::Phase::eval);
-    const auto e_cpu = cpu.read("row_loss"), e_gpu = gpu.read("row_loss");
+    const auto e_cpu = cpu.read(cpu.plan.row_loss()), e_gpu = gpu.read(gpu.plan.row_loss());
     close("eval row_loss", e_cpu, e_gpu, 0, e_cpu.size(), tol.loss);
   }
 }
@@ -319,8 +319,8 @@ BOOST_AUTO_TEST_CASE(cuda_write_past_the_plan_is_caught,
   Run run(gpt::model, "gpt", faulty, none, samples, 0.1, true, Device::cuda);
   BOOST_TEST_REQUIRE(run.arena.size() == plan.peak_bytes,
                      "the arena is not the train plan's size: the guard is elsewhere");
-  BOOST_TEST_MESSAGE("planted: 2 bytes past " << site.arg->name.view() << " of " << site.kernel << " (train step "
-                                              << site.step << ")");
+  BOOST_TEST_MESSAGE("planted: 2 bytes past " << name_of(site.arg->key).view() << " of " << site.kernel
+                                              << " (train step " << site.step << ")");
   try {
     run.ex.run(Executor::Phase::train);
     BOOST_FAIL("the write past the plan on the device went unnoticed");

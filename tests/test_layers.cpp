@@ -1,5 +1,7 @@
-// Every layer's forward and vector-Jacobian rule (generators/layers.h, JIT-compiled in float64)
-// against a plain C++ reference and, for the rules, against central finite differences.
+// Every layer kind's forward and vector-Jacobian rule (its algorithm.h, JIT-compiled in float64)
+// against a plain C++ reference and, for the rules, against central finite differences: the
+// checks in each kind's folder (generators/kinds/<kind>/checks.h), run per kind; and the same for
+// the loss and AdamW (generators/layers.h).
 //
 // Tolerances (compare.h: atol times the tensor's largest reference magnitude; NaN fails). The
 // objective is J = sum(y * R) for a fixed random R, so dJ/dy = R. Each limit sits just above
@@ -20,230 +22,33 @@
 #include <functional>
 #include <random>
 #include <vector>
+import remat.language;
+
+#include "kind_checks.h"
+#include "kind_checks_all.h"  // generated: every kind's checks.h (generators/kinds/list.h)
 
 using namespace Halide;
-using remat::gen::Layers;
+using namespace remat;
 using namespace remat::testing;
 
-namespace {
-
-// y(o, b) = sum_k x(k, b) w(o, k) + bias(o), plain loops.
-Buffer<double> linear_ref(const Buffer<double> &x, const Buffer<double> &w, const Buffer<double> &bias) {
-  const int K = x.dim(0).extent(), B = x.dim(1).extent(), O = w.dim(0).extent();
-  Buffer<double> y(O, B);
-  for (int b = 0; b < B; ++b)
-    for (int o = 0; o < O; ++o) {
-      double s = bias(o);
-      for (int k = 0; k < K; ++k) s += x(k, b) * w(o, k);
-      y(o, b) = s;
-    }
-  return y;
+// ---- every layer kind's checks (generators/kinds/<kind>/checks.h) ----
+// Each check is a test case of this suite, named as the check, registered with the others (at
+// static initialization, as BOOST_AUTO_TEST_CASE does); the kinds are generators/kinds/list.h's.
+template <Op op>
+void register_checks() {
+  if constexpr (requires { KindChecks<op>::checks; })
+    for (const LayerCheck &check : KindChecks<op>::checks)
+      boost::unit_test::framework::master_test_suite().add(
+          boost::unit_test::make_test_case(check.run, check.name, __FILE__, __LINE__));
 }
-// Shared with checks_detect_errors, which must see these very limits fail.
-constexpr Tolerance linear_y_tol{5e-16, 0},  // seen 9.4e-17 of scale (linear), 2.1e-16 (checks_detect_errors)
-    linear_dx_fd_tol{1e-9, 0};               // seen 1.2e-10
+const bool kind_checks_registered = [] {
+#define REMAT_KIND(name) register_checks<Op::name>();
+#include "kinds/list.h"
+#undef REMAT_KIND
+  return true;
+}();
 
-}  // namespace
-
-// Odd shapes (rows 5, in 7, out 3): no extent is a multiple of a vector width.
-BOOST_FIXTURE_TEST_CASE(linear, Fixture) {
-  const int B = 5, K = 7, O = 3;
-  Buffer<double> x = random({K, B}), w = random({O, K}), bias = random({O}), R = random({O, B});
-  ImageParam xp = param(x, "x"), wp = param(w, "w"), bp = param(bias, "b");
-  Func y = L.linear("y", xp, wp, bp, K).out;
-  const Buffer<double> yb = y.realize({O, B}), expect_y = linear_ref(x, w, bias);
-  check_ref("linear y", yb, [&](const int *p) { return expect_y(p); }, linear_y_tol);
-  Func dy = wrap(R, "dy");
-  Buffer<double> dw = L.linear_weight_grad("dw", xp, dy, B).out.realize({O, K});
-  Buffer<double> db = L.column_sum("db", dy, B).realize({O});
-  Buffer<double> dx = L.linear_input_grad("dx", dy, L.transpose("wt", wp), O).out.realize({K, B});
-  auto J = [&] { return objective(y, R); };
-  check_fd("linear dx fd", x, dx, J, linear_dx_fd_tol);
-  check_fd("linear dw fd", w, dw, J, {5e-10, 0});    // seen 7.4e-11
-  check_fd("linear db fd", bias, db, J, {1e-9, 0});  // seen 1.9e-10
-  check_ref("linear dx", dx,
-            [&](const int *p) {
-              double s = 0;
-              for (int o = 0; o < O; ++o) s += R(o, p[1]) * w(o, p[0]);
-              return s;
-            },
-            {1e-15, 0});  // seen 1.3e-16
-  check_ref("linear dw", dw,
-            [&](const int *p) {
-              double s = 0;
-              for (int b = 0; b < B; ++b) s += x(p[1], b) * R(p[0], b);
-              return s;
-            },
-            {5e-16, 0});  // seen 8.3e-17
-  // seen 0: the same additions in the same order on both sides
-  check_ref(
-      "linear db", db,
-      [&](const int *p) {
-        double s = 0;
-        for (int b = 0; b < B; ++b) s += R(p[0], b);
-        return s;
-      },
-      exact);
-}
-
-// Odd shapes (rows 5, width 7).
-BOOST_FIXTURE_TEST_CASE(layer_norm, Fixture) {
-  const int B = 5, C = 7;
-  Buffer<double> x = random({C, B}), gamma = random({C}, 0.5, 1.5), beta = random({C}), R = random({C, B});
-  ImageParam xp = param(x, "x"), gp = param(gamma, "gamma"), bp = param(beta, "beta");
-  auto stats = L.layer_norm_stats("mean", "rstd", xp, C);
-  Func y = L.layer_norm("y", xp, stats, gp, bp);
-  // Reference: the textbook per-row mean and biased variance, rstd = 1 / sqrt(var + eps).
-  auto row = [&](int b) {
-    double mean = 0, var = 0;
-    for (int c = 0; c < C; ++c) mean += x(c, b) / C;
-    for (int c = 0; c < C; ++c) var += (x(c, b) - mean) * (x(c, b) - mean) / C;
-    return std::pair{mean, 1 / std::sqrt(var + Layers::layer_norm_eps)};
-  };
-  const Buffer<double> mean = stats.mean.realize({B}), rstd = stats.rstd.realize({B}), yb = y.realize({C, B});
-  check_ref("layer_norm mean", mean, [&](const int *p) { return row(p[0]).first; }, {1e-15, 0});   // seen 2.7e-16
-  check_ref("layer_norm rstd", rstd, [&](const int *p) { return row(p[0]).second; }, {1e-15, 0});  // seen 1.2e-16
-  check_ref("layer_norm y", yb,
-            [&](const int *p) {
-              auto [m, r] = row(p[1]);
-              return (x(p) - m) * r * gamma(p[0]) + beta(p[0]);
-            },
-            {1e-15, 0});  // seen 2.0e-16
-  Func dy = wrap(R, "dy");
-  auto g = L.layer_norm_grad("s1", "s2", "dx", xp, stats, gp, dy, C, B);
-  Buffer<double> dx = g.dx.realize({C, B}), dgamma = g.dgamma.realize({C}), dbeta = g.dbeta.realize({C});
-  auto J = [&] { return objective(y, R); };
-  check_fd("layer_norm dx fd", x, dx, J, {1e-9, 0});               // seen 1.6e-10
-  check_fd("layer_norm dgamma fd", gamma, dgamma, J, {5e-10, 0});  // seen 8.7e-11
-  check_fd("layer_norm dbeta fd", beta, dbeta, J, {5e-10, 0});     // seen 6.8e-11
-  check_ref("layer_norm dx", dx,
-            [&](const int *p) {
-              auto [mean, rstd] = row(p[1]);
-              double a = 0, bsum = 0;
-              for (int c = 0; c < C; ++c) {
-                const double u = (x(c, p[1]) - mean) * rstd, du = R(c, p[1]) * gamma(c);
-                a += du;
-                bsum += du * u;
-              }
-              const double u = (x(p[0], p[1]) - mean) * rstd;
-              return rstd * (R(p[0], p[1]) * gamma(p[0]) - a / C - u * bsum / C);
-            },
-            {1e-15, 0});  // seen 1.3e-16
-  check_ref("layer_norm dgamma", dgamma,
-            [&](const int *p) {
-              double s = 0;
-              for (int b = 0; b < B; ++b) {
-                auto [mean, rstd] = row(b);
-                s += R(p[0], b) * (x(p[0], b) - mean) * rstd;
-              }
-              return s;
-            },
-            {1e-15, 0});  // seen 2.8e-16
-  // seen 0: the same additions in the same order on both sides
-  check_ref(
-      "layer_norm dbeta", dbeta,
-      [&](const int *p) {
-        double s = 0;
-        for (int b = 0; b < B; ++b) s += R(p[0], b);
-        return s;
-      },
-      exact);
-}
-
-// Odd shapes (rows 5, width 7).
-BOOST_FIXTURE_TEST_CASE(rms_norm, Fixture) {
-  const int B = 5, C = 7;
-  Buffer<double> x = random({C, B}), gamma = random({C}, 0.5, 1.5), R = random({C, B});
-  ImageParam xp = param(x, "x"), gp = param(gamma, "gamma");
-  auto stats = L.rms_norm_stats("rstd", xp, C);
-  Func y = L.rms_norm("y", xp, stats.rstd, gp);
-  auto rstd_of = [&](int b) {  // textbook: 1 / sqrt(mean of squares + eps)
-    double ms = 0;
-    for (int c = 0; c < C; ++c) ms += x(c, b) * x(c, b) / C;
-    return 1 / std::sqrt(ms + Layers::rms_norm_eps);
-  };
-  const Buffer<double> rstd = stats.rstd.realize({B}), yb = y.realize({C, B});
-  check_ref("rms_norm rstd", rstd, [&](const int *p) { return rstd_of(p[0]); }, {1e-15, 0});  // seen 1.2e-16
-  check_ref("rms_norm y", yb, [&](const int *p) { return x(p) * rstd_of(p[1]) * gamma(p[0]); },
-            {1e-15, 0});  // seen 2.3e-16
-  Func dy = wrap(R, "dy");
-  auto g = L.rms_norm_grad("s", "dx", xp, stats.rstd, gp, dy, C, B);
-  Buffer<double> dx = g.dx.realize({C, B}), dgamma = g.dgamma.realize({C});
-  auto J = [&] { return objective(y, R); };
-  check_fd("rms_norm dx fd", x, dx, J, {1e-9, 0});               // seen 4.9e-10
-  check_fd("rms_norm dgamma fd", gamma, dgamma, J, {5e-10, 0});  // seen 3.2e-10
-  check_ref("rms_norm dx", dx,
-            [&](const int *p) {  // d/dx of x_c r g_c with r = (mean x^2 + eps)^-1/2
-              const int b = p[1];
-              const double r = rstd_of(b);
-              double sum = 0;  // sum_c R_c g_c x_c
-              for (int c = 0; c < C; ++c) sum += R(c, b) * gamma(c) * x(c, b);
-              return R(p) * gamma(p[0]) * r - x(p) * r * r * r * sum / C;
-            },
-            {2e-15, 0});  // seen 2.0e-16
-  check_ref("rms_norm dgamma", dgamma,
-            [&](const int *p) {
-              double s = 0;
-              for (int b = 0; b < B; ++b) s += R(p[0], b) * x(p[0], b) * rstd_of(b);
-              return s;
-            },
-            {1e-15, 0});  // seen 1.5e-16
-}
-
-// SwiGLU on 2H = 2 x 5 features: [a | b] -> silu(a) * b.
-BOOST_FIXTURE_TEST_CASE(swiglu, Fixture) {
-  const int B = 4, H = 5;
-  Buffer<double> x = random({2 * H, B}, -3, 3), R = random({H, B});
-  ImageParam xp = param(x, "x");
-  Func y = L.swiglu("y", xp, H);
-  auto silu = [](double a) { return a / (1 + std::exp(-a)); };
-  const Buffer<double> yb = y.realize({H, B});
-  check_ref("swiglu y", yb, [&](const int *p) { return silu(x(p[0], p[1])) * x(p[0] + H, p[1]); },
-            {1e-15, 0});  // seen 1.2e-16
-  Buffer<double> dx = L.swiglu_grad("dx", xp, wrap(R, "dy"), H).realize({2 * H, B});
-  check_fd("swiglu dx fd", x, dx, [&] { return objective(y, R); }, {2e-9, 0});  // seen 3.2e-10
-  check_ref("swiglu dx", dx,
-            [&](const int *p) {
-              const int c = p[0] % H, b = p[1];
-              const double a = x(c, b), up = x(c + H, b), s = 1 / (1 + std::exp(-a));
-              return p[0] < H ? R(c, b) * up * (s + a * s * (1 - s)) : R(c, b) * silu(a);
-            },
-            {2e-15, 0});  // seen 8.3e-17
-}
-
-BOOST_FIXTURE_TEST_CASE(gelu_and_relu, Fixture) {
-  const int B = 4, C = 7;
-  // ReLU is not differentiable at 0: keep inputs away from it by more than the FD step.
-  Buffer<double> x = random({C, B}, -3, 3), R = random({C, B});
-  x.for_each_value([](double &a) {
-    if (std::abs(a) < 1e-3) a = 0.5;
-  });
-  ImageParam xp = param(x, "x");
-  Func dy = wrap(R, "dy");
-  Func gelu = L.gelu("gelu", xp), relu = L.relu("relu", xp);
-  Buffer<double> dgelu = L.gelu_grad("dgelu", xp, dy).realize({C, B}),
-                 drelu = L.relu_grad("drelu", xp, dy).realize({C, B});
-  check_fd("gelu fd", x, dgelu, [&] { return objective(gelu, R); }, {2e-9, 0});  // seen 5.2e-10
-  check_fd("relu fd", x, drelu, [&] { return objective(relu, R); }, {2e-9, 0});  // seen 4.6e-10
-  check_ref("gelu grad", dgelu,
-            [&](const int *p) {  // derivative of 0.5 a (1 + tanh(k0 (a + k1 a^3)))
-              const double a = x(p), t = std::tanh(Layers::gelu_k0 * (a + Layers::gelu_k1 * a * a * a));
-              return R(p) *
-                     (0.5 * (1 + t) + 0.5 * a * (1 - t * t) * Layers::gelu_k0 * (1 + 3 * Layers::gelu_k1 * a * a));
-            },
-            {4e-15, 0});                                                                      // seen 7.3e-16
-  check_ref("relu grad", drelu, [&](const int *p) { return x(p) > 0 ? R(p) : 0.0; }, exact);  // seen 0: a selection
-  // GELU itself against std::tanh: the kernel's exp-based tanh is exact up to rounding.
-  const Buffer<double> y = gelu.realize({C, B}), yr = relu.realize({C, B});
-  check_ref("gelu forward", y,
-            [&](const int *p) {
-              const double a = x(p);
-              return 0.5 * a * (1 + std::tanh(Layers::gelu_k0 * (a + Layers::gelu_k1 * a * a * a)));
-            },
-            {1e-15, 0});                                                                    // seen 1.5e-16
-  check_ref("relu forward", yr, [&](const int *p) { return std::max(x(p), 0.0); }, exact);  // seen 0: a selection
-}
-
+// ---- what is not a layer kind: the loss, AdamW, and the checks themselves ----
 BOOST_FIXTURE_TEST_CASE(cross_entropy, Fixture) {
   const int B = 4, K = 5;
   Buffer<double> logits = random({K, B}, -4, 4);
@@ -296,7 +101,7 @@ BOOST_FIXTURE_TEST_CASE(checks_detect_errors, Fixture) {
   ImageParam xp = param(x, "x"), wp = param(w, "w"), bp = param(bias, "b");
   const Buffer<double> expect_y = linear_ref(x, w, bias);
   auto ref = [&](const int *p) { return expect_y(p); };
-  Func y = L.linear("y", xp, wp, bp, K).out, wrong = L.linear("y_wt", xp, L.transpose("wt", wp), bp, K).out;
+  Func y = gen::linear(L, "y", xp, wp, bp, K).out, wrong = gen::linear(L, "y_wt", xp, L.transpose("wt", wp), bp, K).out;
   const Buffer<double> good = y.realize({K, B}), transposed = wrong.realize({K, B});
   expect("linear y, square weight", compare_ref(good, ref, linear_y_tol));
   const Comparison c = compare_ref(transposed, ref, linear_y_tol);
@@ -307,6 +112,6 @@ BOOST_FIXTURE_TEST_CASE(checks_detect_errors, Fixture) {
   x(3, 2) = keep;
   BOOST_TEST(compare_ref(poisoned, ref, linear_y_tol).mismatches == std::size_t(K));
   Func dy = wrap(R, "dy");
-  const Buffer<double> dx_no_transpose = L.linear_input_grad("dx", dy, wp, K).out.realize({K, B});
+  const Buffer<double> dx_no_transpose = gen::linear_input_grad(L, "dx", dy, wp, K).out.realize({K, B});
   BOOST_TEST(compare_fd(x, dx_no_transpose, [&] { return objective(y, R); }, linear_dx_fd_tol).mismatches > 0u);
 }

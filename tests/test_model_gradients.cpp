@@ -40,6 +40,8 @@ import zoo_gated;
 import zoo_gated.kernels;
 
 #include "model_run.h"
+#include "kind_reference.h"
+#include "kind_references.h"  // generated: every kind's reference.h (generators/kinds/list.h)
 
 using namespace remat;
 using remat::runtime::Device;
@@ -54,18 +56,19 @@ constexpr int batch = 8;  // MLP samples per micro-batch (the GPT runs 2 sequenc
 // ---- float64 reference layers ----
 using Rows = std::vector<double>;  // [R, width] row-major
 
-// Where a layer sits in the plan: its parameters are <prefix>p<k>_w / _b (gradients g<k>_w /
-// _b), and its dropout mask uses counter block rng + k, rng = 64 * (the plan's unit index: the
-// blocks of all stages in order), as the planner's Unit::rng and the kernels' dropout_at(k).
+// Where a layer sits in the plan: layer k of block `block` of stage `stage` (its parameters and
+// their gradients are the plan's tensors of those keys), and its dropout mask uses counter block
+// rng + k, rng = 64 * (the plan's unit index: the blocks of all stages in order), as the planner's
+// Unit::rng and the kernels' dropout_at(k).
 struct Site {
-  std::string prefix;
-  int k;
+  int stage, block, k;
   std::uint64_t rng;
+  // The plan's key of parameter `index` of this layer (of kind op), or of its gradient.
+  TensorKey parameter(Op op, int index) const { return key::of(Slot::parameter, op, k, index).at(stage, block); }
+  TensorKey gradient(Op op, int index) const { return key::gradient(parameter(op, index)); }
 };
 // Layer k of block `block` of stage `stage`, which is unit `unit` of the plan.
-Site site(int stage, int block, int unit, int k) {
-  return {"s" + std::to_string(stage) + ".b" + std::to_string(block) + ".", k, std::uint64_t(unit) * 64};
-}
+Site site(int stage, int block, int unit, int k) { return {stage, block, k, std::uint64_t(unit) * 64}; }
 
 // The layers as the reference sees them (widths written out, not inferred by the DSL).
 Layer linear_layer(int in, int out) { return {Op::linear, in, out}; }
@@ -89,53 +92,20 @@ struct Reference {
   double dropout = 0;
   std::uint64_t seed = 0, step = 0;
   long rows = 0;
-  std::map<std::string, Rows> grads;  // by tensor name
-  int duplicate_grads = 0;            // a gradient written twice: a wiring mistake of the reference
-  Rows row_loss;                      // [R]
+  std::map<TensorKey, Rows> grads;  // by the plan's key
+  int duplicate_grads = 0;          // a gradient written twice: a wiring mistake of the reference
+  Rows row_loss;                    // [R]
 
-  std::vector<double> param(const std::string &name) const {
-    auto p = ex.tensor<float>(name);
+  std::vector<double> param(const TensorKey &k) const {
+    auto p = ex.tensor<float>(ex.plan.at(k));
     return {p.begin(), p.end()};
   }
-  void put_grad(const std::string &name, Rows g) { duplicate_grads += !grads.emplace(name, std::move(g)).second; }
-  // Everything a layer's backward needs.
-  struct Saved {
-    Rows in, out;
-    std::vector<double> mean, rstd;
-    std::vector<double> prob;
-    std::vector<std::int32_t> tokens;
-  };
-  std::string grad_name(const Site &s, const char *which) const { return name(s, "g", which); }
-
-  std::string name(const Site &s, const char *kind, const char *which) const {
-    return s.prefix + kind + std::to_string(s.k) + "_" + which;
-  }
+  void put_grad(const TensorKey &k, Rows g) { duplicate_grads += !grads.emplace(k, std::move(g)).second; }
+  using Saved = testing::Saved;
   double keep(const Site &s, std::uint64_t element) const {  // 0 or 1 / (1 - p), as the kernels
     if (dropout == 0) return 1;
     const double scale = double(float(1.0 / (1.0 - dropout)));
     return testing::keep_ref(seed, step, s.rng + s.k, element, dropout) ? scale : 0.0;
-  }
-
-  // Columns of a qkv row [q (H heads) | k (KV heads) | v (KV heads)] of layer l: query head h's
-  // feature e, and the feature e of the key and value head that query head h reads.
-  static int q_col(const Layer &l, int h, int e) { return h * (l.out / l.heads) + e; }
-  static int k_col(const Layer &l, int h, int e) { return l.out + h / (l.heads / l.kv_heads) * (l.out / l.heads) + e; }
-  static int v_col(const Layer &l, int h, int e) { return k_col(l, h, e) + l.kv_heads * (l.out / l.heads); }
-  // Causal softmax of row b's scaled scores for head h over positions 0..t (x is [R, l.in] qkv).
-  static std::vector<double> softmax_row(const Rows &x, long b, int h, const Layer &l) {
-    const int W = l.in, D = l.out / l.heads, T = l.block_size;
-    const long n = b / T, t = b % T;
-    std::vector<double> p(t + 1);
-    double mx = -INFINITY, z = 0;
-    for (long j = 0; j <= t; ++j) {
-      double d = 0;
-      for (int e = 0; e < D; ++e) d += x[b * W + q_col(l, h, e)] * x[(n * T + j) * W + k_col(l, h, e)];
-      p[j] = d / std::sqrt(double(D));
-      mx = std::max(mx, p[j]);
-    }
-    for (long j = 0; j <= t; ++j) z += std::exp(p[j] - mx);
-    for (long j = 0; j <= t; ++j) p[j] = std::exp(p[j] - mx) / z;
-    return p;
   }
 
   Rows layer_forward(const Layer &l, const Site &site, const Rows &x, Saved &s);
@@ -162,7 +132,7 @@ struct Reference {
 
   // Softmax cross entropy of logits [R, K]: the row losses, and the gradient of their mean.
   Rows cross_entropy(const Rows &x, int K) {
-    auto labels = ex.tensor<std::int32_t>("labels");
+    auto labels = ex.tensor<std::int32_t>(ex.plan.labels());
     Rows d(x.size());
     row_loss.assign(rows, 0.0);
     for (long b = 0; b < rows; ++b) {
@@ -176,327 +146,43 @@ struct Reference {
   }
 };
 
-// ---- one float64 reference per layer kind: forward (keeping what its backward needs) and
-// backward (the gradient of its input; parameter gradients into Reference::grads) ----
-namespace kind_reference {
-using Saved = Reference::Saved;
+// ---- the layer kinds' float64 references (generators/kinds/<kind>/reference.h) ----
+// One layer of the run as its kind's reference sees it: its parameters and gradients are the
+// plan's tensors of their keys at its site, its dropout mask the kernels' there.
+class RunSite final : public testing::LayerSite {
+public:
+  RunSite(Reference &r, const Layer &l, const Site &site) : ref(r), op(l.op), site(site) { rows = r.rows; }
+  std::vector<double> param(int index) const override { return ref.param(site.parameter(op, index)); }
+  void put_grad(int index, Rows g) override { ref.put_grad(site.gradient(op, index), std::move(g)); }
+  double keep(std::uint64_t element) const override { return ref.keep(site, element); }
+  std::vector<std::int32_t> tokens() const override {
+    auto t = ref.ex.tensor<std::int32_t>(ref.ex.plan.inputs());
+    return {t.begin(), t.end()};
+  }
 
-struct Linear {  // y = x w (+ b), w [K, O] row-major
-  static Rows forward(Reference &r, const Layer &l, const Site &site, const Rows &x, Saved &) {
-    const int I = l.in, O = l.out;
-    auto w = r.param(r.name(site, "p", "w"));
-    const std::vector<double> bias = l.bias ? r.param(r.name(site, "p", "b")) : std::vector<double>(O, 0.0);
-    Rows y(std::size_t(r.rows) * O);
-    for (long b = 0; b < r.rows; ++b)
-      for (int o = 0; o < O; ++o) {
-        double acc = bias[o];
-        for (int i = 0; i < I; ++i) acc += x[b * I + i] * w[i * O + o];
-        y[b * O + o] = acc;
-      }
-    return y;
-  }
-  static Rows backward(Reference &r, const Layer &l, const Site &site, const Saved &s, const Rows &dy) {
-    const int I = l.in, O = l.out;
-    auto w = r.param(r.name(site, "p", "w"));
-    Rows dx(std::size_t(r.rows) * I, 0.0), dw(std::size_t(I) * O, 0.0), db(O, 0.0);
-    for (long b = 0; b < r.rows; ++b)
-      for (int o = 0; o < O; ++o) {
-        db[o] += dy[b * O + o];
-        for (int i = 0; i < I; ++i) {
-          dw[i * O + o] += s.in[b * I + i] * dy[b * O + o];
-          dx[b * I + i] += dy[b * O + o] * w[i * O + o];
-        }
-      }
-    r.put_grad(r.grad_name(site, "w"), dw);
-    if (l.bias) r.put_grad(r.grad_name(site, "b"), db);
-    return dx;
-  }
-};
-
-struct LayerNorm {  // (x - mean) * rstd * gamma + beta over each row
-  static Rows forward(Reference &r, const Layer &l, const Site &site, const Rows &x, Saved &s) {
-    const int I = l.in;
-    auto g = r.param(r.name(site, "p", "w")), be = r.param(r.name(site, "p", "b"));
-    Rows y(x.size());
-    for (long b = 0; b < r.rows; ++b) {
-      double mean = 0, var = 0;
-      for (int i = 0; i < I; ++i) mean += x[b * I + i] / I;
-      for (int i = 0; i < I; ++i) var += (x[b * I + i] - mean) * (x[b * I + i] - mean) / I;
-      const double rstd = 1 / std::sqrt(var + 1e-5);
-      s.mean.push_back(mean);
-      s.rstd.push_back(rstd);
-      for (int i = 0; i < I; ++i) y[b * I + i] = (x[b * I + i] - mean) * rstd * g[i] + be[i];
-    }
-    return y;
-  }
-  static Rows backward(Reference &r, const Layer &l, const Site &site, const Saved &s, const Rows &dy) {
-    const int I = l.in;
-    const Rows &x = s.in;
-    auto g = r.param(r.name(site, "p", "w"));
-    Rows dx(x.size()), dg(I, 0.0), dbeta(I, 0.0);
-    for (long b = 0; b < r.rows; ++b) {
-      double s1 = 0, s2 = 0;
-      for (int i = 0; i < I; ++i) {
-        const double u = (x[b * I + i] - s.mean[b]) * s.rstd[b], du = dy[b * I + i] * g[i];
-        s1 += du;
-        s2 += du * u;
-        dg[i] += dy[b * I + i] * u;
-        dbeta[i] += dy[b * I + i];
-      }
-      for (int i = 0; i < I; ++i) {
-        const double u = (x[b * I + i] - s.mean[b]) * s.rstd[b];
-        dx[b * I + i] = s.rstd[b] * (dy[b * I + i] * g[i] - s1 / I - u * s2 / I);
-      }
-    }
-    r.put_grad(r.grad_name(site, "w"), dg);
-    r.put_grad(r.grad_name(site, "b"), dbeta);
-    return dx;
-  }
-};
-
-struct RmsNorm {  // x / sqrt(mean x^2 + 1e-6) * gamma over each row
-  static Rows forward(Reference &r, const Layer &l, const Site &site, const Rows &x, Saved &s) {
-    const int I = l.in;
-    auto g = r.param(r.name(site, "p", "w"));
-    Rows y(x.size());
-    for (long b = 0; b < r.rows; ++b) {
-      double ms = 0;
-      for (int i = 0; i < I; ++i) ms += x[b * I + i] * x[b * I + i] / I;
-      s.rstd.push_back(1 / std::sqrt(ms + 1e-6));
-      for (int i = 0; i < I; ++i) y[b * I + i] = x[b * I + i] * s.rstd[b] * g[i];
-    }
-    return y;
-  }
-  // dx_i = rstd g_i dy_i - x_i rstd^3 / I sum_c dy_c g_c x_c; dgamma = sum_b dy x rstd
-  static Rows backward(Reference &r, const Layer &l, const Site &site, const Saved &s, const Rows &dy) {
-    const int I = l.in;
-    const Rows &x = s.in;
-    auto g = r.param(r.name(site, "p", "w"));
-    Rows dx(x.size()), dg(I, 0.0);
-    for (long b = 0; b < r.rows; ++b) {
-      const double rs = s.rstd[b];
-      double sum = 0;
-      for (int i = 0; i < I; ++i) {
-        sum += dy[b * I + i] * g[i] * x[b * I + i];
-        dg[i] += dy[b * I + i] * x[b * I + i] * rs;
-      }
-      for (int i = 0; i < I; ++i) dx[b * I + i] = rs * g[i] * dy[b * I + i] - x[b * I + i] * rs * rs * rs * sum / I;
-    }
-    r.put_grad(r.grad_name(site, "w"), dg);
-    return dx;
-  }
-};
-
-struct Gelu {  // tanh form, as GPT-2
-  static constexpr double k0 = 0.7978845608028654, k1 = 0.044715;
-  static Rows forward(Reference &, const Layer &, const Site &, const Rows &x, Saved &) {
-    Rows y(x.size());
-    for (std::size_t e = 0; e < y.size(); ++e)
-      y[e] = 0.5 * x[e] * (1 + std::tanh(k0 * (x[e] + k1 * x[e] * x[e] * x[e])));
-    return y;
-  }
-  static Rows backward(Reference &, const Layer &, const Site &, const Saved &s, const Rows &dy) {
-    Rows dx(dy.size());
-    for (std::size_t e = 0; e < dx.size(); ++e) {
-      const double a = s.in[e], t = std::tanh(k0 * (a + k1 * a * a * a));
-      dx[e] = dy[e] * (0.5 * (1 + t) + 0.5 * a * (1 - t * t) * k0 * (1 + 3 * k1 * a * a));
-    }
-    return dx;
-  }
-};
-
-struct Relu {
-  static Rows forward(Reference &, const Layer &, const Site &, const Rows &x, Saved &) {
-    Rows y(x.size());
-    for (std::size_t e = 0; e < y.size(); ++e) y[e] = std::max(x[e], 0.0);
-    return y;
-  }
-  static Rows backward(Reference &, const Layer &, const Site &, const Saved &s, const Rows &dy) {
-    Rows dx(dy.size());
-    for (std::size_t e = 0; e < dx.size(); ++e) dx[e] = s.in[e] > 0 ? dy[e] : 0;
-    return dx;
-  }
-};
-
-struct Swiglu {  // [a | b] (2H) -> a sigmoid(a) b (H)
-  static double sigmoid(double a) { return 1 / (1 + std::exp(-a)); }
-  static Rows forward(Reference &r, const Layer &l, const Site &, const Rows &x, Saved &) {
-    const int H = l.out;
-    Rows y(std::size_t(r.rows) * H);
-    for (long b = 0; b < r.rows; ++b)
-      for (int c = 0; c < H; ++c) {
-        const double a = x[b * 2 * H + c];
-        y[b * H + c] = a * sigmoid(a) * x[b * 2 * H + H + c];
-      }
-    return y;
-  }
-  static Rows backward(Reference &r, const Layer &l, const Site &, const Saved &s, const Rows &dy) {
-    const int H = l.out;
-    Rows dx(std::size_t(r.rows) * 2 * H);
-    for (long b = 0; b < r.rows; ++b)
-      for (int c = 0; c < H; ++c) {
-        const double a = s.in[b * 2 * H + c], up = s.in[b * 2 * H + H + c], sg = sigmoid(a);
-        dx[b * 2 * H + c] = dy[b * H + c] * up * (sg + a * sg * (1 - sg));
-        dx[b * 2 * H + H + c] = dy[b * H + c] * a * sg;
-      }
-    return dx;
-  }
-};
-
-struct Dropout {  // the kernels' counter-hash mask, element c + O b
-  static Rows apply(Reference &r, const Layer &l, const Site &site, const Rows &x) {
-    const int O = l.out;
-    Rows y(x.size());
-    for (long b = 0; b < r.rows; ++b)
-      for (int c = 0; c < O; ++c) y[b * O + c] = x[b * O + c] * r.keep(site, std::uint64_t(c) + std::uint64_t(O) * b);
-    return y;
-  }
-  static Rows forward(Reference &r, const Layer &l, const Site &site, const Rows &x, Saved &) {
-    return apply(r, l, site, x);
-  }
-  static Rows backward(Reference &r, const Layer &l, const Site &site, const Saved &, const Rows &dy) {
-    return apply(r, l, site, dy);
-  }
-};
-
-struct Rope {  // the rotate-half rotation of each q and k head by t 10000^(-2i/D); v passes
-  static Rows rotate(Reference &r, const Layer &l, const Rows &x, double direction) {
-    const int W = l.out, D = W / (l.heads + 2 * l.kv_heads), half = D / 2, rotated = (l.heads + l.kv_heads) * D;
-    Rows y = x;
-    for (long b = 0; b < r.rows; ++b)
-      for (int c = 0; c < rotated; c += D)
-        for (int i = 0; i < half; ++i) {
-          const double angle = direction * double(b % l.block_size) * std::pow(10000.0, -2.0 * i / D);
-          const double lo = x[b * W + c + i], hi = x[b * W + c + i + half];
-          y[b * W + c + i] = lo * std::cos(angle) - hi * std::sin(angle);
-          y[b * W + c + i + half] = hi * std::cos(angle) + lo * std::sin(angle);
-        }
-    return y;
-  }
-  static Rows forward(Reference &r, const Layer &l, const Site &, const Rows &x, Saved &) { return rotate(r, l, x, 1); }
-  static Rows backward(Reference &r, const Layer &l, const Site &, const Saved &, const Rows &dy) {
-    return rotate(r, l, dy, -1);
-  }
-};
-
-struct Attention {  // P = softmax of scaled causal scores; out = drop(P) v
-  static Rows forward(Reference &r, const Layer &l, const Site &site, const Rows &x, Saved &s) {
-    const long R = r.rows;
-    const int C = l.out, H = l.heads, D = C / H, T = l.block_size;
-    Rows y(std::size_t(R) * C);
-    s.prob.assign(std::size_t(R) * H * T, 0.0);
-    for (long b = 0; b < R; ++b)
-      for (int h = 0; h < H; ++h) {
-        const long n = b / T, t = b % T;
-        const std::vector<double> p = Reference::softmax_row(x, b, h, l);
-        for (long j = 0; j <= t; ++j) {
-          const std::uint64_t element = ((std::uint64_t(n) * H + h) * T + t) * T + j;
-          s.prob[(b * H + h) * T + j] = p[j] * r.keep(site, element);
-        }
-        for (int e = 0; e < D; ++e) {
-          double acc = 0;
-          for (long j = 0; j <= t; ++j)
-            acc += s.prob[(b * H + h) * T + j] * x[(n * T + j) * l.in + Reference::v_col(l, h, e)];
-          y[b * C + h * D + e] = acc;
-        }
-      }
-    return y;
-  }
-  // the textbook softmax Jacobian on the undropped probabilities
-  static Rows backward(Reference &r, const Layer &l, const Site &site, const Saved &s, const Rows &dy) {
-    const long R = r.rows;
-    const int C = l.out, H = l.heads, D = C / H, T = l.block_size;
-    const Rows &x = s.in;
-    const int W = l.in;
-    auto q_col = [&](int h, int e) { return Reference::q_col(l, h, e); };
-    auto k_col = [&](int h, int e) { return Reference::k_col(l, h, e); };
-    auto v_col = [&](int h, int e) { return Reference::v_col(l, h, e); };
-    Rows dx(std::size_t(R) * W, 0.0);
-    for (long b = 0; b < R; ++b)
-      for (int h = 0; h < H; ++h) {
-        const long n = b / T, t = b % T;
-        std::vector<double> p, kp(t + 1), dp(t + 1);
-        double dot = 0;
-        for (long j = 0; j <= t; ++j) {
-          const std::uint64_t element = ((std::uint64_t(n) * H + h) * T + t) * T + j;
-          const double k = r.keep(site, element);
-          kp[j] = s.prob[(b * H + h) * T + j];
-          double g = 0;
-          for (int e = 0; e < D; ++e) g += dy[b * C + h * D + e] * x[(n * T + j) * W + v_col(h, e)];
-          dp[j] = g * k;
-          for (int e = 0; e < D; ++e) dx[(n * T + j) * W + v_col(h, e)] += kp[j] * dy[b * C + h * D + e];
-        }
-        p = Reference::softmax_row(x, b, h, l);  // the undropped probabilities
-        for (long j = 0; j <= t; ++j) dot += p[j] * dp[j];
-        for (long j = 0; j <= t; ++j) {
-          const double ds = p[j] * (dp[j] - dot) / std::sqrt(double(D));
-          for (int e = 0; e < D; ++e) {
-            dx[b * W + q_col(h, e)] += ds * x[(n * T + j) * W + k_col(h, e)];
-            dx[(n * T + j) * W + k_col(h, e)] += ds * x[b * W + q_col(h, e)];
-          }
-        }
-      }
-    return dx;
-  }
-};
-
-struct Embedding {  // token table + position table (none under rope); reads the token ids, no input gradient
-  static Rows forward(Reference &r, const Layer &l, const Site &site, const Rows &, Saved &s) {
-    const int O = l.out;
-    auto wte = r.param(r.name(site, "p", "w"));
-    const std::vector<double> wpe =
-        l.bias ? r.param(r.name(site, "p", "b")) : std::vector<double>(std::size_t(l.block_size) * O, 0.0);
-    auto tokens = r.ex.tensor<std::int32_t>("inputs");
-    s.tokens.assign(tokens.begin(), tokens.end());
-    Rows y(std::size_t(r.rows) * O);
-    for (long b = 0; b < r.rows; ++b)
-      for (int c = 0; c < O; ++c) y[b * O + c] = wte[s.tokens[b] * O + c] + wpe[(b % l.block_size) * O + c];
-    return y;
-  }
-  static Rows backward(Reference &r, const Layer &l, const Site &site, const Saved &s, const Rows &dy) {
-    const int O = l.out;
-    Rows dwte(std::size_t(l.vocab) * O, 0.0), dwpe(std::size_t(l.block_size) * O, 0.0);
-    for (long b = 0; b < r.rows; ++b)
-      for (int c = 0; c < O; ++c) {
-        dwte[s.tokens[b] * O + c] += dy[b * O + c];
-        dwpe[(b % l.block_size) * O + c] += dy[b * O + c];
-      }
-    r.put_grad(r.grad_name(site, "w"), dwte);
-    if (l.bias) r.put_grad(r.grad_name(site, "b"), dwpe);
-    return {};
-  }
-};
-
-struct Entry {
+private:
+  Reference &ref;
   Op op;
-  Rows (*forward)(Reference &, const Layer &, const Site &, const Rows &, Saved &) = nullptr;
-  Rows (*backward)(Reference &, const Layer &, const Site &, const Saved &, const Rows &) = nullptr;
+  Site site;
 };
-template <class K>
-constexpr Entry entry(Op op) {
-  return {op, K::forward, K::backward};
-}
-// by Op; the residual markers are wiring (the model descriptions, zoo_reference), not layers
-constexpr std::array<Entry, n_ops> table = {entry<Linear>(Op::linear),       entry<LayerNorm>(Op::layer_norm),
-                                            entry<RmsNorm>(Op::rms_norm),    entry<Gelu>(Op::gelu),
-                                            entry<Relu>(Op::relu),           entry<Swiglu>(Op::swiglu),
-                                            entry<Dropout>(Op::dropout),     entry<Rope>(Op::rope),
-                                            entry<Attention>(Op::attention), entry<Embedding>(Op::embedding),
-                                            Entry{Op::residual_begin},       Entry{Op::residual_end}};
-static_assert([] {
-  for (int i = 0; i < n_ops; ++i)
-    if (table[i].op != Op(i)) return false;
-  return true;
-}());
-}  // namespace kind_reference
+
+// By Op, from generators/kinds/list.h; the residual markers are wiring (the model descriptions,
+// zoo_reference), not layers.
+const std::array<testing::ReferenceEntry, n_ops> kind_references = {{
+#define REMAT_KIND(name) testing::reference_entry<Op::name>(),
+#include "kinds/list.h"
+#undef REMAT_KIND
+}};
 
 Rows Reference::layer_forward(const Layer &l, const Site &site, const Rows &x, Saved &s) {
+  RunSite at(*this, l, site);
   s.in = x;
-  s.out = kind_reference::table[std::size_t(l.op)].forward(*this, l, site, x, s);
+  s.out = kind_references[std::size_t(l.op)].forward(at, l, x, s);
   return s.out;
 }
 Rows Reference::layer_backward(const Layer &l, const Site &site, const Saved &s, const Rows &dy) {
-  return kind_reference::table[std::size_t(l.op)].backward(*this, l, site, s, dy);
+  RunSite at(*this, l, site);
+  return kind_references[std::size_t(l.op)].backward(at, l, s, dy);
 }
 
 // ---- the examples, described by hand ----
@@ -546,7 +232,7 @@ void expect_gpt_description() {
 void mlp_reference(Reference &r) {
   constexpr int image_pixels = mlp::image_pixels, width = mlp::width, hidden = mlp::hidden, blocks = mlp::blocks,
                 classes = mlp::classes;
-  const std::vector<float> images = r.ex.values("inputs");  // fp32, or bf16 widened
+  const std::vector<float> images = r.ex.values(r.ex.plan.inputs());  // fp32, or bf16 widened
   Rows x(images.begin(), images.end());
   Reference::Chain stem, head;
   std::vector<Reference::Chain> branch(blocks);
@@ -613,7 +299,7 @@ void zoo_reference(Reference &r, const Model &m) {
   std::vector<Event> tape;
   Rows x;
   if (!m.token_input()) {
-    const std::vector<float> inputs = r.ex.values("inputs");
+    const std::vector<float> inputs = r.ex.values(r.ex.plan.inputs());
     x.assign(inputs.begin(), inputs.end());
   }
   std::vector<Rows> skips;
@@ -648,11 +334,11 @@ void zoo_reference(Reference &r, const Model &m) {
 }
 
 // ---- kernels against the reference ----
-// The per-layer gradient tensors of a plan (views into the flat "grads" buffer).
-std::vector<std::string> grad_tensors(const Plan &plan) {
-  std::vector<std::string> out;
+// The per-layer gradient tensors of a plan (views into the flat gradient buffer), by key.
+std::vector<TensorKey> grad_tensors(const Plan &plan) {
+  std::vector<TensorKey> out;
   for (const Tensor &t : plan.tensors)
-    if (t.role == Role::grads && t.layer >= 0) out.emplace_back(t.name.view());
+    if (t.role == Role::grads && t.key.layer >= 0) out.push_back(t.key);
   return out;
 }
 
@@ -675,19 +361,20 @@ Reference reference_of(Run &run, Wiring wiring, double dropout) {
 void check_against_reference(Run &run, Wiring wiring, double dropout, Limits limits, std::string_view what) {
   run.ex.run(Executor::Phase::train);
   const Reference ref = reference_of(run, wiring, dropout);
-  const Comparison loss = testing::compare(run.ex.tensor<float>("row_loss"), ref.row_loss, limits.loss);
+  const Comparison loss = testing::compare(run.ex.tensor<float>(run.plan.row_loss()), ref.row_loss, limits.loss);
   BOOST_TEST(loss.ok(), what << " row losses: " << loss.describe());
   BOOST_TEST(ref.duplicate_grads == 0);
-  std::set<std::string> planned, computed;
-  for (const std::string &name : grad_tensors(run.plan)) planned.insert(name);
-  for (const auto &[name, g] : ref.grads) computed.insert(name);
+  std::set<TensorKey> planned, computed;
+  for (const TensorKey &k : grad_tensors(run.plan)) planned.insert(k);
+  for (const auto &[k, g] : ref.grads) computed.insert(k);
   BOOST_TEST((planned == computed), what << ": the reference computes " << computed.size()
                                          << " gradient tensors, the plan has " << planned.size());
   double worst = 0;
   std::string worst_name;
-  for (const auto &[name, g] : ref.grads) {
-    if (!planned.count(name)) continue;
-    const Comparison c = testing::compare(run.ex.tensor<float>(name), g, limits.grads);
+  for (const auto &[k, g] : ref.grads) {
+    if (!planned.count(k)) continue;
+    const std::string name(name_of(k).view());
+    const Comparison c = testing::compare(run.ex.tensor<float>(run.plan.at(k)), g, limits.grads);
     BOOST_TEST(c.ok(), what << " " << name << ": " << c.describe());
     if (c.worst_of_scale >= worst) worst = c.worst_of_scale, worst_name = name;
     if (testing::show_errors()) BOOST_TEST_MESSAGE(what << " " << name << ": " << c.describe());
@@ -796,9 +483,9 @@ BOOST_AUTO_TEST_CASE(the_comparison_rejects_a_planted_nan_and_a_planted_sign_fli
   Run run(mlp::model, "mlp", mlp_kernels::table, none, batch);
   run.ex.run(Executor::Phase::train);
   const Reference ref = reference_of(run, mlp_reference, 0);
-  const std::string name = "s1.b0.g2_w";
+  const TensorKey name = key::gradient(key::parameter(mlp::model.stages[1], 2, 0)).at(1, 0);  // s1.b0.g2_w
   const Rows &want = ref.grads.at(name);
-  const auto kernel = run.ex.tensor<float>(name);
+  const auto kernel = run.ex.tensor<float>(run.plan.at(name));
   const std::vector<float> got(kernel.begin(), kernel.end());
   const Tolerance tol = mlp_fp32.grads;
   BOOST_TEST(testing::compare(got, want, tol).ok(), testing::compare(got, want, tol).describe());
@@ -890,24 +577,24 @@ namespace {
 void load_other_batch(Run &run, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   if (run.model.token_input()) {
-    for (auto &t : run.ex.tensor<std::int32_t>("inputs")) t = int(rng() % run.model.input.vocab);
+    for (auto &t : run.ex.tensor<std::int32_t>(run.plan.inputs())) t = int(rng() % run.model.input.vocab);
   } else {
     std::uniform_real_distribution<float> u(0.f, 1.f);
-    std::vector<float> images = run.ex.values("inputs");
+    std::vector<float> images = run.ex.values(run.plan.inputs());
     for (float &x : images) x = u(rng);
-    run.ex.set_values("inputs", images);
+    run.ex.set_values(run.plan.inputs(), images);
   }
-  for (auto &l : run.ex.tensor<std::int32_t>("labels")) l = int(rng() % run.model.classes());
-  run.ex.upload("inputs");
-  run.ex.upload("labels");
+  for (auto &l : run.ex.tensor<std::int32_t>(run.plan.labels())) l = int(rng() % run.model.classes());
+  run.ex.upload(run.plan.inputs());
+  run.ex.upload(run.plan.labels());
 }
 // The gradient tensors by name, as the kernels left them.
 std::map<std::string, std::vector<float>> named_grads(Run &run) {
-  run.ex.download("grads");
+  run.ex.download(run.plan.grads());
   std::map<std::string, std::vector<float>> out;
-  for (const std::string &name : grad_tensors(run.plan)) {
-    auto g = run.ex.tensor<float>(name);
-    out.emplace(name, std::vector<float>(g.begin(), g.end()));
+  for (const TensorKey &k : grad_tensors(run.plan)) {
+    auto g = run.ex.tensor<float>(run.plan.at(k));
+    out.emplace(std::string(name_of(k).view()), std::vector<float>(g.begin(), g.end()));
   }
   return out;
 }
@@ -971,8 +658,8 @@ BOOST_AUTO_TEST_CASE(gradients_overwrite_the_buffer_without_accumulate) {
     zeros->ex.run(Executor::Phase::train);
     const auto expected = named_grads(*zeros);
     const auto nans = c.make();
-    std::ranges::fill(nans->ex.tensor<float>("grads"), std::numeric_limits<float>::quiet_NaN());
-    nans->ex.upload("grads");
+    std::ranges::fill(nans->ex.tensor<float>(nans->plan.grads()), std::numeric_limits<float>::quiet_NaN());
+    nans->ex.upload(nans->plan.grads());
     nans->ex.run(Executor::Phase::train);
     for (const auto &[name, got] : named_grads(*nans)) {
       BOOST_TEST(std::ranges::all_of(got, [](float x) { return std::isfinite(x); }), c.what << " " << name);
@@ -1006,11 +693,10 @@ AdamState adamw_reference(const AdamW &a, bool decayed, std::span<const float> p
 
 // The GPT's linear weights, from the description above: the blocks' p2, p4, p9, p11 and the
 // head's p1. These, and only these, are decayed.
-bool gpt_linear_weight(const std::string &name) {
-  std::set<std::string> names{"s2.b0.p1_w"};
-  for (int i = 0; i < gpt::n_layer; ++i)
-    for (int k : {2, 4, 9, 11}) names.insert("s1.b" + std::to_string(i) + ".p" + std::to_string(k) + "_w");
-  return names.count(name) > 0;
+bool gpt_linear_weight(const TensorKey &k) {  // the head's linear (s2.b0.p1_w) and the blocks' four (s1.b<i>.p<k>_w)
+  if (k.slot != Slot::parameter || k.index != 0) return false;
+  if (k.stage == 2) return k.block == 0 && k.layer == 1;
+  return k.stage == 1 && (k.layer == 2 || k.layer == 4 || k.layer == 9 || k.layer == 11);
 }
 
 // Phase::optimize on the GPT (every kind of parameter: linear weights and biases, LayerNorm
@@ -1027,22 +713,23 @@ BOOST_AUTO_TEST_CASE(adamw_matches_a_plain_implementation) {
   Run run(gpt::model, "gpt", gpt_kernels::table, none, 2);
   std::vector<const Tensor *> params;
   for (const Tensor &t : run.plan.tensors)
-    if (t.role == Role::params && t.layer >= 0) params.push_back(&t);
+    if (t.role == Role::params && t.key.layer >= 0) params.push_back(&t);
   BOOST_TEST_REQUIRE(params.size() == 2u * (1 + 6 * gpt::n_layer + 2));
   // Known moments and gradients at each parameter's offset (m, v and the gradients share the
   // parameters' layout); v > 0. The parameters are the Run's.
   std::mt19937_64 rng(5);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
-  auto flat = [&](const char *root) { return run.ex.tensor<float>(root); };
+  const Plan &plan = run.plan;
+  auto flat = [&](TensorId root) { return run.ex.tensor<float>(root); };
   for (const Tensor *t : params)
     for (std::size_t i = t->offset / 4; i < (t->offset + t->bytes()) / 4; ++i) {
-      flat("grads")[i] = 0.1f * u(rng);
-      flat("adam_m")[i] = 0.01f * u(rng);
-      flat("adam_v")[i] = 1e-4f * (1.5f + u(rng));
+      flat(plan.grads())[i] = 0.1f * u(rng);
+      flat(plan.adam_m())[i] = 0.01f * u(rng);
+      flat(plan.adam_v())[i] = 1e-4f * (1.5f + u(rng));
     }
-  for (const char *root : {"params", "grads", "adam_m", "adam_v"}) run.ex.upload(root);
-  const std::vector<float> p0 = run.read("params"), g0 = run.read("grads"), m0 = run.read("adam_m"),
-                           v0 = run.read("adam_v");
+  for (TensorId root : {plan.params(), plan.grads(), plan.adam_m(), plan.adam_v()}) run.ex.upload(root);
+  const std::vector<float> p0 = run.read(plan.params()), g0 = run.read(plan.grads()), m0 = run.read(plan.adam_m()),
+                           v0 = run.read(plan.adam_v());
   auto &s = run.scalars;
   s.lr = 1e-2f;
   s.weight_decay = 0.1f;
@@ -1050,7 +737,7 @@ BOOST_AUTO_TEST_CASE(adamw_matches_a_plain_implementation) {
   s.bias1 = float(1.0 - std::pow(double(s.beta1), double(step)));
   s.bias2 = float(1.0 - std::pow(double(s.beta2), double(step)));
   run.ex.run(Executor::Phase::optimize);
-  const std::vector<float> p1 = run.read("params"), m1 = run.read("adam_m"), v1 = run.read("adam_v");
+  const std::vector<float> p1 = run.read(plan.params()), m1 = run.read(plan.adam_m()), v1 = run.read(plan.adam_v());
 
   const AdamW a{s.lr, s.beta1, s.beta2, s.eps, s.weight_decay, s.bias1, s.bias2};
   AdamW no_bias1 = a, no_bias2 = a;
@@ -1059,8 +746,8 @@ BOOST_AUTO_TEST_CASE(adamw_matches_a_plain_implementation) {
   std::size_t decayed_end = 0, plain_begin = SIZE_MAX;
   double worst = 0;
   for (const Tensor *t : params) {
-    const std::string name(t->name.view());
-    const bool decay = gpt_linear_weight(name);
+    const std::string name(name_of(t->key).view());
+    const bool decay = gpt_linear_weight(t->key);
     decayed += decay;
     if (decay)
       decayed_end = std::max(decayed_end, t->offset + t->bytes());
@@ -1110,13 +797,13 @@ BOOST_AUTO_TEST_CASE(bf16_host_conversion_rounds_to_nearest_even) {
   BOOST_TEST(runtime::bf16_to_float(0x3F82) == 1.0f + 2 * 0x1.0p-7f);
 
   Run run(mlp::model, "mlp", mlp_kernels::table, none, batch, 0, false, Device::cpu, Precision::bf16);
-  BOOST_TEST(run.ex.element_size("inputs") == 2u);
-  BOOST_CHECK_THROW(run.ex.tensor<float>("inputs"), std::runtime_error);
-  std::vector<float> values = run.ex.values("inputs");
+  BOOST_TEST(run.ex.element_size(run.plan.inputs()) == 2u);
+  BOOST_CHECK_THROW(run.ex.tensor<float>(run.plan.inputs()), std::runtime_error);
+  std::vector<float> values = run.ex.values(run.plan.inputs());
   for (std::size_t i = 0; i < values.size(); ++i) values[i] = cases[i % std::size(cases)].first;
-  run.ex.set_values("inputs", values);
-  const auto raw = run.ex.tensor<std::uint16_t>("inputs");
-  const std::vector<float> widened = run.ex.values("inputs");
+  run.ex.set_values(run.plan.inputs(), values);
+  const auto raw = run.ex.tensor<std::uint16_t>(run.plan.inputs());
+  const std::vector<float> widened = run.ex.values(run.plan.inputs());
   std::size_t wrong_bits = 0, wrong_values = 0;
   for (std::size_t i = 0; i < raw.size(); ++i) {
     const std::uint16_t bits = cases[i % std::size(cases)].second;

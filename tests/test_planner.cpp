@@ -73,12 +73,12 @@ bool is_persistent(Role r) {
          r == Role::metrics;
 }
 
-enum class Phase { train, optimize, eval };
-const std::vector<Step> &steps_of(const Plan &plan, Phase phase) {
-  return phase == Phase::train ? plan.train : phase == Phase::optimize ? plan.optimize : plan.eval;
+enum class PlanPhase { train, optimize, eval };
+const std::vector<Step> &steps_of(const Plan &plan, PlanPhase phase) {
+  return phase == PlanPhase::train ? plan.train : phase == PlanPhase::optimize ? plan.optimize : plan.eval;
 }
-std::string phase_name(Phase phase) {
-  return phase == Phase::train ? "train" : phase == Phase::optimize ? "optimize" : "eval";
+std::string phase_name(PlanPhase phase) {
+  return phase == PlanPhase::train ? "train" : phase == PlanPhase::optimize ? "optimize" : "eval";
 }
 
 // Replays one phase of a schedule and returns its first problem (empty when there is none):
@@ -94,19 +94,19 @@ std::string phase_name(Phase phase) {
 // - layout: live tensors never overlap, and the highest byte they reach is the phase's planned
 //   peak (peak_bytes for train and optimize, eval_peak_bytes for eval), exactly for train and eval;
 //   in train the activation bytes live at once reach plan.activation_bytes exactly.
-std::string check_schedule(const Plan &plan, Phase phase) {
+std::string check_schedule(const Plan &plan, PlanPhase phase) {
   const std::vector<Step> &steps = steps_of(plan, phase);
   const std::vector<Tensor> &ts = plan.tensors;
   const int n = int(ts.size());
   auto valid = [&](int t) { return 0 <= t && t < n; };
-  auto name = [&](int t) { return valid(t) ? str(ts[t].name.view()) : "tensor #" + std::to_string(t); };
+  auto name = [&](int t) { return valid(t) ? str(name_of(ts[t].key).view()) : "tensor #" + std::to_string(t); };
   auto root = [&](int t) { return ts[t].view_of < 0 ? t : ts[t].view_of; };
   auto persistent = [&](int t) { return is_persistent(ts[root(t)].role); };
   std::vector<char> live(n), written(n), in_flight(n), on_host(n), copying_out(n);
   std::vector<int> freed_while_copying;  // by the previous step
   for (int t = 0; t < n; ++t)
     if (ts[t].view_of < 0 && persistent(t)) live[t] = written[t] = 1;
-  const std::size_t peak = phase == Phase::eval ? plan.eval_peak_bytes : plan.peak_bytes;
+  const std::size_t peak = phase == PlanPhase::eval ? plan.eval_peak_bytes : plan.peak_bytes;
   std::size_t highest = 0, activations_peak = 0;
   for (int i = 0; i < int(steps.size()); ++i) {
     const Step &st = steps[i];
@@ -145,7 +145,7 @@ std::string check_schedule(const Plan &plan, Phase phase) {
     }
     // The kernel: its reads see the state before it, then its writes land.
     for (const Arg &a : st.args) {
-      const std::string arg = "argument " + str(a.name.view()) + " (" + name(a.tensor) + ")";
+      const std::string arg = "argument " + str(name_of(a.key).view()) + " (" + name(a.tensor) + ")";
       if (!valid(a.tensor)) return at + "binds " + arg;
       const bool reads = a.access == Access::read;
       if (!live[root(a.tensor)]) return at + (reads ? "reads " : "writes ") + arg + ", a dead tensor";
@@ -185,9 +185,9 @@ std::string check_schedule(const Plan &plan, Phase phase) {
     if (live[t] && !persistent(t)) return name(t) + " is still live after the last step (never freed)";
     if (in_flight[t]) return name(t) + " is fetched but its arrival is never awaited";
   }
-  if (phase != Phase::optimize && highest != peak)
+  if (phase != PlanPhase::optimize && highest != peak)
     return "the live tensors reach byte " + num(highest) + " but the planned peak is " + num(peak);
-  if (phase == Phase::train && activations_peak != plan.activation_bytes)
+  if (phase == PlanPhase::train && activations_peak != plan.activation_bytes)
     return "the live activations reach " + num(activations_peak) + " bytes but the plan says " +
            num(plan.activation_bytes);
   return {};
@@ -201,7 +201,7 @@ std::string check_schedule(const Plan &plan, Phase phase) {
 std::string check_layout(const Plan &plan) {
   const std::vector<Tensor> &ts = plan.tensors;
   const int n = int(ts.size());
-  auto name = [&](int t) { return str(ts[t].name.view()); };
+  auto name = [&](int t) { return str(name_of(ts[t].key).view()); };
   auto align_up = [](std::size_t v) { return (v + arena_alignment - 1) / arena_alignment * arena_alignment; };
   std::map<std::string, int> by_name;
   std::vector<int> params;  // per-layer parameter views
@@ -223,8 +223,8 @@ std::string check_layout(const Plan &plan) {
     const Tensor &r = ts[x.view_of];
     if (r.role != x.role) return name(t) + " has another role than its root " + name(x.view_of);
     if (x.offset + x.bytes() > r.bytes()) return name(t) + " runs past the end of " + name(x.view_of);
-    if (x.stage >= 0) by_name[name(t)] = t;
-    if (x.stage >= 0 && x.role == Role::params) params.push_back(t);
+    if (x.key.stage >= 0) by_name[name(t)] = t;
+    if (x.key.stage >= 0 && x.role == Role::params) params.push_back(t);
   }
   for (int r = 0; r < 4; ++r)
     if (flat[r] < 0) return "a flat parameter, gradient or AdamW buffer is missing";
@@ -239,8 +239,7 @@ std::string check_layout(const Plan &plan) {
              " (the first boundary after the parameter before)";
     next = align_up(ts[p].offset + ts[p].bytes());
     count += (long long)(ts[p].bytes() / 4);
-    std::string g = name(p);
-    g[g.rfind('.') + 1] = 'g';  // s1.b0.p3_w -> s1.b0.g3_w
+    const std::string g(name_of(key::gradient(ts[p].key)).view());
     const auto it = by_name.find(g);
     if (it == by_name.end() || ts[it->second].role != Role::grads) return name(p) + " has no gradient " + g;
     if (ts[it->second].offset != ts[p].offset || ts[it->second].bytes() != ts[p].bytes())
@@ -257,7 +256,7 @@ std::string check_layout(const Plan &plan) {
 // The layout, then the train, optimize and eval phases; the first problem, named by where it is.
 std::string check_plan(const Plan &plan) {
   if (std::string e = check_layout(plan); !e.empty()) return label(plan) + ": layout: " + e;
-  for (Phase phase : {Phase::train, Phase::optimize, Phase::eval})
+  for (PlanPhase phase : {PlanPhase::train, PlanPhase::optimize, PlanPhase::eval})
     if (std::string e = check_schedule(plan, phase); !e.empty())
       return label(plan) + ": " + phase_name(phase) + ": " + e;
   return {};
@@ -314,7 +313,7 @@ BOOST_AUTO_TEST_CASE(unusual_stacks_plan_consistently) {
         if (st.variant == Variant::backward_saved || st.variant == Variant::backward_selective ||
             st.variant == Variant::backward_recompute) {
           ++backwards;
-          for (const Arg &a : st.args) with_dx += a.name.view() == "dx" && a.access == Access::write;
+          for (const Arg &a : st.args) with_dx += a.key.slot == Slot::input_grad && a.access == Access::write;
         }
       BOOST_TEST(with_dx == backwards - (m.stages[0].repeat > 1 ? 0 : 1), policy_name(p).view());
     }
@@ -387,17 +386,20 @@ BOOST_AUTO_TEST_CASE(replay_reports_corrupted_plans) {
     BOOST_TEST_REQUIRE(false, "no step " << variant_name(v) << " s" << stage << ".b" << block);
     return -1;
   };
-  auto arg_of = [](const Step &st, std::string_view name, Access access) {
+  auto arg_of = [](const Step &st, Slot slot, Access access) {
     for (int k = 0; k < int(st.args.size()); ++k)
-      if (st.args[k].name.view() == name && st.args[k].access == access) return k;
-    BOOST_TEST_REQUIRE(false, "no argument " << name);
+      if (st.args[k].key.slot == slot && st.args[k].access == access) return k;
+    BOOST_TEST_REQUIRE(false, "no argument " << int(slot));
     return -1;
   };
-  auto tensor = [](const Plan &plan, std::string_view name) {
-    const int t = plan.find(name);
-    BOOST_TEST_REQUIRE(t >= 0, "no tensor " << name);
-    return t;
+  auto tensor = [](const Plan &plan, const TensorKey &k) {
+    const TensorId t = plan.find(k);
+    BOOST_TEST_REQUIRE(t.valid(), "no tensor " << name_of(k).view());
+    return t.index;
   };
+  const Block &blocks = mlp::model.stages[1];
+  auto y = [](int b) { return key::block_output().at(1, b); };  // s1.b<b>.y
+  auto dx = [](int b) { return key::input_grad().at(1, b); };   // s1.b<b>.dx
   // MLP under full: train = stem forward, s1.b0..15 forward_discard, head forward, loss, head
   // backward, s1.b15..0 backward_recompute, stem backward.
   const int fwd3 = step_of(good.train, Variant::forward_discard, 1, 3);
@@ -406,13 +408,14 @@ BOOST_AUTO_TEST_CASE(replay_reports_corrupted_plans) {
   {  // a kernel reads a live tensor that nothing has written yet: its own output
     Plan bad = good;
     Step &st = bad.train[fwd3];
-    st.args[arg_of(st, "x", Access::read)].tensor = st.args[arg_of(st, "y", Access::write)].tensor;
+    st.args[arg_of(st, Slot::block_input, Access::read)].tensor =
+        st.args[arg_of(st, Slot::block_output, Access::write)].tensor;
     expect(bad, "reads argument x (s1.b3.y) before it is written", "x bound to y");
   }
   {  // a read bound to a tensor only written later
     Plan bad = good;
     Step &st = bad.train[bwd15];
-    st.args[arg_of(st, "dy", Access::read)].tensor = tensor(bad, "s1.b14.dx");
+    st.args[arg_of(st, Slot::output_grad, Access::read)].tensor = tensor(bad, dx(14));
     expect(bad, "reads argument dy (s1.b14.dx), a dead tensor", "dy bound to a later dx");
   }
   {  // a forward step dropped: the next forward reads an input that never came to life
@@ -423,7 +426,7 @@ BOOST_AUTO_TEST_CASE(replay_reports_corrupted_plans) {
   {  // a backward that no longer writes dx: the next backward reads it unwritten
     Plan bad = good;
     Step &st = bad.train[bwd15];
-    st.args.erase(st.args.begin() + arg_of(st, "dx", Access::write));
+    st.args.erase(st.args.begin() + arg_of(st, Slot::input_grad, Access::write));
     expect(bad,
            "step " + std::to_string(bwd14) +
                " (backward_recompute s1.b14): reads argument dy (s1.b15.dx) before it is written",
@@ -431,24 +434,24 @@ BOOST_AUTO_TEST_CASE(replay_reports_corrupted_plans) {
   }
   {  // a checkpoint freed right after the forward that reads it, not after its backward
     Plan bad = good;
-    const int x = tensor(bad, "s1.b0.y"), fwd1 = step_of(bad.train, Variant::forward_discard, 1, 1);
+    const int x = tensor(bad, y(0)), fwd1 = step_of(bad.train, Variant::forward_discard, 1, 1);
     for (Step &st : bad.train) std::erase(st.free, x);
     bad.train[fwd1].free.push_back(x);
     expect(bad, "reads argument x (s1.b0.y), a dead tensor", "checkpoint freed early");
   }
   {  // a tensor never freed: the input gradient the last step (the stem's backward) reads
     Plan bad = good;
-    std::erase(bad.train.back().free, tensor(bad, "s1.b0.dx"));
+    std::erase(bad.train.back().free, tensor(bad, dx(0)));
     expect(bad, "s1.b0.dx is still live after the last step", "dx leaked");
   }
   {  // a tensor allocated while live
     Plan bad = good;
-    bad.train[fwd3 + 1].alloc.push_back(tensor(bad, "s1.b2.y"));
+    bad.train[fwd3 + 1].alloc.push_back(tensor(bad, y(2)));
     expect(bad, "allocates s1.b2.y, already live", "allocated twice");
   }
   {  // two live tensors at one offset
     Plan bad = good;
-    bad.tensors[tensor(bad, "s1.b0.y")].offset = bad.tensors[tensor(bad, "s1.b1.y")].offset;
+    bad.tensors[tensor(bad, y(0))].offset = bad.tensors[tensor(bad, y(1))].offset;
     expect(bad, "overlaps", "overlap");
   }
   {  // the planned numbers must be the replay's
@@ -465,8 +468,8 @@ BOOST_AUTO_TEST_CASE(replay_reports_corrupted_plans) {
   {  // optimize: AdamW's moment update bound to an activation, dead in that phase
     Plan bad = good;
     Step &st = bad.optimize[0];
-    st.args[arg_of(st, "adamw.1", Access::write)].tensor = tensor(bad, "s1.b0.y");
-    expect(bad, "optimize: step 0 (adamw s-1.b0): writes argument adamw.1 (s1.b0.y), a dead tensor", "adamw.1");
+    st.args[arg_of(st, Slot::adamw_m, Access::write)].tensor = tensor(bad, y(0));
+    expect(bad, "optimize: step 0 (adamw s-1.b0): writes argument m (s1.b0.y), a dead tensor", "adamw's m");
   }
   {  // eval: its first forward dropped
     Plan bad = good;
@@ -476,11 +479,12 @@ BOOST_AUTO_TEST_CASE(replay_reports_corrupted_plans) {
   }
   {  // layout: a parameter off its place, off alignment, or apart from its gradient
     Plan moved = good, unaligned = good, apart = good;
-    moved.tensors[tensor(moved, "s1.b3.p2_w")].offset += arena_alignment;
+    moved.tensors[tensor(moved, key::parameter(blocks, 2, 0).at(1, 3))].offset += arena_alignment;
     expect(moved, "layout: s1.b3.p2_w starts at byte", "parameter moved");
-    unaligned.tensors[tensor(unaligned, "s1.b3.p2_b")].offset += 4;
+    unaligned.tensors[tensor(unaligned, key::parameter(blocks, 2, 1).at(1, 3))].offset += 4;
     expect(unaligned, "layout: s1.b3.p2_b starts at byte", "parameter unaligned");
-    std::swap(apart.tensors[tensor(apart, "s1.b3.g2_b")].offset, apart.tensors[tensor(apart, "s1.b3.g4_b")].offset);
+    std::swap(apart.tensors[tensor(apart, key::gradient(key::parameter(blocks, 2, 1)).at(1, 3))].offset,
+              apart.tensors[tensor(apart, key::gradient(key::parameter(blocks, 4, 1)).at(1, 3))].offset);
     expect(apart, "does not sit where", "gradient apart from its parameter");
   }
 
@@ -500,7 +504,7 @@ BOOST_AUTO_TEST_CASE(replay_reports_corrupted_plans) {
     Plan bad = off;
     bad.train[fetching].fetch.erase(bad.train[fetching].fetch.begin());
     std::erase(bad.train[fetching + 1].await_in, restored);
-    expect(bad, "(" + str(off.tensors[restored].name.view()) + ") before it is written", "fetch dropped");
+    expect(bad, "(" + str(name_of(off.tensors[restored].key).view()) + ") before it is written", "fetch dropped");
   }
   {  // the fetch but no wait for it
     Plan bad = off;
@@ -510,7 +514,7 @@ BOOST_AUTO_TEST_CASE(replay_reports_corrupted_plans) {
   {  // a wait for a fetch never started
     Plan bad = off;
     bad.train[fetching].fetch.erase(bad.train[fetching].fetch.begin());
-    expect(bad, "awaits the arrival of " + str(off.tensors[restored].name.view()) + ", which nothing fetches",
+    expect(bad, "awaits the arrival of " + str(name_of(off.tensors[restored].key).view()) + ", which nothing fetches",
            "fetch dropped, await_in kept");
   }
   {  // memory reused while its copy-out may run
@@ -567,14 +571,14 @@ namespace {
 // A plan frozen at compile time: one constant evaluation of make_plan per table, copied into
 // arrays (a constexpr Plan cannot outlive its evaluation: it owns vectors).
 struct TensorRow {
-  Name name;
+  TensorKey key;
   Role role;
   int view_of;
   std::size_t offset, bytes;
 };
 struct ArgRow {  // the arguments of every train step, in order
   int step;
-  Name name;
+  TensorKey key;
   int tensor;
   Access access;
 };
@@ -603,7 +607,7 @@ struct Frozen {
     std::array<TensorRow, numbers.tensors> rows{};
     for (std::size_t i = 0; i < rows.size(); ++i) {
       const Tensor &t = p.tensors[i];
-      rows[i] = {t.name, t.role, t.view_of, t.offset, t.bytes()};
+      rows[i] = {t.key, t.role, t.view_of, t.offset, t.bytes()};
     }
     return rows;
   }();
@@ -612,7 +616,7 @@ struct Frozen {
     std::array<ArgRow, numbers.train_args> rows{};
     std::size_t k = 0;
     for (int i = 0; i < int(p.train.size()); ++i)
-      for (const Arg &a : p.train[i].args) rows[k++] = {i, a.name, a.tensor, a.access};
+      for (const Arg &a : p.train[i].args) rows[k++] = {i, a.key, a.tensor, a.access};
     return rows;
   }();
 };
@@ -666,11 +670,11 @@ void compare_with_frozen(const Plan &plan) {
   for (std::size_t i = 0; i < F::tensors.size(); ++i) {
     const Tensor &t = plan.tensors[i];
     const TensorRow &c = F::tensors[i];
-    BOOST_TEST(t.name.view() == c.name.view());
-    BOOST_TEST((t.role == c.role), t.name.view());
-    BOOST_TEST(t.view_of == c.view_of, t.name.view());
-    BOOST_TEST(t.offset == c.offset, t.name.view());
-    BOOST_TEST(t.bytes() == c.bytes, t.name.view());
+    BOOST_TEST(name_of(t.key).view() == name_of(c.key).view());
+    BOOST_TEST((t.role == c.role), name_of(t.key).view());
+    BOOST_TEST(t.view_of == c.view_of, name_of(t.key).view());
+    BOOST_TEST(t.offset == c.offset, name_of(t.key).view());
+    BOOST_TEST(t.bytes() == c.bytes, name_of(t.key).view());
   }
   BOOST_TEST_REQUIRE(plan.train.size() == n.train_steps);
   std::size_t k = 0;
@@ -679,9 +683,9 @@ void compare_with_frozen(const Plan &plan) {
       BOOST_TEST_REQUIRE(k < F::train_args.size());
       const ArgRow &c = F::train_args[k++];
       BOOST_TEST(c.step == i);
-      BOOST_TEST(a.name.view() == c.name.view(), "step " << i);
-      BOOST_TEST(a.tensor == c.tensor, "step " << i << " " << a.name.view());
-      BOOST_TEST((a.access == c.access), "step " << i << " " << a.name.view());
+      BOOST_TEST(name_of(a.key).view() == name_of(c.key).view(), "step " << i);
+      BOOST_TEST(a.tensor == c.tensor, "step " << i << " " << name_of(a.key).view());
+      BOOST_TEST((a.access == c.access), "step " << i << " " << name_of(a.key).view());
     }
   BOOST_TEST(k == F::train_args.size());
   const std::string problem = check_plan(plan);
@@ -742,30 +746,28 @@ BOOST_AUTO_TEST_CASE(bf16_plans_differ_only_in_activation_sizes) {
     std::vector<Tensor> same;
     std::vector<int> to_fp32;  // bf16 tensor -> the fp32 plan's tensor; -1 for the weight copies
     for (const Tensor &t : bf16.tensors) {
-      if (!t.name.view().ends_with("_w16")) {
+      if (!(t.key.slot == Slot::weight_copy && t.key.index == 0)) {  // not p<k>_w16
         to_fp32.push_back(int(same.size()));
         same.push_back(t);
         continue;
       }
       to_fp32.push_back(-1);
-      BOOST_TEST((t.role == Role::scratch && t.elem_bytes == 2 && t.dims == 2), t.name.view());
+      BOOST_TEST((t.role == Role::scratch && t.elem_bytes == 2 && t.dims == 2), name_of(t.key).view());
     }
     BOOST_TEST_REQUIRE(fp32.tensors.size() == same.size());
     BOOST_TEST(bf16.peak_bytes < fp32.peak_bytes);
     BOOST_TEST(bf16.offload_bytes * 2 == fp32.offload_bytes);
     for (std::size_t i = 0; i < fp32.tensors.size(); ++i) {
       const Tensor &a = fp32.tensors[i], &b = same[i];
-      BOOST_TEST(a.name.view() == b.name.view());
-      BOOST_TEST((a.role == b.role), a.name.view());
-      BOOST_TEST(a.view_of == (b.view_of < 0 ? -1 : to_fp32[b.view_of]), a.name.view());
-      const std::string_view local = a.name.view().substr(a.name.view().rfind('.') + 1);
-      const bool statistic = local.starts_with("mean") || local.starts_with("rstd") || local.ends_with("_lse") ||
-                             local.ends_with("_delta") || (local.starts_with("s") && a.dims == 1);
+      BOOST_TEST(name_of(a.key).view() == name_of(b.key).view());
+      BOOST_TEST((a.role == b.role), name_of(a.key).view());
+      BOOST_TEST(a.view_of == (b.view_of < 0 ? -1 : to_fp32[b.view_of]), name_of(a.key).view());
+      const bool statistic = a.kind == LocalTensor::Kind::statistic;  // statistics, row sums, dp<k>
       const bool fp32_always = a.role == Role::params || a.role == Role::grads || a.role == Role::adam_m ||
-                               a.role == Role::adam_v || a.role == Role::metrics || a.name.view() == "labels" ||
-                               a.name.view() == "inputs" || statistic;
+                               a.role == Role::adam_v || a.role == Role::metrics || a.key.slot == Slot::labels ||
+                               a.key.slot == Slot::inputs || statistic;
       BOOST_TEST(a.elem_bytes == 4);
-      BOOST_TEST(b.elem_bytes == (fp32_always ? 4 : 2), a.name.view());
+      BOOST_TEST(b.elem_bytes == (fp32_always ? 4 : 2), name_of(a.key).view());
     }
     // The same steps: each binds the same tensors the same way, the weight copies aside.
     auto ids = [&](const std::vector<int> &list, bool map) {
@@ -778,7 +780,7 @@ BOOST_AUTO_TEST_CASE(bf16_plans_differ_only_in_activation_sizes) {
       std::string out;
       for (const Arg &a : list)
         if (!map || to_fp32[a.tensor] >= 0)
-          out += str(a.name.view()) + (a.access == Access::read ? "<" : ">") +
+          out += str(name_of(a.key).view()) + (a.access == Access::read ? "<" : ">") +
                  std::to_string(map ? to_fp32[a.tensor] : a.tensor) + " ";
       return out;
     };
@@ -787,7 +789,7 @@ BOOST_AUTO_TEST_CASE(bf16_plans_differ_only_in_activation_sizes) {
       for (auto [a, b] : list) flat.insert(flat.end(), {a, b});
       return ids(flat, map);
     };
-    for (Phase phase : {Phase::train, Phase::optimize, Phase::eval}) {
+    for (PlanPhase phase : {PlanPhase::train, PlanPhase::optimize, PlanPhase::eval}) {
       const std::vector<Step> &s32 = steps_of(fp32, phase), &s16 = steps_of(bf16, phase);
       BOOST_TEST_REQUIRE(s32.size() == s16.size(), phase_name(phase));
       for (std::size_t i = 0; i < s32.size(); ++i) {
@@ -806,9 +808,9 @@ BOOST_AUTO_TEST_CASE(bf16_plans_differ_only_in_activation_sizes) {
       }
     }
   }
-  BOOST_TEST(kernel_name("gpt", 1, Variant::backward_recompute, Precision::bf16).view() ==
+  BOOST_TEST(name_of("gpt", kernel_key(1, Variant::backward_recompute, Precision::bf16)).view() ==
              "gpt_s1_backward_recompute_bf16");
-  BOOST_TEST(kernel_name("gpt", 0, Variant::adamw, Precision::bf16).view() == "gpt_adamw");
+  BOOST_TEST(name_of("gpt", kernel_key(0, Variant::adamw, Precision::bf16)).view() == "gpt_adamw");
 }
 
 // Library-GEMM plans (the CUDA and OpenCL kernels): every linear input and output is a buffer,
@@ -824,8 +826,8 @@ BOOST_AUTO_TEST_CASE(library_gemm_plans_replay_without_overlap) {
         BOOST_TEST(problem.empty(), problem);
         bool copies = false;
         for (const Tensor &t : plan.tensors) {
-          BOOST_TEST(!t.name.view().ends_with("_wt"), t.name.view());
-          copies |= t.name.view().ends_with("_w16");
+          BOOST_TEST((t.key.slot != Slot::weight_transposed), name_of(t.key).view());
+          copies |= t.key.slot == Slot::weight_copy && t.key.index == 0;
         }
         BOOST_TEST(copies == (precision == Precision::bf16));
       }
@@ -838,7 +840,9 @@ BOOST_AUTO_TEST_CASE(library_gemm_plans_replay_without_overlap) {
   auto forward_writes_layer_norm_output = [](const Plan &plan) {
     for (const Step &st : plan.train)
       if (st.stage == 1 && st.block == 0 && st.variant == Variant::forward_discard)
-        return ranges::any_of(st.args, [](const Arg &a) { return a.name.view() == "h1" && a.access == Access::write; });
+        return ranges::any_of(st.args, [](const Arg &a) {
+          return a.key.slot == Slot::layer_output && a.key.layer == 1 && a.access == Access::write;
+        });
     return false;
   };
   BOOST_TEST(forward_writes_layer_norm_output(make_plan(gpt::model, full, 4, Precision::fp32, Gemms::library)));
@@ -855,9 +859,9 @@ BOOST_AUTO_TEST_CASE(gpt_never_stores_attention_matrices) {
     const Plan plan = make_plan(gpt::model, p, 4);
     for (const Tensor &t : plan.tensors)
       if ((is_activation(t.role) || t.role == Role::scratch || t.role == Role::gradient) &&
-          !t.name.view().ends_with("_wt")) {  // transposed weights are [O, K] workspace
-        BOOST_TEST_REQUIRE(t.extent[t.dims - 1] == plan.rows, t.name.view());
-        if (t.dims == 2) BOOST_TEST(widths.count(t.extent[0]) == 1u, t.name.view() << " width " << t.extent[0]);
+          t.key.slot != Slot::weight_transposed) {  // transposed weights are [O, K] workspace
+        BOOST_TEST_REQUIRE(t.extent[t.dims - 1] == plan.rows, name_of(t.key).view());
+        if (t.dims == 2) BOOST_TEST(widths.count(t.extent[0]) == 1u, name_of(t.key).view() << " width " << t.extent[0]);
       }
   }
 }
@@ -897,7 +901,7 @@ BOOST_AUTO_TEST_CASE(offload_schedules_transfers_one_step_ahead) {
       for (auto [x, r] : train[i].fetch) {
         ++fetched;
         BOOST_TEST(r != x);
-        BOOST_TEST(plan.tensors[x].name.view() == plan.tensors[r].name.view());
+        BOOST_TEST(name_of(plan.tensors[x].key).view() == name_of(plan.tensors[r].key).view());
         BOOST_TEST(plan.tensors[x].bytes() == plan.tensors[r].bytes());
         BOOST_TEST(has(train[i].alloc, r));
         BOOST_TEST(!binds(train[i], r));
@@ -906,7 +910,7 @@ BOOST_AUTO_TEST_CASE(offload_schedules_transfers_one_step_ahead) {
         BOOST_TEST(has(train[i + 1].await_in, r));
         bool copied_out_before = false;  // by an earlier step
         for (int j = 0; j < i; ++j) copied_out_before |= has(train[j].offload, x);
-        BOOST_TEST(copied_out_before, plan.tensors[x].name.view());
+        BOOST_TEST(copied_out_before, name_of(plan.tensors[x].key).view());
       }
     }
     BOOST_TEST(offloaded == plan.offload_bytes);
@@ -930,8 +934,7 @@ BOOST_AUTO_TEST_CASE(optimizer_updates_every_parameter_once) {
       for (Gemms gemms : {Gemms::halide, Gemms::library}) {
         const Plan plan = make_plan(m, full, 4, precision, gemms);
         const std::vector<Tensor> &ts = plan.tensors;
-        const int params = plan.find("params");
-        BOOST_TEST_REQUIRE(params >= 0);
+        const int params = plan.params().index;
         struct Range {
           std::size_t begin, end;
           bool decayed;
@@ -939,27 +942,27 @@ BOOST_AUTO_TEST_CASE(optimizer_updates_every_parameter_once) {
         std::vector<Range> ranges_;
         for (const Step &st : plan.optimize) {
           BOOST_TEST_REQUIRE((st.variant == Variant::adamw));
-          auto bound = [&](std::string_view name, Access access) {
+          auto bound = [&](Slot slot, Access access) {
             int t = -1, count = 0;
             for (const Arg &a : st.args)
-              if (a.name.view() == name && a.access == access) t = a.tensor, ++count;
+              if (a.key.slot == slot && a.access == access) t = a.tensor, ++count;
             return count == 1 ? t : -1;
           };
-          const int p = bound("p", Access::read), g = bound("g", Access::read), mm = bound("m", Access::read),
-                    v = bound("v", Access::read);
+          const int p = bound(Slot::adamw_param, Access::read), g = bound(Slot::adamw_grad, Access::read),
+                    mm = bound(Slot::adamw_m, Access::read), v = bound(Slot::adamw_v, Access::read);
           BOOST_TEST_REQUIRE((p >= 0 && g >= 0 && mm >= 0 && v >= 0));
-          BOOST_TEST(bound("adamw.0", Access::write) == p);
-          BOOST_TEST(bound("adamw.1", Access::write) == mm);
-          BOOST_TEST(bound("adamw.2", Access::write) == v);
+          BOOST_TEST(bound(Slot::adamw_param, Access::write) == p);
+          BOOST_TEST(bound(Slot::adamw_m, Access::write) == mm);
+          BOOST_TEST(bound(Slot::adamw_v, Access::write) == v);
           BOOST_TEST(st.args.size() == 7u);  // nothing else, and the gradients are only read
           const Role roles[4] = {Role::params, Role::grads, Role::adam_m, Role::adam_v};
           const int views[4] = {p, g, mm, v};
           for (int k = 0; k < 4; ++k) {
             const Tensor &t = ts[views[k]];
             BOOST_TEST_REQUIRE(t.view_of >= 0);
-            BOOST_TEST((t.role == roles[k] && ts[t.view_of].role == roles[k]), t.name.view());
-            BOOST_TEST(t.offset == ts[p].offset, t.name.view());
-            BOOST_TEST(t.bytes() == ts[p].bytes(), t.name.view());
+            BOOST_TEST((t.role == roles[k] && ts[t.view_of].role == roles[k]), name_of(t.key).view());
+            BOOST_TEST(t.offset == ts[p].offset, name_of(t.key).view());
+            BOOST_TEST(t.bytes() == ts[p].bytes(), name_of(t.key).view());
           }
           BOOST_TEST(ts[p].offset == (ranges_.empty() ? 0 : ranges_.back().end));
           ranges_.push_back({ts[p].offset, ts[p].offset + ts[p].bytes(), st.weight_decay});
@@ -967,15 +970,14 @@ BOOST_AUTO_TEST_CASE(optimizer_updates_every_parameter_once) {
         BOOST_TEST_REQUIRE(!ranges_.empty());
         BOOST_TEST(ranges_.back().end == ts[params].bytes());
         for (const Tensor &t : ts) {
-          if (t.role != Role::params || t.view_of < 0 || t.stage < 0) continue;
+          if (t.role != Role::params || t.view_of < 0 || t.key.stage < 0) continue;
           int in = 0;
           bool decayed = false;
           for (const Range &r : ranges_)
             if (r.begin <= t.offset && t.offset + t.bytes() <= r.end) ++in, decayed = r.decayed;
-          BOOST_TEST(in == 1, t.name.view());
-          const bool linear_weight =
-              m.stages[t.stage].layers[t.layer].op == Op::linear && t.name.view().ends_with("_w");
-          BOOST_TEST(decayed == linear_weight, t.name.view());
+          BOOST_TEST(in == 1, name_of(t.key).view());
+          const bool linear_weight = t.key.op == Op::linear && t.key.index == 0;
+          BOOST_TEST(decayed == linear_weight, name_of(t.key).view());
         }
       }
 }
@@ -1274,7 +1276,7 @@ BOOST_AUTO_TEST_CASE(least_memory_is_the_memory_poor_extreme) {
     std::vector<char> on(p.tensors.size());
     for (const Step &st : p.train) {
       for (int t : st.alloc)
-        if (p.tensors[t].local.view() == "y") on[t] = 1, ++live;
+        if (p.tensors[t].key.slot == Slot::block_output) on[t] = 1, ++live;
       most = std::max(most, live);
       for (int t : st.free)
         if (on[t]) on[t] = 0, --live;
@@ -1319,7 +1321,7 @@ void expect_same_plan(const Plan &a, const Plan &b) {
   BOOST_TEST_REQUIRE(a.train.size() == b.train.size());
   BOOST_TEST_REQUIRE(a.tensors.size() == b.tensors.size());
   for (std::size_t t = 0; t < a.tensors.size(); ++t) {
-    BOOST_TEST(a.tensors[t].name.view() == b.tensors[t].name.view());
+    BOOST_TEST(name_of(a.tensors[t].key).view() == name_of(b.tensors[t].key).view());
     BOOST_TEST(a.tensors[t].offset == b.tensors[t].offset);
     BOOST_TEST(a.tensors[t].bytes() == b.tensors[t].bytes());
   }
@@ -1361,7 +1363,8 @@ BOOST_AUTO_TEST_CASE(annotations_equal_the_run_time_policy) {
     const Plan sel = make_plan(annotated_model, selective, 8, Precision::fp32, g);
     std::set<std::string> kept;
     for (const Tensor &t : sel.tensors)
-      if (t.stage == 1 && t.block == 0 && t.role == Role::internal) kept.insert(str(t.local.view()));
+      if (t.key.stage == 1 && t.key.block == 0 && t.role == Role::internal)
+        kept.insert(str(name_of(t.key.local()).view()));
     BOOST_TEST((kept == std::set<std::string>{"h3", "h10", "rstd1", "rstd8", "att4_lse"}), fmt_set(kept));
   }
 }
@@ -1377,16 +1380,17 @@ BOOST_AUTO_TEST_CASE(named_internals_are_offloaded) {
     without.stage[1].selection.offloaded = 0;
     const Plan a = make_plan(zoo_gated::model, with, 8, Precision::fp32, g);
     const Plan b = make_plan(zoo_gated::model, without, 8, Precision::fp32, g);
-    for (Phase phase : {Phase::train, Phase::optimize, Phase::eval}) BOOST_TEST(check_schedule(a, phase) == "");
+    for (PlanPhase phase : {PlanPhase::train, PlanPhase::optimize, PlanPhase::eval})
+      BOOST_TEST(check_schedule(a, phase) == "");
     std::set<std::string> out, in;
     std::size_t host_bytes = 0;
     for (const Step &st : a.train) {
       for (int t : st.offload) {
-        out.insert(str(a.tensors[t].name.view()));
+        out.insert(str(name_of(a.tensors[t].key).view()));
         host_bytes += align_up(a.tensors[t].bytes());
       }
       for (auto [host, into] : st.fetch) {
-        in.insert(str(a.tensors[host].name.view()));
+        in.insert(str(name_of(a.tensors[host].key).view()));
         // the restored copy is read by its own block's selective backward, and by nothing before it
         int reader = -1;
         for (int i = 0; i < int(a.train.size()) && reader < 0; ++i)
@@ -1394,7 +1398,7 @@ BOOST_AUTO_TEST_CASE(named_internals_are_offloaded) {
             if (arg.tensor == into) reader = i;
         BOOST_TEST_REQUIRE(reader >= 0);
         BOOST_TEST((a.train[reader].variant == Variant::backward_selective && a.train[reader].stage == 1 &&
-                    a.train[reader].block == a.tensors[host].block));
+                    a.train[reader].block == a.tensors[host].key.block));
       }
     }
     BOOST_TEST((out == std::set<std::string>{"s1.b0.h10", "s1.b1.h10", "s1.b2.h10"}), fmt_set(out));

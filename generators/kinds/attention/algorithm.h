@@ -1,17 +1,18 @@
-// Halide algorithms for the transformer-specific layers: causal multi-head self-attention
-// (forward with per-row log-sum-exp, FlashAttention-style backward that rebuilds the
-// probabilities), dropout driven by a stateless counter-based RNG (so recompute reproduces the
-// mask bit for bit), and token + position embedding. Same conventions as layers.h: element type
-// a parameter, hand-written vector-Jacobian rules, no schedules (the model compiler adds them).
+// The attention kind's algorithm: causal multi-head (or grouped-query) self-attention on fused
+// [q | k | v] rows, forward with a per-row log-sum-exp and a FlashAttention-style backward that
+// rebuilds the probabilities from it, by rows (any target) or by (sequence, head) tiles (the CPU),
+// dropout on the probabilities from the counter-based RNG. Same conventions as layers.h: element
+// type a parameter, hand-written vector-Jacobian rules, no schedules (schedule.h).
 //
-// Layout: an activation [rows, C] is a Func f(c, b), c the contiguous feature index, b the row.
-// Sequences: row b = n * T + t (n the sequence in the batch, t its position, T the block size,
-// a compile-time int); the number of sequences N = rows / T is dynamic.
+// Layout: an activation [rows, C] is a Func f(c, b), c the contiguous feature index, b the row
+// n * T + t (sequences.h).
 #pragma once
 
-#include "layers.h"
-
 #include <Halide.h>
+
+#include "kinds/dropout/algorithm.h"
+#include "layers.h"
+#include "sequences.h"
 
 #include <cmath>
 #include <cstdint>
@@ -21,80 +22,6 @@
 
 namespace remat::gen {
 
-// ---- Counter-based RNG ---------------------------------------------------------------------
-// splitmix64's output function (Stafford's "Mix13" finalizer): a bijection on 64-bit words with
-// full avalanche. All arithmetic is UInt(64), multiplication wrapping mod 2^64.
-inline Halide::Expr mix64(Halide::Expr x) {
-  using namespace Halide;
-  x = cast(UInt(64), x);
-  x = x ^ (x >> 30);
-  x = x * Expr(uint64_t{0xbf58476d1ce4e5b9ULL});
-  x = x ^ (x >> 27);
-  x = x * Expr(uint64_t{0x94d049bb133111ebULL});
-  x = x ^ (x >> 31);
-  return x;
-}
-inline constexpr uint64_t rng_golden = 0x9e3779b97f4a7c15ULL;  // splitmix64's increment
-
-// Stateless 64-bit hash of the counters (seed, step, block, element), each widened to UInt(64):
-//   key = mix64(mix64(mix64(seed + G) + (step + 1) G) + (block + 1) G)
-//   out = mix64(key + (element + 1) G)          with G = rng_golden
-// i.e. the three outer counters pick a splitmix64 stream and `element` indexes into it exactly
-// as splitmix64 does (its n-th output is mix64(state0 + n G)). No state: evaluating it again,
-// in another pipeline or on another device, gives identical bits.
-inline Halide::Expr counter_hash(Halide::Expr seed, Halide::Expr step, Halide::Expr block, Halide::Expr element) {
-  using namespace Halide;
-  auto u = [](Expr e) { return cast(UInt(64), e); };
-  const Expr G(rng_golden);
-  Expr key = mix64(u(seed) + G);
-  key = mix64(key + (u(step) + Expr(uint64_t{1})) * G);
-  key = mix64(key + (u(block) + Expr(uint64_t{1})) * G);
-  return mix64(key + (u(element) + Expr(uint64_t{1})) * G);
-}
-// Drop threshold on the hash's top 32 bits: an element is kept when (hash >> 32) >= threshold,
-// so P(keep) = 1 - threshold / 2^32 = 1 - p up to 2^-33. p = 0 gives threshold 0: always kept.
-inline uint64_t drop_threshold(double p) {
-  if (!(p >= 0 && p < 1)) throw std::invalid_argument("remat: dropout probability must be in [0, 1)");
-  return static_cast<uint64_t>(std::llround(p * 4294967296.0));
-}
-// Bool: whether the element is kept; threshold is a UInt(64) Expr (a run-time parameter or a
-// constant from drop_threshold).
-inline Halide::Expr keep_mask(Halide::Expr seed, Halide::Expr step, Halide::Expr block, Halide::Expr element,
-                              Halide::Expr threshold) {
-  using namespace Halide;
-  return (counter_hash(seed, step, block, element) >> 32) >= cast(UInt(64), threshold);
-}
-inline Halide::Expr keep_mask(Halide::Expr seed, Halide::Expr step, Halide::Expr block, Halide::Expr element,
-                              double p) {
-  return keep_mask(seed, step, block, element, Halide::Expr(drop_threshold(p)));
-}
-
-// Dropout configuration. seed: per run; step: training step; block: which dropout site (layer
-// index times a site count, say) so that sites never share a mask. The probability is either a
-// constant (p == 0 then builds no mask and no scaling at all) or run-time parameters: the
-// threshold of keep_mask and the scale 1 / (1 - p) (threshold 0 and scale 1 keep every element
-// and multiply by exactly 1).
-struct Dropout {
-  Halide::Expr seed, step, block, threshold, scale;
-  bool enabled = false;
-  Dropout() = default;
-  Dropout(Halide::Expr seed, Halide::Expr step, Halide::Expr block, double p)
-      : seed(seed),
-        step(step),
-        block(block),
-        threshold(Halide::Expr(drop_threshold(p))),
-        scale(Halide::Expr(p == 0 ? 1.0 : 1 / (1 - p))),
-        enabled(p != 0) {}
-  Dropout(Halide::Expr seed, Halide::Expr step, Halide::Expr block, Halide::Expr threshold, Halide::Expr scale)
-      : seed(seed), step(step), block(block), threshold(threshold), scale(scale), enabled(true) {}
-  Dropout at(Halide::Expr site) const {  // the same configuration for another site
-    Dropout d = *this;
-    d.block = site;
-    return d;
-  }
-};
-
-// ---- Transformer layers ----------------------------------------------------------------------
 struct Attention {
   Halide::Func out;      // out(c, b), c in [0, C): sum_{s <= t} drop(P)(s) v(s) per head, stored
   Halide::Func sum;      // the sum itself, in the element type
@@ -123,9 +50,6 @@ struct AttentionGrad {
   Halide::Func delta;       // delta(h, b) = sum_d dout * out over the head
   ScoreGradChain q;         // query side: f(s, h, b) for query row b and key position s (read by dq)
   ScoreGradChain kv;        // key side: f(t, h, b) for key row b and query position t (dk, dv)
-};
-struct EmbeddingGrad {
-  Halide::Func dwte, dwpe;
 };
 // The same attention forward by (sequence, head) tiles, for the CPU: f(t, s, h, n) for query
 // position t, key position s, head h and sequence n (row n T + t). A schedule computes a whole
@@ -165,34 +89,9 @@ struct AttentionTilesGrad {
                                   // position of dq, the key position of dk and dv
 };
 
-class Transformer {
+class CausalAttention {
 public:
-  // block_size: T, the sequence length; rows are n * T + t.
-  Transformer(const Layers &layers, int block_size) : L(layers), v(layers.v), T(block_size) {
-    if (T < 1) throw std::invalid_argument("remat: block size must be >= 1");
-  }
-
-  // ---- Dropout on a generic activation [rows, width]: element index = c + width * b --------
-  Halide::Expr activation_element(Halide::Expr c, Halide::Expr b, int width) const {
-    using namespace Halide;
-    return cast(UInt(64), c) + cast(UInt(64), b) * Expr(uint64_t(width));
-  }
-  // keep / (1 - p) for one element: 0 or 1 / (1 - p), in the element type.
-  Halide::Expr dropout_factor(const Dropout &d, Halide::Expr element) const {
-    return Halide::select(keep_mask(d.seed, d.step, d.block, element, d.threshold), Halide::cast(L.t, d.scale),
-                          L.constant(0));
-  }
-  // y = x * keep / (1 - p)
-  Halide::Func dropout(const std::string &name, Halide::Func x, int width, const Dropout &d) const {
-    Halide::Func y(name);
-    y(v.c, v.b) =
-        d.enabled ? x(v.c, v.b) * dropout_factor(d, activation_element(v.c, v.b, width)) : Halide::Expr(x(v.c, v.b));
-    return y;
-  }
-  // dx = dy * keep / (1 - p), the same mask recomputed from the counters
-  Halide::Func dropout_grad(const std::string &name, Halide::Func dy, int width, const Dropout &d) const {
-    return dropout(name, dy, width, d);  // the rule is linear and self-adjoint
-  }
+  explicit CausalAttention(const Sequences &sequences) : L(sequences.L), v(sequences.v), T(sequences.T) {}
 
   // ---- Causal multi-head self-attention ------------------------------------------------------
   // Attention-dropout element index of P(h, n, t, s): ((n * H + h) * T + t) * T + s, with
@@ -214,17 +113,17 @@ public:
     using namespace Halide;
     const int D = head_dim(C, H);
     const Heads hd{C, H, KV ? KV : H};
-    Attention a{Func(out_name.empty() ? name : out_name), Func(name + "_sum"), Func(name + "_lse")};
+    Attention a{Func(out_name.empty() ? name : out_name), Func(part(name, "sum")), Func(part(name, "lse"))};
     const Expr t = v.b % T;
     // Statistics from their own score chain, so that a schedule computes it per row of lse.
-    Scores sl = scores(name + "_l", qkv, hd);
+    Scores sl = scores(part(name, "l"), qkv, hd);
     a.lse_dot = sl.dot;
-    RDom r(0, T, name + "_s");
+    RDom r(0, T, part(name, "s"));
     r.where(r <= t);  // causal: keys s <= t only
-    a.row_max = Func(name + "_row_max");
+    a.row_max = Func(part(name, "row_max"));
     a.row_max(h, v.b) = sl.score(0, h, v.b);
     a.row_max(h, v.b) = max(a.row_max(h, v.b), sl.score(r, h, v.b));
-    a.sum_exp = Func(name + "_sum_exp");
+    a.sum_exp = Func(part(name, "sum_exp"));
     a.sum_exp(h, v.b) = L.constant(0);
     a.sum_exp(h, v.b) += exp(sl.score(r, h, v.b) - a.row_max(h, v.b));
     a.lse(h, v.b) = a.row_max(h, v.b) + log(a.sum_exp(h, v.b));
@@ -233,7 +132,7 @@ public:
     a.score = sc.score;
     a.prob = probabilities(name, a.score, saved_lse ? *saved_lse : a.lse);
     dropout_probabilities(name, a.prob, H, drop, a.keep, a.kept);
-    RDom r2(0, T, name + "_sv");
+    RDom r2(0, T, part(name, "sv"));
     r2.where(r2 <= t);
     const Expr n = v.b / T;
     a.sum(v.c, v.b) = L.constant(0);
@@ -254,29 +153,29 @@ public:
     const Heads hd{C, H, KV ? KV : H};
     AttentionGrad g;
     g.dqkv = Func(name);
-    g.dq = Func(name + "_dq");
-    g.dk = Func(name + "_dk");
-    g.dv = Func(name + "_dv");
+    g.dq = Func(part(name, "dq"));
+    g.dk = Func(part(name, "dk"));
+    g.dv = Func(part(name, "dv"));
     const Expr n = v.b / T, t = v.b % T, scale = L.constant(1 / std::sqrt(double(D)));
 
     g.delta = attention_delta(name, out, dout, C, H);
     // query side: f(s, h, b) for query row b, key position s; key side: f(t, h, b) for key
     // row b, query position t. Each is indexed by the row where it is consumed.
-    g.q = score_grad_chain(name + "_q", qkv, lse, dout, g.delta, hd, drop, v.b, n * T + s, s);
-    g.kv = score_grad_chain(name + "_kv", qkv, lse, dout, g.delta, hd, drop, n * T + s, v.b, t);
+    g.q = score_grad_chain(part(name, "q"), qkv, lse, dout, g.delta, hd, drop, v.b, n * T + s, s);
+    g.kv = score_grad_chain(part(name, "kv"), qkv, lse, dout, g.delta, hd, drop, n * T + s, v.b, t);
 
     // dq(b) = sum_{s <= t} dS(s) k(n T + s) / sqrt(D)
-    RDom rq(0, T, name + "_dq_s");
+    RDom rq(0, T, part(name, "dq_s"));
     rq.where(rq <= t);
     g.dq(v.c, v.b) = L.constant(0);
     g.dq(v.c, v.b) += g.q.dscore(rq, v.c / D, v.b) * qkv(hd.column(1, v.c), n * T + rq) * scale;
     // Key/value row b = n T + s: sums over the queries t' >= s of the same sequence, from the
     // key-side chain (indexed by query position, head and key row); dk and dv by query head.
-    RDom rk(0, T, name + "_dk_t");
+    RDom rk(0, T, part(name, "dk_t"));
     rk.where(rk >= t);
     g.dk(v.c, v.b) = L.constant(0);
     g.dk(v.c, v.b) += g.kv.dscore(rk, v.c / D, v.b) * qkv(v.c, n * T + rk) * scale;
-    RDom rv(0, T, name + "_dv_t");
+    RDom rv(0, T, part(name, "dv_t"));
     rv.where(rv >= t);
     g.dv(v.c, v.b) = L.constant(0);
     g.dv(v.c, v.b) += g.kv.kept(rv, v.c / D, v.b) * dout(v.c, n * T + rv);
@@ -291,8 +190,8 @@ public:
   // delta(h, b) = sum_d dout * out over the head (named name_delta)
   Halide::Func attention_delta(const std::string &name, Halide::Func out, Halide::Func dout, int C, int H) const {
     const int D = head_dim(C, H);
-    Halide::RDom rd(0, D, name + "_d");
-    Halide::Func delta(name + "_delta");
+    Halide::RDom rd(0, D, part(name, "d"));
+    Halide::Func delta(part(name, "delta"));
     delta(h, v.b) = L.constant(0);
     delta(h, v.b) += dout(h * D + rd, v.b) * out(h * D + rd, v.b);
     return delta;
@@ -310,22 +209,23 @@ public:
     const Heads hd{C, H, KV ? KV : H};
     AttentionTiles a;
     a.out = Func(out_name.empty() ? name : out_name);
-    a.lse = Func(name + "_lse");
-    a.stats = tile_scores(name + "_l", qkv, hd);
-    RDom rs(0, T, name + "_s");
-    a.row_max = Func(name + "_row_max");
+    a.lse = Func(part(name, "lse"));
+    a.stats = tile_scores(part(name, "l"), qkv, hd);
+    RDom rs(0, T, part(name, "s"));
+    a.row_max = Func(part(name, "row_max"));
     a.row_max(t, h, n) = a.stats.score(t, 0, h, n);
     a.row_max(t, h, n) = max(a.row_max(t, h, n), select(rs <= t, a.stats.score(t, rs, h, n), a.row_max(t, h, n)));
-    a.sum_exp = Func(name + "_sum_exp");
+    a.sum_exp = Func(part(name, "sum_exp"));
     a.sum_exp(t, h, n) = L.constant(0);
     a.sum_exp(t, h, n) += select(rs <= t, exp(a.stats.score(t, rs, h, n) - a.row_max(t, h, n)), L.constant(0));
-    a.tile_lse = Func(name + "_tile_lse");
+    a.tile_lse = Func(part(name, "tile_lse"));
     a.tile_lse(t, h, n) = a.row_max(t, h, n) + log(a.sum_exp(t, h, n));
     a.lse(h, v.b) = a.tile_lse(v.b % T, h, v.b / T);
     // out reads the statistics from their buffer
     tile_probabilities(name, qkv, saved_lse ? *saved_lse : a.lse, hd, drop, a.scores, a.prob, a.keep, a.kept);
     a.sum = tile_sum(
-        name + "_sum", Causal::keys_of_t, [&](Expr r) { return a.kept(t, r, h, n); }, qkv, hd.offset(2), D, hd.group());
+        part(name, "sum"), Causal::keys_of_t, [&](Expr r) { return a.kept(t, r, h, n); }, qkv, hd.offset(2), D,
+        hd.group());
     a.out(v.c, v.b) = L.store(a.sum(v.c % D, v.b % T, v.c / D, v.b / T));
     return a;
   }
@@ -346,19 +246,20 @@ public:
     AttentionTilesGrad g;
     g.delta = delta;
     tile_probabilities(name, qkv, lse, hd, drop, g.scores, g.prob, g.keep, g.kept);
-    g.dprob_kept = tile_dots(name + "_dp", dout, 0, qkv, hd.offset(2), D, G);
+    g.dprob_kept = tile_dots(part(name, "dp"), dout, 0, qkv, hd.offset(2), D, G);
     const Expr dprob =
         drop.enabled ? g.dprob_kept.dot(t, s, h, n) * g.keep(t, s, h, n) : Expr(g.dprob_kept.dot(t, s, h, n));
-    g.dscore = Func(name + "_dscore");
+    g.dscore = Func(part(name, "dscore"));
     g.dscore(t, s, h, n) = g.prob(t, s, h, n) * (dprob - g.delta(h, n * T + t));
     // dq(t) = sum_{s <= t} dS(t, s) k(s) / sqrt(D); dk(s) = sum_{t >= s} dS(t, s) q(t) / sqrt(D);
     // dv(s) = sum_{t >= s} drop(P)(t, s) dout(t). Here t is each Func's own position.
     g.dq = tile_sum(
-        name + "_dq_sum", Causal::keys_of_t, [&](Expr r) { return g.dscore(t, r, h, n); }, qkv, hd.offset(1), D, G);
-    g.dk = tile_sum(name + "_dk_sum", Causal::queries_of_t, [&](Expr r) { return g.dscore(r, t, h, n); }, qkv, 0, D);
-    g.dv = tile_sum(name + "_dv_sum", Causal::queries_of_t, [&](Expr r) { return g.kept(r, t, h, n); }, dout, 0, D);
+        part(name, "dq_sum"), Causal::keys_of_t, [&](Expr r) { return g.dscore(t, r, h, n); }, qkv, hd.offset(1), D, G);
+    g.dk =
+        tile_sum(part(name, "dk_sum"), Causal::queries_of_t, [&](Expr r) { return g.dscore(r, t, h, n); }, qkv, 0, D);
+    g.dv = tile_sum(part(name, "dv_sum"), Causal::queries_of_t, [&](Expr r) { return g.kept(r, t, h, n); }, dout, 0, D);
     // over (feature, position, part q / k / v, query head of the group, key / value head, sequence)
-    g.r = RDom({{0, D}, {0, T}, {0, 3}, {0, G}, {0, KV}, {0, rows / T}}, name + "_r");
+    g.r = RDom({{0, D}, {0, T}, {0, 3}, {0, G}, {0, KV}, {0, rows / T}}, part(name, "r"));
     const Expr rd = g.r[0], rt = g.r[1], part = g.r[2], rj = g.r[3], rkv = g.r[4], rn = g.r[5], rh = rkv * G + rj;
     const Expr dk = g.dk(rd, rt, rh, rn) * scale, dv = g.dv(rd, rt, rh, rn);
     g.dqkv = Func(out_name);
@@ -376,78 +277,11 @@ public:
     return g;
   }
 
-  // ---- Rotary position embedding -----------------------------------------------------------------
-  // On x(c, b) = [q (q_heads D) | k (kv_heads D) | v]: in each q and k head, feature e < D / 2
-  // and its partner e + D / 2 turn by the angle t theta^(-2e / D) (t = b % T, theta = 10000):
-  //   y(e) = x(e) cos - x(e + D/2) sin,  y(e + D/2) = x(e + D/2) cos + x(e) sin;  v unchanged.
-  // inverse: the transposed rotation (the vector-Jacobian rule). Not rounded (L.store is the
-  // caller's).
-  static constexpr double rope_theta = 10000;
-  // cos and sin of the angle of feature e < D / 2 at position t: (e, t) over [0, D / 2) x [0, T).
-  struct RopeTable {
-    Halide::Func cos, sin;
-  };
-  RopeTable rope_table(const std::string &name, int D) const {
-    using namespace Halide;
-    RopeTable tab{Func(name + "_cos"), Func(name + "_sin")};
-    const Expr angle = rope_angle(v.c, v.b, D);
-    tab.cos(v.c, v.b) = cos(angle);
-    tab.sin(v.c, v.b) = sin(angle);
-    return tab;
-  }
-  // The rotation; with a table, its cos and sin are read from it (the same values: the table
-  // evaluates the same expressions), not computed per element.
-  Halide::Func rope(const std::string &name, Halide::Func x, int q_heads, int kv_heads, int D, bool inverse = false,
-                    const RopeTable *table = nullptr) const {
-    using namespace Halide;
-    if (D % 2 != 0) throw std::invalid_argument("remat: rope needs an even head width");
-    const int rotated = (q_heads + kv_heads) * D, half = D / 2;
-    const Expr e = v.c % D, low = e < half;
-    const Expr i = e % half, position = v.b % T, angle = rope_angle(i, position, D);
-    const Expr cos_t = table ? table->cos(i, position) : cos(angle),
-               sin_t = table ? table->sin(i, position) : sin(angle);
-    const Expr partner = x(clamp(select(low, v.c + half, v.c - half), 0, rotated - 1), v.b);
-    const Expr sin_term = select(low != inverse, -partner, partner) * sin_t;
-    Func y(name);
-    y(v.c, v.b) = select(v.c < rotated, x(v.c, v.b) * cos_t + sin_term, x(v.c, v.b));
-    return y;
-  }
-
-  // ---- Token + position embedding --------------------------------------------------------------
-  // x(c, b) = wte(c, tokens(b)) + wpe(c, b % T); wte [V, C] is wte(c, token), wpe [T, C] (none:
-  // token embedding only). Tokens outside [0, V) are clamped (the data loader guarantees they are not).
-  Halide::Func embedding(const std::string &name, Halide::Func tokens, Halide::Func wte,
-                         std::optional<Halide::Func> wpe, int V) const {
-    Halide::Func x(name);
-    Halide::Expr token = wte(v.c, Halide::clamp(tokens(v.b), 0, V - 1));
-    x(v.c, v.b) = L.store(wpe ? token + (*wpe)(v.c, v.b % T) : token);
-    return x;
-  }
-  // dwte(c, token) = sum over rows b with tokens(b) == token of dx(c, b) (scatter-add over rows);
-  // dwpe(c, t) = sum_n dx(c, n T + t). rows must be a multiple of T.
-  // dwte and dwpe start from `initial_wte` / `initial_wpe` (zero by default; the model compiler
-  // passes the previous gradient when it accumulates) and are the Funcs' own names.
-  EmbeddingGrad embedding_grad(const std::string &name, Halide::Func tokens, Halide::Func dx, int V, Halide::Expr rows,
-                               std::optional<Halide::Expr> initial_wte = {},
-                               std::optional<Halide::Expr> initial_wpe = {}, const std::string &wte_name = {},
-                               const std::string &wpe_name = {}) const {
-    using namespace Halide;
-    EmbeddingGrad g{Func(wte_name.empty() ? name + "_dwte" : wte_name),
-                    Func(wpe_name.empty() ? name + "_dwpe" : wpe_name)};
-    RDom r(0, rows, name + "_r");
-    g.dwte(v.c, v.b) = initial_wte.value_or(L.constant(0));
-    g.dwte(v.c, clamp(tokens(r), 0, V - 1)) += dx(v.c, r);  // scatter-add of the rows
-    RDom rn(0, rows / T, name + "_n");
-    g.dwpe(v.c, v.b) = initial_wpe.value_or(L.constant(0));
-    g.dwpe(v.c, v.b) += dx(v.c, rn * T + v.b);
-    return g;
-  }
-
   // The tiles' sums over positions run in tiles of this many positions t
   // (Scheduler::sum_over_positions; see tile_sum).
   static constexpr int sum_tile = 4;
 
-  Layers L;
+  const Layers &L;
   Vars v;
   int T;
   Halide::Var s{"s"}, h{"h"};  // key position and head of the [T, H, rows] intermediates
@@ -455,10 +289,6 @@ public:
   Halide::Var t{"t"}, d{"d"}, n{"n"};
 
 private:
-  // The angle of feature i < D / 2 at position t: t theta^(-2i / D).
-  Halide::Expr rope_angle(Halide::Expr i, Halide::Expr t, int D) const {
-    return Halide::cast(L.t, t) * Halide::exp(Halide::cast(L.t, i) * L.constant(-2.0 * std::log(rope_theta) / D));
-  }
   static int head_dim(int C, int H) {
     if (H < 1 || C % H != 0) throw std::invalid_argument("remat: attention width must be a multiple of the head count");
     return C / H;
@@ -501,8 +331,8 @@ private:
   TileScores tile_dots(const std::string &name, Halide::Func a, int a_offset, Halide::Func b, int b_offset, int D,
                        int group = 1) const {
     using namespace Halide;
-    TileScores sc{Func(name + "_q_t"), Func(name + "_dot"), Func(name + "_score")};
-    RDom rd(0, D, name + "_qk");
+    TileScores sc{Func(part(name, "q_t")), Func(part(name, "dot")), Func(part(name, "score"))};
+    RDom rd(0, D, part(name, "qk"));
     sc.q_t(t, d, h, n) = a(a_offset + h * D + d, n * T + t);
     sc.dot(t, s, h, n) = L.constant(0);
     sc.dot(t, s, h, n) += sc.q_t(t, rd, h, n) * b(b_offset + (group == 1 ? h : h / group) * D + rd, n * T + s);
@@ -516,7 +346,7 @@ private:
                           const Dropout &drop, TileScores &scores, Halide::Func &prob, Halide::Func &keep,
                           Halide::Func &kept) const {
     scores = tile_scores(name, qkv, hd);
-    prob = Halide::Func(name + "_prob");
+    prob = Halide::Func(part(name, "prob"));
     prob(t, s, h, n) = Halide::exp(scores.score(t, s, h, n) - lse(h, n * T + t));
     tile_dropout(name, prob, hd.H, drop, keep, kept);
   }
@@ -531,7 +361,7 @@ private:
   Halide::Func tile_sum(const std::string &name, Causal causal, Weight weight, Halide::Func x, int offset, int D,
                         int group = 1) const {
     using namespace Halide;
-    RDom r(0, T, name + "_r");
+    RDom r(0, T, part(name, "r"));
     const Expr first_of_tile = t / sum_tile * sum_tile;
     const bool keys = causal == Causal::keys_of_t;
     r.where(keys ? r <= first_of_tile + (sum_tile - 1) : r >= first_of_tile);
@@ -547,9 +377,9 @@ private:
       kept = prob;
       return;
     }
-    keep = Halide::Func(name + "_keep");
-    keep(t, s, h, n) = dropout_factor(drop, attention_element(s, h, n * T + t, H));
-    kept = Halide::Func(name + "_kept");
+    keep = Halide::Func(part(name, "keep"));
+    keep(t, s, h, n) = dropout_factor(L, drop, attention_element(s, h, n * T + t, H));
+    kept = Halide::Func(part(name, "kept"));
     kept(t, s, h, n) = prob(t, s, h, n) * keep(t, s, h, n);
   }
 
@@ -557,8 +387,8 @@ private:
   Scores scores(const std::string &name, Halide::Func qkv, const Heads &hd) const {
     using namespace Halide;
     const int D = hd.D();
-    Scores sc{Func(name + "_dot"), Func(name + "_score")};
-    RDom rd(0, D, name + "_qk");
+    Scores sc{Func(part(name, "dot")), Func(part(name, "score"))};
+    RDom rd(0, D, part(name, "qk"));
     const Expr n = v.b / T;
     sc.dot(s, h, v.b) = L.constant(0);
     sc.dot(s, h, v.b) += qkv(h * D + rd, v.b) * qkv(hd.column(1, h * D + rd), n * T + s);
@@ -573,33 +403,33 @@ private:
     using namespace Halide;
     const int D = hd.D(), H = hd.H;
     ScoreGradChain c;
-    RDom rd(0, D, name + "_d");
-    c.dot = Func(name + "_dot");
+    RDom rd(0, D, part(name, "d"));
+    c.dot = Func(part(name, "dot"));
     c.dot(s, h, v.b) = L.constant(0);
     c.dot(s, h, v.b) += qkv(h * D + rd, query) * qkv(hd.column(1, h * D + rd), key);
-    c.score = Func(name + "_score");
+    c.score = Func(part(name, "score"));
     c.score(s, h, v.b) = c.dot(s, h, v.b) * L.constant(1 / std::sqrt(double(D)));
-    c.prob = Func(name + "_prob");
+    c.prob = Func(part(name, "prob"));
     c.prob(s, h, v.b) = exp(c.score(s, h, v.b) - lse(h, query));
     if (drop.enabled) {
-      c.keep = Func(name + "_keep");
-      c.keep(s, h, v.b) = dropout_factor(drop, attention_element(key_position, h, query, H));
-      c.kept = Func(name + "_kept");
+      c.keep = Func(part(name, "keep"));
+      c.keep(s, h, v.b) = dropout_factor(L, drop, attention_element(key_position, h, query, H));
+      c.kept = Func(part(name, "kept"));
       c.kept(s, h, v.b) = c.prob(s, h, v.b) * c.keep(s, h, v.b);
     } else {
       c.kept = c.prob;
     }
-    c.dprob_kept = Func(name + "_dprob_kept");
+    c.dprob_kept = Func(part(name, "dprob_kept"));
     c.dprob_kept(s, h, v.b) = L.constant(0);
     c.dprob_kept(s, h, v.b) += dout(h * D + rd, query) * qkv(hd.column(2, h * D + rd), key);
-    c.dprob = Func(name + "_dprob");
+    c.dprob = Func(part(name, "dprob"));
     c.dprob(s, h, v.b) = drop.enabled ? c.dprob_kept(s, h, v.b) * c.keep(s, h, v.b) : Expr(c.dprob_kept(s, h, v.b));
-    c.dscore = Func(name + "_dscore");
+    c.dscore = Func(part(name, "dscore"));
     c.dscore(s, h, v.b) = c.prob(s, h, v.b) * (c.dprob(s, h, v.b) - delta(h, query));
     return c;
   }
   Halide::Func probabilities(const std::string &name, Halide::Func score, Halide::Func lse) const {
-    Halide::Func p(name + "_prob");
+    Halide::Func p(part(name, "prob"));
     p(s, h, v.b) = Halide::exp(score(s, h, v.b) - lse(h, v.b));
     return p;
   }
@@ -609,9 +439,9 @@ private:
       kept = prob;
       return;
     }
-    keep = Halide::Func(name + "_keep");
-    keep(s, h, v.b) = dropout_factor(d, attention_element(s, h, v.b, H));
-    kept = Halide::Func(name + "_kept");
+    keep = Halide::Func(part(name, "keep"));
+    keep(s, h, v.b) = dropout_factor(L, d, attention_element(s, h, v.b, H));
+    kept = Halide::Func(part(name, "kept"));
     kept(s, h, v.b) = prob(s, h, v.b) * keep(s, h, v.b);
   }
 };
