@@ -52,10 +52,10 @@ double median(std::vector<double> v) {
 
 void bench(const ModelInfo &info, int rounds) {
   const Model &m = info.model;
-  const int batch = info.default_batch;
+  const int batch = info.defaults.batch;
   const Precision precision = Precision::fp32;
   const Gemms gemms = gemms_of(Device::cpu, precision);
-  std::unique_ptr<DataSource> data = info.data(m, {std::string(info.default_data_dir), batch, 1});
+  std::unique_ptr<DataSource> data = data_source(info, {std::string(info.defaults.data_dir), batch, 1});
   const auto t0 = std::chrono::steady_clock::now();
   const CostModel costs = calibrate(info, Device::cpu, precision, batch, *data);
   const double calibrate_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -185,21 +185,8 @@ int main(int argc, char **argv) try {
   }
   fmt::print("bench-budget on {}\n", cpu());
   solve_time();
-  bench({.name = "gpt",
-         .model = gpt::model,
-         .default_policy = gpt::policy,
-         .kernels = gpt_kernels::table,
-         .data = text_corpus,
-         .default_data_dir = "/usr/share/games/fortunes",
-         .default_batch = gpt::default_batch},
-        rounds);
-  bench({.name = "llama",
-         .model = llama::model,
-         .default_policy = llama::policy,
-         .kernels = llama_kernels::table,
-         .data = text_corpus,
-         .default_data_dir = "/usr/share/games/fortunes",
-         .default_batch = llama::default_batch},
+  bench({"gpt", gpt::model, gpt::policy, gpt::trainer, gpt_kernels::table, gpt_kernels::cuda_table}, rounds);
+  bench({"llama", llama::model, llama::policy, llama::trainer, llama_kernels::table, llama_kernels::cuda_table},
         rounds);
   return 0;
 } catch (const std::exception &e) {

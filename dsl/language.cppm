@@ -152,23 +152,29 @@ constexpr Policy recompute_modules(Modules... modules) {
 inline constexpr Module core_attn = Module::core_attn, activation = Module::activation, norm = Module::norm,
                         projection = Module::projection, rotary = Module::rope;
 
+// Why a | b does not compose (empty: it does): two different recompute schedules, or two
+// different selective sets.
+constexpr std::string_view composition_error(const Policy &a, const Policy &b) {
+  if (a.kind != Policy::Kind::none && b.kind != Policy::Kind::none &&
+      (a.kind != b.kind || a.n != b.n || a.budget_bytes != b.budget_bytes || a.budget_percent != b.budget_percent))
+    return "a policy has at most one recompute schedule (none, full, every_n_layers, sqrt_n, budget)";
+  if (a.selection.rule != Selection::Rule::standard && b.selection.rule != Selection::Rule::standard &&
+      !(a.selection == b.selection))
+    return "a policy names at most one selective set";
+  return {};
+}
+
 // a | b: the recompute schedule of whichever has one (two different ones do not compose), the
 // selective set of whichever names one, offload if either does.
 constexpr Policy operator|(Policy a, const Policy &b) {
+  if (!composition_error(a, b).empty()) throw "remat: policies that do not compose (composition_error says why)";
   if (b.kind != Policy::Kind::none) {
-    if (a.kind != Policy::Kind::none &&
-        (a.kind != b.kind || a.n != b.n || a.budget_bytes != b.budget_bytes || a.budget_percent != b.budget_percent))
-      throw "remat: a policy has at most one recompute schedule (none, full, every_n_layers, sqrt_n, budget)";
     a.kind = b.kind;
     a.n = b.n;
     a.budget_bytes = b.budget_bytes;
     a.budget_percent = b.budget_percent;
   }
-  if (b.selection.rule != Selection::Rule::standard) {
-    if (a.selection.rule != Selection::Rule::standard && !(a.selection == b.selection))
-      throw "remat: a policy names at most one selective set";
-    a.selection = b.selection;
-  }
+  if (b.selection.rule != Selection::Rule::standard) a.selection = b.selection;
   a.selective = a.selective || b.selective;
   a.offload = a.offload || b.offload;
   return a;
@@ -483,6 +489,27 @@ constexpr Checked check(Model m) {
     return fail(cat<Message>("softmax_cross_entropy(", m.loss.classes, ") follows a stack of width ", width));
   return {m, {}};
 }
+
+// ---------------------------------------------------------------------------------------------
+// How a model's trainer starts: its model module's `inline constexpr remat::TrainerDefaults trainer`,
+// which the generated main (remat_add_trainer) hands to the shared trainer; flags override it.
+// ---------------------------------------------------------------------------------------------
+enum class Data : std::uint8_t {
+  text,           // a folder of text files read as bytes: next-token prediction (a token model)
+  fashion_mnist,  // Fashion-MNIST idx files: 28 x 28 images, 10 classes
+};
+struct TrainerDefaults {
+  Data data = Data::text;
+  std::string_view data_dir;  // the dataset's folder (--data-dir)
+  int batch = 128;            // --batch-size
+  int epochs = 3;             // --num-train-epochs
+  long max_steps = 0;         // --max-steps (0: epochs worth)
+  double learning_rate = 1e-3;
+  int warmup_steps = 0;
+  int eval_samples = -1;  // -1: the whole evaluation split
+  int eval_steps = 0;     // 0: evaluate only at the end
+  int sample_length = 0;  // token models: characters to generate at the end
+};
 
 // A model that failed check() does not compile; the message names the layer and the widths.
 template <Model M>

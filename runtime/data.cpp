@@ -9,6 +9,7 @@ module;
 #include <numeric>
 #include <random>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 module remat.trainer;
@@ -244,6 +245,13 @@ std::unique_ptr<DataSource> fashion_mnist(const Model &model, const DataOptions 
 }
 std::unique_ptr<DataSource> text_corpus(const Model &model, const DataOptions &o) {
   return std::make_unique<TextCorpus>(model, o);
+}
+std::unique_ptr<DataSource> data_source(const ModelInfo &info, const DataOptions &o) {
+  switch (info.defaults.data) {
+  case Data::text: return text_corpus(info.model, o);
+  case Data::fashion_mnist: return fashion_mnist(info.model, o);
+  }
+  throw std::logic_error("a data source remat does not have");
 }
 
 }  // namespace remat::runtime

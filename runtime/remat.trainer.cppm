@@ -1,6 +1,7 @@
-// module remat.trainer: what the example trainers share on top of the runtime. Data sources (idx
-// files, text corpora), the trainer loop with its flags (CLI11) and JSON summary, the plan report,
-// evaluation, sampling, and the --save-initial safetensors file.
+// module remat.trainer: what the trainers share on top of the runtime. Data sources (idx files, text
+// corpora), the trainer (runtime/trainer/: flags (CLI11), the resolved run, the training loop with
+// evaluation and sampling, the summary and JSON), the plan report, kernel costs, and the
+// --save-initial safetensors file.
 module;
 #include <cstdint>
 #include <cstdio>
@@ -57,25 +58,19 @@ struct DataOptions {
 std::unique_ptr<DataSource> fashion_mnist(const Model &model, const DataOptions &o);
 std::unique_ptr<DataSource> text_corpus(const Model &model, const DataOptions &o);
 
-// What a trainer example passes to the shared trainer loop.
+// A model as the shared trainer runs it: its name, its value, its default policy and trainer
+// defaults (its model module's), its kernel tables (its kernels module's). The generated main of a
+// trainer (remat_add_trainer) passes one to train_main.
 struct ModelInfo {
   std::string_view name;
   const Model &model;
   Policy default_policy;
+  TrainerDefaults defaults;
   std::span<const Kernel> kernels;       // CPU
   std::span<const Kernel> cuda_kernels;  // CUDA (empty when the build made none)
-  std::unique_ptr<DataSource> (*data)(const Model &, const DataOptions &);
-  std::string_view default_data_dir;
-  // Trainer defaults for this example (flags override them).
-  int default_batch = 128;
-  int default_epochs = 3;
-  long default_max_steps = 0;  // 0: default_epochs worth
-  double default_learning_rate = 1e-3;
-  int default_warmup_steps = 0;
-  int default_eval_samples = -1;  // -1: the whole evaluation split
-  int default_eval_steps = 0;     // 0: evaluate only at the end
-  int sample_length = 0;          // token models: characters to generate at the end
 };
+// The data source a model's trainer reads (TrainerDefaults::data).
+std::unique_ptr<DataSource> data_source(const ModelInfo &info, const DataOptions &o);
 
 // --save-initial: a safetensors file with every parameter under its plan name
 // (s<stage>.b<block>.p<layer>_w / _b; shapes [rows, contiguous]: a linear weight is [in, out]
@@ -86,7 +81,8 @@ struct ModelInfo {
 void save_initial(const std::string &path, const Model &model, const Plan &plan, Executor &ex,
                   const std::map<std::string, std::string> &metadata);
 
-// The trainer shared by every example: flags, data, training, evaluation, JSON summary.
+// The trainer shared by every model: flags -> resolved run -> training loop -> summary
+// (runtime/trainer/). Returns the process exit code (bad input: 2, with one line on stderr).
 int train_main(int argc, char **argv, const ModelInfo &info);
 
 // Prints what each block's kernels do, every tensor the plan saves for backward (block, name,
@@ -103,8 +99,8 @@ StagePolicies parse_stage_policies(const Model &model, std::string_view text, St
 // the none plan's peak (60%).
 Policy parse_budget(std::string_view text);
 
-// Kernel costs (runtime/costs.cpp). The table is JSON: {machine: {cost_key: {kernel: seconds}}},
-// kernels named kernel_name("", stage, variant, precision).
+// Kernel costs (runtime/costs.cpp). The table is JSON: {machine: {cost_key: [{stage, variant,
+// precision, seconds}, ...]}}, one entry per KernelKey.
 std::string machine_name(Device device);  // "CPU <model name>" or "GPU <name>"
 std::string default_cost_table();         // $XDG_CACHE_HOME/remat/costs.json, else ~/.cache/remat/costs.json
 std::string cost_key(std::string_view model, Precision precision, int batch, Device device);
@@ -120,5 +116,85 @@ std::unique_ptr<Engine> engine_for_timing(Plan plan, const ModelInfo &info, Devi
 std::string block_calls(const Plan &plan, const Unit &unit);
 // The median time of a micro-batch (forward, loss, backward) of `plan` here.
 double measured_step_ms(const Plan &plan, const ModelInfo &info, Device device, DataSource &data);
+
+}  // namespace remat::runtime
+
+// Not exported: the trainer's steps, one implementation unit each (runtime/trainer/).
+namespace remat::runtime {
+
+// The flags (flags.cpp), with the model's defaults until a flag says otherwise.
+struct Options {
+  long max_steps = 0;  // 0: derived from num_train_epochs
+  int num_train_epochs = 0;
+  int batch_size = 0;
+  int gradient_accumulation_steps = 1;
+  double learning_rate = 0;
+  double weight_decay = 0.01;
+  std::string lr_scheduler_type = "cosine";
+  int warmup_steps = 0;
+  std::uint64_t seed = 42;
+  std::string checkpoint_policy;
+  std::string memory_budget;
+  bool calibrate = false;
+  std::string cost_table;
+  bool sweep = false;
+  double dropout = 0;
+  std::string data_dir;
+  int eval_samples = -1;
+  int eval_steps = 0;
+  int logging_steps = 50;
+  bool json = false;
+  bool plan_report = false;
+  std::string save_snapshot, resume_from_snapshot, save_initial;
+  long save_steps = 0;
+  std::string device = "cpu";
+  bool offload = false;
+  bool bf16 = false;
+};
+// The options, or the exit code when there is nothing to run (--help: 0; a bad flag: 2, said on
+// stderr).
+struct ParsedFlags {
+  Options options;
+  std::optional<int> exit_code;
+};
+ParsedFlags parse_flags(int argc, char **argv, const ModelInfo &info, const std::string &program);
+
+// What the flags resolve to (resolve.cpp): each stage's policy, where and in which precision the
+// kernels run, the batch, the kernel costs and the plan.
+struct Run {
+  StagePolicies policies;
+  Device device = Device::cpu;
+  Precision precision = Precision::fp32;
+  int batch = 0, micro = 1;  // samples per micro-batch, micro-batches per step
+  CostModel costs;
+  std::string costs_from;  // where the costs come from, for the plan report
+  Plan plan;
+  std::string policy_label;
+};
+Run resolve(const Options &o, const ModelInfo &info, const std::string &program);
+
+// The budget -> step time table from the smallest plan to none's peak, and its plot (report.cpp).
+void print_sweep(std::FILE *out, const ModelInfo &info, const Run &run, const Options &o, const std::string &program);
+
+// What a training run measured (loop.cpp), and its report (summary.cpp).
+struct Evaluation {
+  double loss = 0, accuracy = 0;
+  long samples = 0;
+};
+struct Summary {
+  long first_step = 1, max_steps = 0;
+  double loss_first = 0, loss_last = 0;
+  std::optional<Evaluation> eval;
+  std::vector<double> step_ms;
+  double train_seconds = 0;
+  std::size_t measured_peak = 0, activation_bytes_none = 0;
+  std::string grad_digest, param_digest;
+};
+Summary train(const Options &o, const ModelInfo &info, const Run &run, const std::string &program);
+void print_summary(const Options &o, const ModelInfo &info, const Run &run, const Summary &s);
+
+// --device cuda: a usable GPU, kernels for it, and room for `arena_bytes` (loop.cpp); "12.3 MiB".
+void check_cuda(const ModelInfo &info, std::size_t arena_bytes);
+std::string mib(std::size_t bytes);
 
 }  // namespace remat::runtime

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -28,16 +29,7 @@
 #include <string>
 #include <tuple>
 #include <vector>
-import remat;
-import remat.runtime;
-import mlp;
-import mlp.kernels;
-import gpt;
-import gpt.kernels;
-import zoo_rows;
-import zoo_rows.kernels;
-import zoo_gated;
-import zoo_gated.kernels;
+#include "registry.h"
 
 #include "model_run.h"
 #include "kind_reference.h"
@@ -342,7 +334,7 @@ std::vector<TensorKey> grad_tensors(const Plan &plan) {
   return out;
 }
 
-using Wiring = void (*)(Reference &);
+using Wiring = std::function<void(Reference &)>;
 
 struct Limits {
   Tolerance loss;   // the row losses (scale: the largest row loss)
@@ -447,30 +439,25 @@ BOOST_AUTO_TEST_CASE(bf16_kernels_match_the_float64_reference) {
   }
 }
 
-// The model zoo (tests/models/zoo_*.cppm: ReLU, SwiGLU, RMSNorm, linears without bias, blocks
-// without a residual, dropout after activations and GEMMs, 5 heads of 2) against the float64
-// reference wired from each model's own layer list, dropout 0.1, fp32 under none and selective
-// and bf16 under none (limits zoo_fp32, zoo_bf16).
+// The registry's models other than the examples (tests/registry.h: a model unlike the examples and
+// the model zoo: ReLU, SwiGLU, RMSNorm, linears without bias, blocks without a residual, dropout
+// after activations and GEMMs, grouped-query heads) against the float64 reference wired from each
+// model's own layer list, at their dropout, fp32 under none and selective and (unless the registry
+// says NO_BF16_REFERENCE) bf16 under none, at their first micro-batch (bf16: 4 times it; limits
+// zoo_fp32, zoo_bf16).
 BOOST_AUTO_TEST_CASE(zoo_kernels_match_the_float64_reference) {
-  struct Zoo {
-    const Model *model;
-    const char *name;
-    std::span<const runtime::Kernel> table;
-    Wiring wiring;
-    int samples;
-  };
-  const Zoo zoo[] = {{&zoo_rows::model, "zoo_rows", zoo_rows_kernels::table,
-                      [](Reference &r) { zoo_reference(r, zoo_rows::model); }, 9},
-                     {&zoo_gated::model, "zoo_gated", zoo_gated_kernels::table,
-                      [](Reference &r) { zoo_reference(r, zoo_gated::model); }, 3}};
-  for (const Zoo &z : zoo) {
+  for (const testing::TestModel &z : testing::test_models()) {
+    if (z.example) continue;  // described by hand above
+    const Wiring wiring = [&z](Reference &r) { zoo_reference(r, z.model); };
+    const int samples = z.samples[0];
     for (Policy p : {none, selective}) {
-      Run run(*z.model, z.name, z.table, p, z.samples, 0.1);
-      check_against_reference(run, z.wiring, 0.1, zoo_fp32,
+      Run run(z.model, z.name, z.cpu, p, samples, z.dropout);
+      check_against_reference(run, wiring, z.dropout, zoo_fp32,
                               std::string(z.name) + " fp32 " + std::string(policy_name(p).view()));
     }
-    Run run(*z.model, z.name, z.table, none, 4 * z.samples, 0.1, true, Device::cpu, Precision::bf16);
-    check_against_reference(run, z.wiring, 0.1, zoo_bf16, std::string(z.name) + " bf16");
+    if (!z.bf16_reference) continue;
+    Run run(z.model, z.name, z.cpu, none, 4 * samples, z.dropout, true, Device::cpu, Precision::bf16);
+    check_against_reference(run, wiring, z.dropout, zoo_bf16, std::string(z.name) + " bf16");
   }
 }
 
@@ -515,60 +502,9 @@ bool same_bits(const std::vector<float> &a, const std::vector<float> &b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
-// bf16 rounding happens where each value is defined, so a recompute rounds exactly as the
-// first computation did: every policy (and offload) gives the same bf16-run gradients, bit for bit.
-BOOST_AUTO_TEST_CASE(bf16_policies_give_bit_identical_gradients) {
-  Run base(gpt::model, "gpt", gpt_kernels::table, none, 2, 0.1, true, Device::cpu, Precision::bf16);
-  base.ex.run(Executor::Phase::train);
-  const std::vector<float> expected = base.grads();
-  expect_real_gradient(expected);
-  for (Policy p :
-       {selective, full, Policy{Policy::Kind::every_n_layers, 2}, sqrt_n, with_offload(full), with_offload(sqrt_n)}) {
-    Run run(gpt::model, "gpt", gpt_kernels::table, p, 2, 0.1, true, Device::cpu, Precision::bf16);
-    run.ex.run(Executor::Phase::train);
-    BOOST_TEST(same_bits(run.grads(), expected), "bf16 gradients differ under " << policy_name(p).view());
-  }
-  Run mlp_base(mlp::model, "mlp", mlp_kernels::table, none, batch, 0, true, Device::cpu, Precision::bf16);
-  mlp_base.ex.run(Executor::Phase::train);
-  const std::vector<float> mlp_expected = mlp_base.grads();
-  expect_real_gradient(mlp_expected);
-  for (Policy p : {selective, full, sqrt_n, with_offload(Policy{Policy::Kind::every_n_layers, 2})}) {
-    Run run(mlp::model, "mlp", mlp_kernels::table, p, batch, 0, true, Device::cpu, Precision::bf16);
-    run.ex.run(Executor::Phase::train);
-    BOOST_TEST(same_bits(run.grads(), mlp_expected), "mlp bf16 gradients differ under " << policy_name(p).view());
-  }
-}
-
-BOOST_AUTO_TEST_CASE(policies_give_bit_identical_gradients) {
-  Run base(mlp::model, "mlp", mlp_kernels::table, none, batch);
-  base.ex.run(Executor::Phase::train);
-  const std::vector<float> expected = base.grads();
-  expect_real_gradient(expected);
-  for (Policy p :
-       {selective, full, Policy{Policy::Kind::every_n_layers, 2}, Policy{Policy::Kind::every_n_layers, 5}, sqrt_n,
-        with_offload(full), with_offload(Policy{Policy::Kind::every_n_layers, 2}), with_offload(sqrt_n)}) {
-    Run run(mlp::model, "mlp", mlp_kernels::table, p, batch);
-    run.ex.run(Executor::Phase::train);
-    BOOST_TEST(same_bits(run.grads(), expected), "gradients differ under " << policy_name(p).view());
-  }
-}
-
-// The GPT's float32 kernels under every policy, dropout on, against no recompute; offload plans
-// run on the CPU executor (plain copies to the host buffer and back), and the restored
-// checkpoints feed the recompute exactly, the masks keyed as without offload.
-BOOST_AUTO_TEST_CASE(gpt_policies_give_bit_identical_gradients) {
-  Run base(gpt::model, "gpt", gpt_kernels::table, none, 2, 0.1);
-  base.ex.run(Executor::Phase::train);
-  const std::vector<float> expected = base.grads();
-  expect_real_gradient(expected);
-  for (Policy p : {selective, full, Policy{Policy::Kind::every_n_layers, 2}, sqrt_n, with_offload(full),
-                   with_offload(Policy{Policy::Kind::every_n_layers, 2}), with_offload(sqrt_n)}) {
-    Run run(gpt::model, "gpt", gpt_kernels::table, p, 2, 0.1, true);
-    BOOST_TEST(((run.plan.offload_bytes > 0u) == p.offload), policy_name(p).view());
-    run.ex.run(Executor::Phase::train);
-    BOOST_TEST(same_bits(run.grads(), expected), "gradients differ under " << policy_name(p).view());
-  }
-}
+// That every policy (offload and budgets included) gives the gradients of none bit for bit, fp32 and
+// bf16 (where rounding happens where each value is defined, so a recompute rounds exactly as the
+// first computation did), is test_arena's real_kernels_keep_the_guarantees, on every test model.
 
 // ---- gradient accumulation ----
 namespace {

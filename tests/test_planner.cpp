@@ -16,7 +16,10 @@
 import remat;
 import mlp;
 import gpt;
+import llama;
 import zoo_gated;
+
+#include "policies.h"
 
 using namespace remat;
 
@@ -42,17 +45,9 @@ Model two_stacks_model() {
 Model flat_model() { return check(make_model(input(8), linear(8, 4), softmax_cross_entropy())).model; }
 
 const Policy every_2{Policy::Kind::every_n_layers, 2};
-// Every policy a model module or the command line can ask for (--offload goes with any policy;
-// it moves nothing where nothing is checkpointed). selective applies to repeat stages only.
-const std::vector<Policy> all_policies = {none,
-                                          selective,
-                                          full,
-                                          every_2,
-                                          sqrt_n,
-                                          with_offload(selective),
-                                          with_offload(full),
-                                          with_offload(every_2),
-                                          with_offload(sqrt_n)};
+// Every policy a model module or the command line can ask for (tests/policies.h); selective
+// applies to repeat stages only.
+const std::vector<Policy> all_policies = testing::schedule_policies();
 
 std::string str(std::string_view s) { return std::string(s); }
 std::string num(std::size_t v) { return std::to_string(v); }
@@ -654,6 +649,25 @@ static_assert(FrozenGpt::numbers.flat_bytes == 4 * 4 * std::size_t(params));  //
 static_assert(FrozenGpt::numbers.peak_bytes >= FrozenGpt::numbers.activation_bytes + FrozenGpt::numbers.flat_bytes);
 static_assert(FrozenGpt::numbers.eval_peak_bytes <= FrozenGpt::numbers.peak_bytes);
 }  // namespace gpt_count
+
+// Known at compile time, at each example's default batch: selective saves less than none and full
+// less than selective (the GPT, Llama); the MLP's own policy saves less than a quarter of none's.
+namespace example_plans {
+template <const Model &M, int Batch>
+constexpr std::size_t activations(const Policy &p) {
+  return make_plan(M, p, Batch).activation_bytes;
+}
+static_assert(activations<gpt::model, gpt::default_batch>(selective) <
+              activations<gpt::model, gpt::default_batch>(none));
+static_assert(activations<gpt::model, gpt::default_batch>(full) <
+              activations<gpt::model, gpt::default_batch>(selective));
+static_assert(activations<llama::model, llama::default_batch>(selective) <
+              activations<llama::model, llama::default_batch>(none));
+static_assert(activations<llama::model, llama::default_batch>(full) <
+              activations<llama::model, llama::default_batch>(selective));
+static_assert(activations<mlp::model, mlp::default_batch>(mlp::policy) <
+              activations<mlp::model, mlp::default_batch>(none) / 4);
+}  // namespace example_plans
 
 // The frozen plan against the run-time planner's plan for the same inputs, element by element.
 template <class F>

@@ -26,5 +26,15 @@ inline constexpr remat::Model model =
 // The policy `make train` uses unless --checkpoint-policy says otherwise.
 inline constexpr remat::Policy policy = remat::selective;
 inline constexpr int default_batch = 32;  // sequences of block_size characters
+// Its trainer (train-gpt): the fortune cookie files of Debian's `fortunes`, 90% train, 10% validation.
+inline constexpr remat::TrainerDefaults trainer{.data = remat::Data::text,
+                                                .data_dir = "/usr/share/games/fortunes",
+                                                .batch = default_batch,
+                                                .max_steps = 1500,
+                                                .learning_rate = 2e-3,
+                                                .warmup_steps = 100,
+                                                .eval_samples = 256,
+                                                .eval_steps = 250,
+                                                .sample_length = 400};
 
 }  // namespace gpt

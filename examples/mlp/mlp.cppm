@@ -16,4 +16,11 @@ inline constexpr remat::Model model = remat::checked<remat::make_model(
 inline constexpr remat::Policy policy = remat::full;
 
 inline constexpr int default_batch = 128;
+// Its trainer (train-mlp): Debian's dataset-fashion-mnist.
+inline constexpr remat::TrainerDefaults trainer{.data = remat::Data::fashion_mnist,
+                                                .data_dir = "/usr/share/datasets/fashion-mnist",
+                                                .batch = default_batch,
+                                                .epochs = 6,
+                                                .learning_rate = 2e-3,
+                                                .warmup_steps = 200};
 }  // namespace mlp

@@ -1,0 +1,114 @@
+// Partition remat.planner:costs: the chain the budget planner sees. Kernel costs (measured or estimated),
+// and per unit of the chain the bytes and seconds of each way it can run (chain_of, from the
+// kernels' signatures as the step builder binds them).
+module;
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <vector>
+export module remat.planner:costs;
+import remat.tensors;
+import :strategy;
+import :plan;
+import :builder;
+
+export namespace remat {
+
+// The seconds of one kernel call: measured (--calibrate) when the table has the kernel, else an
+// estimate from its arithmetic (kernel_flops) and the bytes of its arguments.
+struct KernelTime {
+  KernelKey kernel;
+  double seconds = 0;
+};
+struct CostModel {
+  double flop_rate = 5e10;  // flop/s
+  double byte_rate = 1e10;  // bytes/s of arguments read and written
+  double launch = 5e-6;     // seconds per call
+  // bytes/s each way between device memory and pinned host memory; 0: checkpoints are not
+  // offloaded (the CPU, whose arena is host memory already)
+  double transfer_rate = 0;
+  std::vector<KernelTime> measured{};
+  constexpr double seconds(const KernelKey &kernel, double flops, double bytes) const {
+    for (const KernelTime &k : measured)
+      if (k.kernel == kernel) return k.seconds;
+    return flops / flop_rate + bytes / byte_rate + launch;
+  }
+};
+
+// One unit of the chain as the dynamic program sees it: bytes as the arena holds them (each
+// tensor aligned), per Keep (all, selective, nothing).
+struct Link {
+  int stage = -1;
+  long long x = 0;                           // its input (0: the batch, which is persistent)
+  long long y = 0;                           // its output
+  long long dx = 0;                          // its input's gradient (0: none); for the loss, the logits' gradient
+  std::array<long long, 3> saved{};          // internals its forward keeps
+  std::array<long long, 3> forward_temp{};   // a forward's short-lived tensors (scratch, workspace)
+  std::array<long long, 3> backward_temp{};  // a backward's ([nothing]: the fused recompute's)
+  std::array<double, 3> forward_time{}, backward_time{};  // loss: forward_time[0]
+  std::array<bool, 3> can{};  // keep all, keep selective, recompute: whether the kernels exist
+  double offload_time = -1;   // seconds to copy its input out and back (< 0: not offloaded)
+};
+struct Chain {
+  std::vector<Link> links;   // the units, then the loss
+  long long persistent = 0;  // parameters, gradients, moments, batch, metrics
+  constexpr int n() const { return int(links.size()) - 1; }
+  // whether some checkpoint may wait in host memory (the costs carry a transfer rate)
+  constexpr bool offloadable() const {
+    return std::ranges::any_of(links, [](const Link &l) { return l.offload_time >= 0; });
+  }
+};
+
+constexpr Chain chain_of(const Model &m, int batch, Precision precision, Gemms gemms, const CostModel &costs = {}) {
+  detail::Builder b{m, StagePolicies{}, Strategy{}, batch, precision, gemms};
+  b.setup();
+  Chain c;
+  c.persistent = (long long)b.persistent_bytes();
+  const long long rows = b.n_rows;
+  auto bytes = [&](const KernelArg &a) {
+    return (long long)align_up(std::size_t(a.tensor.elements(rows) * element_bytes(a.element)));
+  };
+  // Adds the kernel's tensors of `role` to *to; returns its estimated or measured seconds.
+  auto kernel = [&](int stage, Variant v, auto &&count) {
+    const std::vector<KernelArg> sig = signature(m, stage, v, precision, gemms);
+    double moved = 0;
+    for (const KernelArg &a : sig)
+      if (!a.is_scalar()) {
+        moved += double(bytes(a));
+        count(a.role, bytes(a));
+      }
+    const double flops = stage >= 0 ? kernel_flops(m.stages[stage], v, rows, gemms) : 0;
+    return costs.seconds(kernel_key(stage, v, precision), flops, moved);
+  };
+  for (const Unit &u : b.units) {
+    Link l;
+    l.stage = u.stage;
+    l.x = c.links.empty() ? 0 : c.links.back().y;
+    if (costs.transfer_rate > 0 && l.x > 0) l.offload_time = 2.0 * double(l.x) / costs.transfer_rate;
+    for (Keep keep : {Keep::all, Keep::selective, Keep::nothing}) {
+      const int k = int(keep);
+      l.can[k] = has_kernel(m, u.stage, backward_variant(keep));
+      if (!has_kernel(m, u.stage, forward_variant(keep))) continue;
+      l.forward_time[k] = kernel(u.stage, forward_variant(keep), [&](ArgRole r, long long n) {
+        if (r == ArgRole::block_output) l.y = n;
+        if (r == ArgRole::saved) l.saved[k] += n;
+        if (r == ArgRole::scratch || r == ArgRole::workspace) l.forward_temp[k] += n;
+      });
+      if (!l.can[k]) continue;
+      l.backward_time[k] = kernel(u.stage, backward_variant(keep), [&](ArgRole r, long long n) {
+        if (r == ArgRole::input_grad) l.dx = n;
+        if (r == ArgRole::scratch || r == ArgRole::workspace) l.backward_temp[k] += n;
+      });
+    }
+    c.links.push_back(l);
+  }
+  Link loss;
+  loss.x = c.links.back().y;
+  loss.forward_time[0] = kernel(-1, Variant::loss, [&](ArgRole r, long long n) {
+    if (r == ArgRole::input_grad) loss.dx = n;
+  });
+  c.links.push_back(loss);
+  return c;
+}
+
+}  // namespace remat

@@ -1,0 +1,337 @@
+// The training loop: an engine for the plan, the data, a resumed snapshot's state, then the steps
+// (micro-batches, AdamW, progress, snapshots, evaluations), the final evaluation and a sample.
+module;
+#include "cuda_device.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+module remat.trainer;
+import remat;
+
+namespace remat::runtime {
+namespace {
+
+// Linear warm-up, then constant or cosine decay.
+double learning_rate(const Options &o, long step, long max_steps) {  // step counts from 1
+  if (step <= o.warmup_steps) return o.learning_rate * step / std::max(1, o.warmup_steps);
+  if (o.lr_scheduler_type == "constant") return o.learning_rate;
+  // progress 0 on the first step after warm-up, below 1 on the last step (which still learns)
+  const double progress = double(step - o.warmup_steps - 1) / std::max(1L, max_steps - o.warmup_steps);
+  return o.learning_rate * 0.5 * (1.0 + std::cos(M_PI * std::min(1.0, progress)));
+}
+
+// Forward-discard over `samples` evaluation samples (dropout off).
+Evaluation evaluate(DataSource &data, Executor &ex, Scalars &scalars, const Plan &plan, long samples, double dropout) {
+  Evaluation e;
+  e.samples = std::min(samples, data.eval_samples());
+  if (e.samples == 0) throw InputError("the evaluation split is empty (pass --eval-samples 0 to skip evaluation)");
+  const long rows_per_sample = plan.rows / plan.batch;
+  double loss_sum = 0;
+  long correct = 0;
+  scalars.set_dropout(0);
+  for (long first = 0; first < e.samples; first += plan.batch) {
+    data.load_eval_batch(ex, first);
+    ex.run(Executor::Phase::eval);
+    ex.download(plan.row_loss());
+    ex.download(plan.row_correct());
+    const auto l = ex.tensor<float>(plan.row_loss());
+    const auto c = ex.tensor<std::int32_t>(plan.row_correct());
+    const long rows = std::min<long>(plan.batch, e.samples - first) * rows_per_sample;
+    for (long r = 0; r < rows; ++r) {
+      loss_sum += l[r];
+      correct += c[r];
+    }
+  }
+  scalars.set_dropout(dropout);
+  e.loss = loss_sum / double(e.samples * rows_per_sample);
+  e.accuracy = double(correct) / double(e.samples * rows_per_sample);
+  return e;
+}
+
+// Autoregressive sampling from a token model: a plan for one sequence, the trained parameters,
+// and the logits of the last filled position, at temperature 0.8.
+std::string generate(const ModelInfo &info, Device device, Precision precision, Executor &trained, int length,
+                     std::uint64_t seed) {
+  const Model &model = info.model;
+  const int T = model.input.block_size, V = model.classes();
+  const int samples = (min_kernel_rows + T - 1) / T;  // the sequence is sample 0; the rest pad the batch
+  Engine engine(make_plan(model, none, samples, precision, gemms_of(device, precision)), info.name,
+                device == Device::cuda ? info.cuda_kernels : info.kernels, {.device = device, .canary = false});
+  Executor &ex = engine.executor;
+  trained.download(trained.plan.params());
+  std::ranges::copy(trained.tensor<float>(trained.plan.params()), ex.tensor<float>(engine.plan.params()).begin());
+  ex.upload(engine.plan.params());
+  const TensorId logits = engine.plan.logits(Phase::eval);
+  std::mt19937_64 rng(seed);
+  std::vector<std::int32_t> text = {'\n'};
+  std::string out;
+  auto inputs = ex.tensor<std::int32_t>(engine.plan.inputs());
+  for (int i = 0; i < length; ++i) {
+    const int n = std::min<int>(int(text.size()), T);
+    std::fill(inputs.begin(), inputs.end(), std::int32_t{' '});
+    std::copy(text.end() - n, text.end(), inputs.begin());
+    ex.upload(engine.plan.inputs());
+    ex.run(Executor::Phase::eval);
+    ex.download(logits);
+    const auto all_logits = ex.values(logits);
+    const auto last = std::span(all_logits).subspan(std::size_t(n - 1) * V, V);  // of the last filled position
+    const float top = *std::ranges::max_element(last);
+    std::vector<double> p(V);
+    double z = 0;
+    for (int v = 0; v < V; ++v) z += p[v] = std::exp((last[v] - top) / 0.8);
+    double u = std::uniform_real_distribution<double>(0, z)(rng);
+    int pick = 0;
+    while (pick + 1 < V && (u -= p[pick]) > 0) ++pick;
+    text.push_back(pick);
+    out.push_back(char(pick));
+  }
+  return out;
+}
+
+// One training run, step by step.
+class Training {
+public:
+  Training(const Options &o, const ModelInfo &info, const Run &run, const std::string &program)
+      : o(o),
+        info(info),
+        run(run),
+        plan(run.plan),
+        program(program),
+        progress(o.json ? stderr : stdout),
+        data(data_source(info, {o.data_dir, run.batch, o.seed})),
+        engine(run.plan, info.name, run.device == Device::cuda ? info.cuda_kernels : info.kernels,
+               {.device = run.device}),
+        ex(engine.executor),
+        scalars(engine.scalars) {
+    const long per_step = long(run.batch) * run.micro;
+    if (per_step > data->train_samples())
+      throw InputError(fmt::format("--batch-size {} x --gradient-accumulation-steps {} exceeds the {} training samples",
+                                   run.batch, run.micro, data->train_samples()));
+    steps_per_epoch = data->train_samples() / per_step;
+    summary.max_steps = o.max_steps ? o.max_steps : o.num_train_epochs * steps_per_epoch;
+    if (summary.max_steps > INT32_MAX)
+      throw InputError(
+          fmt::format("{} steps: at most {} (the dropout counters are 32-bit)", summary.max_steps, INT32_MAX));
+    eval_samples = o.eval_samples < 0 ? data->eval_samples() : o.eval_samples;
+    // everything that shapes the sequence of steps; a resume must use the same
+    run_flags = fmt::format(
+        "--max-steps {} --batch-size {} --gradient-accumulation-steps {} --learning-rate {} --warmup-steps {} "
+        "--lr-scheduler-type {} --weight-decay {} --dropout {}{}",
+        summary.max_steps, run.batch, run.micro, o.learning_rate, o.warmup_steps, o.lr_scheduler_type, o.weight_decay,
+        o.dropout, o.bf16 ? " --bf16" : "");
+    engine.init_params(o.seed);
+    probe_snapshot_path();
+    if (!o.resume_from_snapshot.empty()) resume();
+    reset_halide_heap_peak();
+    reset_step_heap();
+    scalars.seed = o.seed;
+    scalars.set_dropout(o.dropout);
+    scalars.grad_scale = float(1.0 / (double(plan.rows) * run.micro));
+    scalars.weight_decay = float(o.weight_decay);
+  }
+
+  Summary train() {
+    const Plan none_plan = make_plan(info.model, none, run.batch, run.precision, gemms_of(run.device, run.precision));
+    summary.activation_bytes_none = none_plan.activation_bytes;
+    fmt::print(progress,
+               "{}: {}\n{}: policy {}, {}, batch {} x {}, {} steps, {} parameters, arena {} (activations {}; {} under "
+               "none)\n",
+               program, data->describe(), program, run.policy_label, precision_name(run.precision), run.batch,
+               run.micro, summary.max_steps, plan.param_count, mib(plan.peak_bytes), mib(plan.activation_bytes),
+               mib(none_plan.activation_bytes));
+    std::fflush(progress);
+    for (long step = summary.first_step; step <= summary.max_steps; ++step) {
+      this->step(step);
+      log(step);
+      if (o.save_steps > 0 && step % o.save_steps == 0 && step < summary.max_steps) save(step);
+      if (o.eval_steps > 0 && step % o.eval_steps == 0 && step < summary.max_steps && eval_samples > 0) {
+        const Evaluation e = evaluate(*data, ex, scalars, plan, eval_samples, o.dropout);
+        fmt::print(progress, "step {:>5}/{} | eval loss {:.4f} | eval accuracy {:.2f}% ({} samples)\n", step,
+                   summary.max_steps, e.loss, 100 * e.accuracy, e.samples);
+        std::fflush(progress);
+      }
+    }
+    if (!o.save_snapshot.empty()) save(summary.max_steps);
+    if (eval_samples > 0) {
+      summary.eval = evaluate(*data, ex, scalars, plan, eval_samples, o.dropout);
+      fmt::print(progress, "eval: {} samples | loss {:.4f} | accuracy {:.2f}%\n", summary.eval->samples,
+                 summary.eval->loss, 100 * summary.eval->accuracy);
+    }
+    if (info.defaults.sample_length > 0)
+      fmt::print(progress, "sample:\n{}\n",
+                 generate(info, run.device, run.precision, ex, info.defaults.sample_length, o.seed));
+    ex.download(plan.params());
+    summary.param_digest = digest(std::as_bytes(ex.tensor<float>(plan.params())));
+    return summary;
+  }
+
+private:
+  // One optimizer step: its micro-batches (forward, loss, backward), then AdamW. The first step of
+  // the run also gives the gradient digest and the measured peak (what the kernels wrote, guard
+  // included, and what Halide allocated; on the CPU, where the arena is host memory, any other
+  // heap allocation of the step too; on CUDA the first step also loads the kernels' modules and
+  // cuBLASLt, which allocate host memory: reported as step_heap_bytes, not device memory).
+  void step(long step) {
+    const bool first = step == summary.first_step;
+    auto t0 = std::chrono::steady_clock::now();
+    double loss_sum = 0;
+    scalars.step = std::int32_t(step);
+    for (int m = 0; m < run.micro; ++m) {
+      data->next_train_batch(ex);
+      if (first && m == 0 && !o.save_initial.empty()) {  // not timed
+        save_initial(o.save_initial, info.model, plan, ex, initial_metadata());
+        t0 = std::chrono::steady_clock::now();
+      }
+      scalars.accumulate = m > 0;
+      ex.run(Executor::Phase::train);
+      ex.download(plan.row_loss());
+      ex.download(plan.row_correct());
+      for (float l : ex.tensor<float>(plan.row_loss())) loss_sum += l;
+      for (std::int32_t c : ex.tensor<std::int32_t>(plan.row_correct())) window_correct += c;
+      window_rows += plan.rows;
+    }
+    if (first) {
+      ex.download(plan.grads());
+      summary.grad_digest = digest(std::as_bytes(ex.tensor<float>(plan.grads())));
+    }
+    lr = learning_rate(o, step, summary.max_steps);
+    scalars.lr = float(lr);
+    scalars.bias1 = float(1.0 - std::pow(double(scalars.beta1), double(step)));
+    scalars.bias2 = float(1.0 - std::pow(double(scalars.beta2), double(step)));
+    ex.run(Executor::Phase::optimize);
+    engine.arena.synchronize();  // CUDA: the step's time includes its kernels
+    const auto t1 = std::chrono::steady_clock::now();
+    if (first)
+      summary.measured_peak =
+          engine.arena.high_water() + halide_heap().peak + (run.device == Device::cpu ? step_heap().bytes : 0);
+    const double ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
+    summary.step_ms.push_back(ms);
+    summary.train_seconds += ms / 1000;
+    const double loss = loss_sum / (double(plan.rows) * run.micro);
+    if (!std::isfinite(loss))
+      throw std::runtime_error(fmt::format("loss is {} at step {}; lower --learning-rate", loss, step));
+    if (first) summary.loss_first = loss;
+    summary.loss_last = loss;
+    window_loss += loss;
+    ++window_steps;
+  }
+  // Progress every --logging-steps, and at the last step.
+  void log(long step) {
+    if (step % o.logging_steps != 0 && step != summary.max_steps) return;
+    fmt::print(progress,
+               "step {:>5}/{} | epoch {:5.2f} | loss {:.4f} | train acc {:5.1f}% | lr {:.2e} | {:.0f} samples/s\n",
+               step, summary.max_steps, double(step) / std::max(1L, steps_per_epoch), window_loss / window_steps,
+               100.0 * window_correct / std::max(1L, window_rows), lr,
+               double(step - summary.first_step + 1) * run.batch * run.micro / summary.train_seconds);
+    std::fflush(progress);
+    window_loss = 0;
+    window_correct = window_rows = window_steps = 0;
+  }
+  // Fail now, not after training, if the snapshot cannot be written.
+  void probe_snapshot_path() const {
+    if (o.save_snapshot.empty()) return;
+    const std::string probe = o.save_snapshot + ".tmp";
+    if (!std::ofstream(probe)) throw InputError(fmt::format("--save-snapshot {}: cannot write", o.save_snapshot));
+    std::filesystem::remove(probe);
+  }
+  // The snapshot's state, if it is one of this run (same seed and shaping flags, before the last step).
+  void resume() {
+    const SnapshotState snap = [&] {
+      try {
+        return engine.load(o.resume_from_snapshot);
+      } catch (const InputError &e) { throw InputError(fmt::format("--resume-from-snapshot: {}", e.what())); }
+    }();
+    if (snap.seed != o.seed)
+      throw InputError(
+          fmt::format("--resume-from-snapshot: the snapshot was made with --seed {}, not {}", snap.seed, o.seed));
+    if (snap.run != run_flags)
+      throw InputError(fmt::format("--resume-from-snapshot: the snapshot's run used {}", snap.run));
+    if (snap.step >= summary.max_steps)
+      throw InputError(fmt::format("--resume-from-snapshot: the snapshot is at step {}, not before --max-steps {}",
+                                   snap.step, summary.max_steps));
+    data->restore(snap.data);
+    summary.first_step = snap.step + 1;
+  }
+  // The final snapshot goes to FILE, the ones every --save-steps to FILE.step<N>.
+  void save(long step) {
+    const std::string path =
+        step == summary.max_steps ? o.save_snapshot : fmt::format("{}.step{}", o.save_snapshot, step);
+    try {
+      engine.save(path, {step, o.seed, run_flags, data->state()});
+    } catch (const InputError &e) { throw InputError(fmt::format("--save-snapshot: {}", e.what())); }
+  }
+  // --save-initial: what another implementation needs to repeat the run's first steps.
+  std::map<std::string, std::string> initial_metadata() const {
+    return {{"model", std::string(info.name)},
+            {"policy", run.policy_label},
+            {"precision", std::string(precision_name(run.precision))},
+            {"step", std::to_string(summary.first_step)},
+            {"seed", std::to_string(o.seed)},
+            {"run", run_flags},
+            {"max_steps", std::to_string(summary.max_steps)},
+            {"learning_rate", fmt::format("{}", o.learning_rate)},
+            {"lr_scheduler_type", o.lr_scheduler_type},
+            {"warmup_steps", std::to_string(o.warmup_steps)},
+            {"weight_decay", fmt::format("{}", o.weight_decay)},
+            {"dropout", fmt::format("{}", o.dropout)},
+            {"beta1", fmt::format("{}", scalars.beta1)},
+            {"beta2", fmt::format("{}", scalars.beta2)},
+            {"eps", fmt::format("{}", scalars.eps)}};
+  }
+
+  const Options &o;
+  const ModelInfo &info;
+  const Run &run;
+  const Plan &plan;
+  const std::string &program;
+  std::FILE *progress;
+  std::unique_ptr<DataSource> data;
+  Engine engine;
+  Executor &ex;
+  Scalars &scalars;
+  long steps_per_epoch = 0, eval_samples = 0;
+  std::string run_flags;
+  Summary summary;
+  double lr = 0, window_loss = 0;  // the last step's learning rate; the loss since the last progress line
+  long window_correct = 0, window_rows = 0, window_steps = 0;
+};
+
+}  // namespace
+
+// --device cuda: a usable GPU, kernels for it, and room for the plan; checked before anything is
+// allocated, each failure one line with the numbers.
+void check_cuda(const ModelInfo &info, std::size_t arena_bytes) {
+  const cuda::DeviceInfo d = cuda::probe();
+  if (!d.built) throw InputError(fmt::format("--device cuda: {}", d.error));
+  if (!d.error.empty())
+    throw InputError(fmt::format("--device cuda: no usable GPU ({} device(s) found; {})", d.count, d.error));
+  if (info.cuda_kernels.empty())
+    throw InputError(fmt::format(
+        "--device cuda: this build generated no CUDA kernels for model {} (REMAT_CUDA_CAPABILITY=0)", info.name));
+  if (arena_bytes > d.free_bytes)
+    throw InputError(fmt::format(
+        "--device cuda: the plan needs {} B ({:.2f} GiB) of device memory; {} has {} B ({:.2f} GiB) free of {} B",
+        arena_bytes, arena_bytes / 1073741824.0, d.name, d.free_bytes, d.free_bytes / 1073741824.0, d.total_bytes));
+}
+
+Summary train(const Options &o, const ModelInfo &info, const Run &run, const std::string &program) {
+  if (run.device == Device::cuda) check_cuda(info, std::max(run.plan.peak_bytes, run.plan.eval_peak_bytes));
+  return Training(o, info, run, program).train();
+}
+
+}  // namespace remat::runtime

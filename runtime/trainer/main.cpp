@@ -1,0 +1,36 @@
+// The trainer shared by every model, in its steps: flags -> resolved run -> (the plan report, or
+// the training loop) -> summary.
+module;
+#include <cstdio>
+#include <exception>
+#include <string>
+module remat.trainer;
+import remat;
+
+namespace remat::runtime {
+
+int train_main(int argc, char **argv, const ModelInfo &info) {
+  const std::string program = "train-" + std::string(info.name);
+  const ParsedFlags flags = parse_flags(argc, argv, info, program);
+  if (flags.exit_code) return *flags.exit_code;
+  const Options &o = flags.options;
+  try {
+    const Run run = resolve(o, info, program);
+    if (o.plan_report) {
+      print_plan_report(stdout, info.model, run.plan, run.costs, run.costs_from);
+      if (o.sweep) print_sweep(stdout, info, run, o, program);
+      return 0;
+    }
+    const Summary summary = train(o, info, run, program);
+    print_summary(o, info, run, summary);
+    return 0;
+  } catch (const InputError &e) {
+    std::fprintf(stderr, "%s: error: %s\n", program.c_str(), e.what());
+    return 2;
+  } catch (const std::exception &e) {
+    std::fprintf(stderr, "%s: error: %s\n", program.c_str(), e.what());
+    return 1;
+  }
+}
+
+}  // namespace remat::runtime

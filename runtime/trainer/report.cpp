@@ -1,0 +1,161 @@
+// The plan report (--plan-report): what each block's kernels do, every tensor saved for backward
+// and why, the peak, the recompute arithmetic and the predicted step time; with --sweep, the
+// budget -> step time table and its plot.
+module;
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <ostream>
+#include <set>
+#include <string>
+#include <string_view>
+#include <vector>
+module remat.trainer;
+import remat;
+
+namespace remat::runtime {
+
+void print_plan_report(std::FILE *out, const Model &model, const Plan &plan, const CostModel &costs,
+                       std::string_view costs_from) {
+  fmt::print(out, "plan under policy {} ({}, batch {}, {} rows)\n", plan.policy_label.view(),
+             precision_name(plan.precision), plan.batch, plan.rows);
+  // each block's kernel calls in schedule order; * marks a call that recomputes forward work
+  fmt::print(out, "{:<8} {}\n", "block", "kernel calls in schedule order (* recomputes forward work)");
+  for (const Unit &u : units_of(model)) fmt::print(out, "s{}.b{:<4} {}\n", u.stage, u.block, block_calls(plan, u));
+  fmt::print(out, "saved for backward:\n");
+  fmt::print(out, "{:<8} {:<22} {:>16} {:>12}  {}\n", "block", "tensor", "shape", "bytes", "why");
+  std::size_t total = 0;
+  std::set<int> fetched;  // restored copies of offloaded tensors
+  for (const Step &st : plan.train)
+    for (auto [host, into] : st.fetch) fetched.insert(into);
+  for (const Step &st : plan.train)
+    for (int t : st.alloc) {
+      const Tensor &x = plan.tensors[t];
+      if (x.role != Role::internal && x.role != Role::block_input) continue;
+      // saved = lives past the kernel that wrote it until a backward kernel reads it
+      bool read_by_backward = false;
+      for (const Step &later : plan.train)
+        if (is_backward(later.variant))
+          for (const Arg &a : later.args) read_by_backward |= a.tensor == t;
+      if (!read_by_backward) continue;
+      const Block &blk = model.stages[x.key.stage];
+      std::string why;
+      if (x.role == Role::block_input) {  // a block's output: the input of the next block
+        const bool last_of_stage = x.key.block + 1 == blk.repeat;
+        const int stage = last_of_stage ? x.key.stage + 1 : x.key.stage, block = last_of_stage ? 0 : x.key.block + 1;
+        bool checkpoint = false;
+        for (const Step &st : plan.train)
+          checkpoint |= st.stage == stage && st.block == block && st.variant == Variant::backward_recompute;
+        why = checkpoint ? fmt::format("checkpoint: input of s{}.b{}, whose backward recomputes from it", stage, block)
+                         : fmt::format("input of s{}.b{}, read by its backward", stage, block);
+      } else if (x.key.layer >= 0) {
+        const Layer &l = blk.layers[x.key.layer];
+        if (x.kind == LocalTensor::Kind::statistic)
+          why = fmt::format("{} row statistics, read by its backward", op_name(l.op));
+        else
+          why = fmt::format("{} output, read by the backward of {} (layer {})", op_name(l.op),
+                            op_name(blk.layers[x.read_by].op), x.read_by);
+      }
+      if (fetched.contains(t)) why += "; waits in pinned host memory between forward and backward (offload)";
+      const std::string shape =
+          x.dims == 1 ? fmt::format("[{}]", x.extent[0]) : fmt::format("[{}, {}]", x.extent[1], x.extent[0]);
+      fmt::print(out, "s{}.b{:<4} {:<22} {:>16} {:>12}  {}\n", x.key.stage, x.key.block, name_of(x.key.local()).view(),
+                 shape, x.bytes(), why);
+      total += x.bytes();
+    }
+  double flops = 0, recompute_flops = 0;
+  for (const Step &st : plan.train) {
+    flops += st.flops;
+    if (!st.recompute) continue;
+    recompute_flops += is_backward(st.variant) ? st.flops - kernel_flops(model.stages[st.stage],
+                                                                         Variant::backward_saved, plan.rows, plan.gemms)
+                                               : st.flops;
+  }
+  const Chain chain = chain_of(model, plan.batch, plan.precision, plan.gemms, costs);
+  const Outcome predicted = evaluate(chain, plan.strategy, 0, chain.n());
+  fmt::print(
+      out,
+      "total saved {} B ({}); peak activations {} B; planned arena peak {} B ({}); {} kernel launches ({} recompute)\n",
+      total, mib(total), plan.activation_bytes, plan.peak_bytes, mib(plan.peak_bytes), plan.total_launches,
+      plan.recompute_launches);
+  if (plan.offload_bytes > 0)
+    fmt::print(out, "offloaded {} tensors to {} B ({}) of pinned host memory\n", fetched.size(), plan.offload_bytes,
+               mib(plan.offload_bytes));
+  fmt::print(
+      out,
+      "recompute {:.3f} GFLOP of {:.3f} per micro-batch; predicted forward + loss + backward {:.2f} ms (costs {})\n",
+      recompute_flops / 1e9, flops / 1e9, predicted.seconds * 1e3, costs_from);
+}
+
+// The budget -> step time table, from the smallest plan to none's peak, and its plot (SVG).
+void print_sweep(std::FILE *out, const ModelInfo &info, const Run &run, const Options &o, const std::string &program) {
+  const Model &m = info.model;
+  const Device device = run.device;
+  const Precision precision = run.precision;
+  const int batch = run.batch;
+  const CostModel &costs = run.costs;
+  const Gemms gemms = gemms_of(device, precision);
+  const Chain chain = chain_of(m, batch, precision, gemms, costs);
+  const long long lo = (long long)smallest_plan(m, batch, precision, gemms).peak_bytes;
+  const long long hi = (long long)make_plan(m, none, batch, precision, gemms).peak_bytes;
+  std::unique_ptr<DataSource> data;
+  if (o.calibrate) data = data_source(info, {o.data_dir, batch, o.seed});
+  struct Row {
+    long long budget, peak;
+    double predicted, measured;
+    int launches, recompute;
+  };
+  std::vector<Row> rows;
+  const int points = 9;
+  for (int i = 0; i < points; ++i) {
+    const long long b = lo + (hi - lo) * i / (points - 1);
+    const Planned p = plan_for(m, budget(b), batch, precision, gemms, costs);
+    if (!p.ok()) continue;
+    const double predicted = evaluate(chain, p.plan.strategy, 0, chain.n()).seconds * 1e3;
+    const double measured = data ? measured_step_ms(p.plan, info, device, *data) : 0;
+    rows.push_back(
+        {b, (long long)p.plan.peak_bytes, predicted, measured, p.plan.total_launches, p.plan.recompute_launches});
+  }
+  fmt::print(out, "\nbudget sweep ({} to none's peak {} B):\n{:>14} {:>8} {:>14} {:>13} {:>12} {:>9}\n", lo, hi,
+             "budget B", "% none", "planned peak", "predicted ms", o.calibrate ? "measured ms" : "", "launches");
+  for (const Row &r : rows)
+    fmt::print(out, "{:>14} {:>7.1f}% {:>14} {:>13.2f} {:>12} {:>4} ({} re)\n", r.budget, 100.0 * r.budget / hi, r.peak,
+               r.predicted, o.calibrate ? fmt::format("{:.2f}", r.measured) : "", r.launches, r.recompute);
+  // the plot: step time against the budget in MiB
+  const std::string path = program + "-sweep.svg";
+  write_atomically(path, "sweep plot", [&](std::ostream &svg) {
+    const double W = 640, H = 400, L = 70, R = 20, T = 30, B = 50;
+    double tmax = 0;
+    for (const Row &r : rows) tmax = std::max({tmax, r.predicted, r.measured});
+    tmax = tmax > 0 ? tmax * 1.1 : 1;
+    const double x0 = lo / 1048576.0, x1 = std::max(hi / 1048576.0, x0 + 1e-9);
+    auto X = [&](long long b) { return L + (b / 1048576.0 - x0) / (x1 - x0) * (W - L - R); };
+    auto Y = [&](double ms) { return H - B - ms / tmax * (H - T - B); };
+    svg << fmt::format(
+        "<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}' font-family='sans-serif' font-size='12'>\n", W,
+        H);
+    svg << fmt::format("<text x='{}' y='18'>{}: step time against the memory budget ({}, batch {})</text>\n", L,
+                       info.name, precision_name(precision), batch);
+    svg << fmt::format(
+        "<line x1='{0}' y1='{1}' x2='{2}' y2='{1}' stroke='black'/><line x1='{0}' y1='{3}' x2='{0}' y2='{1}' "
+        "stroke='black'/>\n",
+        L, H - B, W - R, T);
+    svg << fmt::format("<text x='{}' y='{}'>budget (MiB): {:.1f} .. {:.1f}</text>\n", L, H - 15, x0, x1);
+    svg << fmt::format("<text x='5' y='{}'>ms (0 .. {:.1f})</text>\n", T - 5 + 15, tmax);
+    for (int series = 0; series < (o.calibrate ? 2 : 1); ++series) {
+      std::string points_attr;
+      for (const Row &r : rows)
+        points_attr += fmt::format("{:.1f},{:.1f} ", X(r.budget), Y(series ? r.measured : r.predicted));
+      svg << fmt::format("<polyline fill='none' stroke='{}' stroke-width='2' points='{}'/>\n",
+                         series ? "crimson" : "steelblue", points_attr);
+      svg << fmt::format("<text x='{}' y='{}' fill='{}'>{}</text>\n", W - R - 150, T + 15 + 15 * series,
+                         series ? "crimson" : "steelblue", series ? "measured" : "predicted");
+    }
+    svg << "</svg>\n";
+  });
+  fmt::print(out, "plot: {}\n", path);
+}
+
+}  // namespace remat::runtime

@@ -1,0 +1,71 @@
+// What a training run reports at its end: the memory (planned and measured peak, activations
+// against none's) and speed lines, and with --json one line of JSON as the last of stdout.
+module;
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+module remat.trainer;
+import remat;
+
+namespace remat::runtime {
+
+std::string mib(std::size_t bytes) { return fmt::format("{:.1f} MiB", bytes / 1048576.0); }
+
+void print_summary(const Options &o, const ModelInfo &info, const Run &run, const Summary &s) {
+  const Plan &plan = run.plan;
+  std::vector<double> sorted = s.step_ms;
+  std::ranges::sort(sorted);
+  const double median = sorted[sorted.size() / 2];
+  const double samples_per_s = double(s.max_steps - s.first_step + 1) * run.batch * run.micro / s.train_seconds;
+  const double rows_per_s = samples_per_s * info.model.rows_per_sample();
+  fmt::print(o.json ? stderr : stdout,
+             "memory: planned peak {} B, measured peak {} B ({}); activations {} under {} vs {} under none ({:.1f}%)\n"
+             "speed: {:.0f} samples/s ({:.0f} rows/s), median step {:.1f} ms, {} kernel launches per micro-batch ({} "
+             "recompute)\n",
+             plan.peak_bytes, s.measured_peak, s.measured_peak == plan.peak_bytes ? "equal" : "DIFFERENT",
+             mib(plan.activation_bytes), run.policy_label, mib(s.activation_bytes_none),
+             100.0 * plan.activation_bytes / s.activation_bytes_none, samples_per_s, rows_per_s, median,
+             plan.total_launches, plan.recompute_launches);
+  if (!o.json) return;
+  auto optional = [&](auto f) { return s.eval ? nlohmann::json(f(*s.eval)) : nlohmann::json(); };
+  const nlohmann::json j = {
+      {"model", std::string(info.name)},
+      {"policy", run.policy_label},
+      {"device", o.device},
+      {"precision", std::string(precision_name(run.precision))},
+      {"offload_bytes", plan.offload_bytes},
+      {"batch_size", run.batch},
+      {"gradient_accumulation_steps", run.micro},
+      {"dropout", o.dropout},
+      {"steps", s.max_steps},
+      {"loss_first", s.loss_first},
+      {"loss_last", s.loss_last},
+      {"eval_accuracy", optional([](const Evaluation &e) { return e.accuracy; })},
+      {"eval_loss", optional([](const Evaluation &e) { return e.loss; })},
+      {"val_loss", optional([](const Evaluation &e) { return e.loss; })},
+      {"samples_per_s", samples_per_s},
+      {"tokens_per_s", rows_per_s},
+      {"step_ms_median", median},
+      {"step_ms", s.step_ms},
+      {"planned_peak_bytes", plan.peak_bytes},
+      {"measured_peak_bytes", s.measured_peak},
+      {"halide_heap_peak_bytes", halide_heap().peak},
+      {"step_heap_allocations", step_heap().allocations},
+      {"step_heap_bytes", step_heap().bytes},
+      {"activation_bytes", plan.activation_bytes},
+      {"activation_bytes_none", s.activation_bytes_none},
+      {"param_count", plan.param_count},
+      {"kernel_launches", plan.total_launches},
+      {"recompute_launches", plan.recompute_launches},
+      {"grad_digest", s.grad_digest},
+      {"param_digest", s.param_digest},
+  };
+  std::printf("%s\n", j.dump().c_str());
+  std::fflush(stdout);  // the summary is out even if teardown fails later
+}
+
+}  // namespace remat::runtime
