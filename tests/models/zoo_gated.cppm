@@ -2,12 +2,13 @@
 // position table; pre-RMSNorm blocks with bias-free projections, RoPE on q and k, grouped-query
 // attention (6 query heads of 2 features, not a power of two, sharing 2 key / value heads) and a
 // SwiGLU gated MLP (linear(C, 2H) -> swiglu -> linear(H, C)); widths no multiple of 8 (12, 20,
-// 28, 14, 18); a second repeat stage of another kind (LayerNorm, GELU, dropout after the
-// activation and after the GEMM); an RMSNorm head without bias. Both repeat stages carry their own
-// policy: the first's selective kernels keep only the outputs named "rotated" and "gate" (so
-// they rebuild the attention, both RMSNorms and the gate / up GEMM), "gate" offloaded to host
-// memory between forward and backward (the CPU runs the copies), the second is checkpointed
-// every 2 blocks and its selective kernels rebuild the LayerNorm output.
+// 28, 14, 18); a second repeat stage of another kind (LayerNorm, squared ReLU as in Primer and
+// modded-nanoGPT, dropout after the activation and after the GEMM); an RMSNorm head without
+// bias. Both repeat stages carry their own policy: the first's selective kernels keep only the
+// outputs named "rotated" and "gate" (so they rebuild the attention, both RMSNorms and the gate /
+// up GEMM), "gate" offloaded to host memory between forward and backward (the CPU runs the
+// copies), the second is checkpointed every 2 blocks and its selective kernels rebuild the
+// LayerNorm output.
 export module zoo_gated;
 import remat.language;
 
@@ -27,7 +28,7 @@ inline constexpr remat::Model model = remat::checked<remat::make_model(
                             remat::name("gate", remat::swiglu()), remat::linear(hidden, width, remat::no_bias))),
         remat::save_and_offload_only_these_names({"rotated"}, {"gate"})),
     remat::repeat(2,
-                  remat::residual(remat::layer_norm(), remat::linear(width, 18), remat::gelu(), remat::dropout(),
+                  remat::residual(remat::layer_norm(), remat::linear(width, 18), remat::relu2(), remat::dropout(),
                                   remat::linear(18, width), remat::dropout()),
                   remat::every_n_layers(2) | remat::recompute_modules(remat::norm)),
     remat::rms_norm(), remat::linear(width, vocab, remat::no_bias), remat::softmax_cross_entropy(vocab))>();
