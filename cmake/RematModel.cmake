@@ -40,8 +40,8 @@ int main(int argc, char **argv) { return remat::modelc::main(argc, argv, ${name}
   target_sources(${name}_kernels PUBLIC FILE_SET CXX_MODULES BASE_DIRS ${dir} FILES ${dir}/${name}.kernels.cppm)
   target_include_directories(${name}_kernels PUBLIC ${dir})
   # The generated archive calls into the runtime (the library-GEMM extern stages): it is an
-  # imported library that links the runtime after itself.
-  add_library(${name}_halide_kernels STATIC IMPORTED)
+  # imported library that links the runtime after itself (GLOBAL: the tests read its location).
+  add_library(${name}_halide_kernels STATIC IMPORTED GLOBAL)
   set_target_properties(${name}_halide_kernels PROPERTIES IMPORTED_LOCATION ${dir}/lib${name}_kernels.a
                                                           INTERFACE_LINK_LIBRARIES remat_runtime)
   target_link_libraries(${name}_kernels PUBLIC remat_runtime ${name}_model ${name}_halide_kernels)

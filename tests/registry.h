@@ -22,6 +22,7 @@ struct TestModel {
   double dropout;            // the dropout the tests run with (0: the model has none)
   bool example;              // an example's model (its float64 reference is described by hand)
   bool bf16_reference;       // its bf16 kernels compare with the float64 reference (test_model_gradients)
+  std::string_view archive;  // its kernel library, lib<name>_kernels.a (CPU objects and CUDA PTX)
 };
 
 }  // namespace remat::testing

@@ -175,11 +175,13 @@ void expect_policies_identical(Device device, int scale, Precision precision = P
 
 }  // namespace
 
+// Every test model's CUDA kernels (the registry's).
 BOOST_AUTO_TEST_CASE(cuda_kernels_are_ptx_for_the_pinned_capability, *boost::unit_test::label("build")) {
-  for (auto [lib, count] : {std::pair{MLP_KERNELS_LIB, mlp_kernels::cuda_table.size()},
-                            std::pair{GPT_KERNELS_LIB, gpt_kernels::cuda_table.size()}}) {
-    BOOST_TEST_REQUIRE(count > 0u, "no CUDA kernels in the table");
-    const std::string bytes = read_file(lib);
+  for (const testing::TestModel &m : testing::test_models()) {
+    const std::string lib(m.archive);
+    const std::size_t count = m.cuda.size();
+    BOOST_TEST_REQUIRE(count > 0u, lib << ": no CUDA kernels in the table");
+    const std::string bytes = read_file(lib.c_str());
     const std::regex target(R"(\n\.target (sm_[0-9]+))");
     std::size_t pinned = 0, other = 0;
     for (auto it = std::sregex_iterator(bytes.begin(), bytes.end(), target); it != std::sregex_iterator(); ++it)
@@ -200,9 +202,10 @@ std::vector<std::string> ptx_modules(const std::string &bytes) {
   return modules;
 }
 
-// ptxas (from the CUDA toolkit) assembles every CUDA kernel for the pinned capability and for
-// the H200's sm_90, which the driver will JIT-compile it for: invalid PTX, or a kernel needing
-// more shared memory or registers than the GPU has, fails here rather than on the device.
+// ptxas (from the CUDA toolkit) assembles every CUDA kernel of the test models, the Llama example and
+// GPT-2 small for the pinned capability and for the H200's sm_90, which the driver will JIT-compile
+// it for: invalid PTX, or a kernel needing more shared memory or registers than the GPU has, fails
+// here rather than on the device.
 boost::test_tools::assertion_result has_ptxas(boost::unit_test::test_unit_id) {
   if (std::string_view(REMAT_PTXAS).empty()) {
     std::printf("[SKIP] no ptxas (CUDA toolkit) in this build\n");
@@ -217,8 +220,10 @@ BOOST_AUTO_TEST_CASE(cuda_kernels_assemble_for_real_gpus,
   const auto dir = std::filesystem::temp_directory_path() / ("remat-ptx-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   std::size_t assembled = 0;
-  for (const char *lib : {MLP_KERNELS_LIB, GPT_KERNELS_LIB, GPT2S_KERNELS_LIB, LLAMA_KERNELS_LIB}) {
-    const auto modules = ptx_modules(read_file(lib));
+  std::vector<std::string> libraries = {GPT2S_KERNELS_LIB, LLAMA_KERNELS_LIB};
+  for (const testing::TestModel &m : testing::test_models()) libraries.emplace_back(m.archive);
+  for (const std::string &lib : libraries) {
+    const auto modules = ptx_modules(read_file(lib.c_str()));
     BOOST_TEST(!modules.empty(), lib);
     for (std::size_t i = 0; i < modules.size(); ++i) {
       const auto ptx = dir / (std::to_string(i) + ".ptx");

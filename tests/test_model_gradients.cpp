@@ -398,8 +398,8 @@ constexpr Limits mlp_bf16{.loss = {1e-2, 0}, .grads = {5e-2, 0}};
 //   row losses 5e-3 (observed 1.6e-3).
 constexpr Limits gpt_bf16{.loss = {5e-3, 0}, .grads = {3e-2, 0}};
 
-//   Zoo fp32: gradients 4e-6 (observed 5.2e-7 zoo_rows, 9.6e-7 zoo_gated; 1.7e-6 when its second
-//   stage had a ReLU); row losses 5e-7 (observed 7.5e-8, 9.7e-8).
+//   Zoo fp32: gradients 4e-6 (observed 7.0e-7 zoo_rows, 8.8e-7 zoo_gated on AMD EPYC; 1.7e-6 when
+//   zoo_gated's second stage had a ReLU); row losses 5e-7 (observed 7.5e-8, 1.1e-7).
 constexpr Limits zoo_fp32{.loss = {5e-7, 0}, .grads = {4e-6, 0}};
 //   Zoo bf16, 4x the rows: gradients 8e-2 (observed 2.9e-2 zoo_rows; zoo_gated 6.8e-2 in
 //   s1.b0.g1_w, its first RMSNorm weight, farthest from the loss, since its second stage's
