@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 VENV  := .venv
 BUILD := build
-DEBS  := clang-19 clang-tools-19 clang-format-19 ninja-build libboost-test-dev librange-v3-dev libcli11-dev \
+DEBS  := clang-19 clang-tools-19 clang-format-19 universal-ctags ninja-build libboost-test-dev librange-v3-dev libcli11-dev \
          nlohmann-json3-dev libfmt-dev zlib1g-dev dataset-fashion-mnist fortunes python3-venv python3-dev \
          pocl-opencl-icd ocl-icd-libopencl1
 PY_PKGS := halide==21.0.0 cmake>=3.28 mkl-static==2026.2.0 mkl-include==2026.2.0

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Functions (free and member, lambdas counted in the function that holds them) longer than LIMIT
 # lines in dsl/ runtime/ generators/, longest first: "lines file:line name". Counted by
-# universal-ctags (a function's first to last line, braces and comments included). Exit code 1
-# if any is over the limit.
+# universal-ctags (ctags-universal, Debian package universal-ctags): a function's first to last
+# line, braces and comments included. Exit code 1 if any is over the limit.
 #   bash scripts/function-lengths.sh [LIMIT]   (default 120)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 limit=${1:-120}
 files=$(git ls-files 'dsl/*' 'runtime/*' 'generators/*' | grep -E '\.(cpp|cppm|h)$')
-long=$(ctags --language-force=C++ --kinds-C++=f --fields=+ne -o - $files |
+long=$(ctags-universal --language-force=C++ --kinds-C++=f --fields=+ne -o - $files |
   awk -F'\t' -v limit="$limit" '{
     start = 0; end = 0
     for (i = 4; i <= NF; i++) { if ($i ~ /^line:/) start = substr($i, 6); if ($i ~ /^end:/) end = substr($i, 5) }
