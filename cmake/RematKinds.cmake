@@ -11,6 +11,8 @@
 # and reconfigures when the list changes.
 set(REMAT_KINDS_LIST ${CMAKE_CURRENT_LIST_DIR}/../generators/kinds/list.h)
 set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${REMAT_KINDS_LIST})
+# ... and when a kind's folder gains or loses a file (rules.h, reference.h, checks.h are optional)
+file(GLOB remat_kind_files CONFIGURE_DEPENDS ${CMAKE_CURRENT_LIST_DIR}/../generators/kinds/*/*)
 file(STRINGS ${REMAT_KINDS_LIST} kind_lines REGEX "^REMAT_KIND\\(")
 set(REMAT_KINDS "")
 set(REMAT_KIND_TRAITS "")

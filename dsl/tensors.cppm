@@ -142,8 +142,8 @@ constexpr TensorKey gradient(TensorKey parameter, bool previous = false) {
 constexpr TensorKey adamw(Slot s, int range = -1) { return {.slot = s, .index = std::int8_t(range)}; }
 }  // namespace key
 
-// A tensor's name, for display only (nothing parses it): s<stage>.b<block>.<local> for a block's
-// tensors in a plan, eval. before those of evaluation, the local name alone in a kernel.
+// A tensor's name, for display only (nothing in remat parses it; safetensors files carry it): s<stage>.b<block>.<local>
+// for a block's tensors in a plan, eval. before those of evaluation, the local name alone in a kernel.
 constexpr Name name_of(const TensorKey &k) {
   Name n;
   if (k.phase == Phase::eval) n.append("eval.");

@@ -77,6 +77,8 @@ constexpr std::array variants = {Variant::forward_save,
                                  Variant::loss,
                                  Variant::adamw};
 constexpr std::array precisions = {Precision::fp32, Precision::bf16};
+static_assert(variants.size() == std::size_t(Variant::adamw) + 1 && variants.back() == Variant::adamw,
+              "every Variant, in order");
 }  // namespace
 
 // An entry is a list of {"stage", "variant", "precision", "seconds"}; one of an older remat (an

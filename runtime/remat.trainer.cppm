@@ -193,7 +193,8 @@ struct Summary {
 Summary train(const Options &o, const ModelInfo &info, const Run &run, const std::string &program);
 void print_summary(const Options &o, const ModelInfo &info, const Run &run, const Summary &s);
 
-// --device cuda: a usable GPU, kernels for it, and room for `arena_bytes` (loop.cpp); "12.3 MiB".
+// --device cuda: a usable GPU, kernels for it, and room for `arena_bytes` (loop.cpp); "12.3 MiB"
+// (summary.cpp).
 void check_cuda(const ModelInfo &info, std::size_t arena_bytes);
 std::string mib(std::size_t bytes);
 

@@ -1,6 +1,7 @@
 // The generated kernels of the example models, run through the executor, against a plain C++
-// float64 implementation of the same models (the MLP, and the GPT with dropout); gradient
-// accumulation and AdamW against plain C++ arithmetic; the policies against each other, bit for bit.
+// float64 implementation of the same models (the MLP, and the GPT with dropout), and of the
+// registry's other models (a reference walked from each one's layer list); gradient accumulation
+// and AdamW against plain C++ arithmetic. (The policies against each other, bit for bit: test_arena.)
 //
 // The float64 reference wires each model by hand from its own description of the examples (the
 // table above mlp_reference / gpt_reference), not from the DSL's graph helpers, so a wiring
@@ -166,15 +167,23 @@ const std::array<testing::ReferenceEntry, n_ops> kind_references = {{
 #undef REMAT_KIND
 }};
 
+// A layer's entry; a kind without reference.h in its folder stops the test, named.
+const testing::ReferenceEntry &reference_of(const Layer &l) {
+  const testing::ReferenceEntry &e = kind_references[std::size_t(l.op)];
+  BOOST_TEST_REQUIRE((e.forward && e.backward),
+                     "kind " << kind(l.op).name << " has no float64 reference (reference.h)");
+  return e;
+}
+
 Rows Reference::layer_forward(const Layer &l, const Site &site, const Rows &x, Saved &s) {
   RunSite at(*this, l, site);
   s.in = x;
-  s.out = kind_references[std::size_t(l.op)].forward(at, l, x, s);
+  s.out = reference_of(l).forward(at, l, x, s);
   return s.out;
 }
 Rows Reference::layer_backward(const Layer &l, const Site &site, const Saved &s, const Rows &dy) {
   RunSite at(*this, l, site);
-  return kind_references[std::size_t(l.op)].backward(at, l, s, dy);
+  return reference_of(l).backward(at, l, s, dy);
 }
 
 // ---- the examples, described by hand ----
@@ -359,6 +368,7 @@ void check_against_reference(Run &run, Wiring wiring, double dropout, Limits lim
   std::set<TensorKey> planned, computed;
   for (const TensorKey &k : grad_tensors(run.plan)) planned.insert(k);
   for (const auto &[k, g] : ref.grads) computed.insert(k);
+  BOOST_TEST_REQUIRE(!planned.empty(), what << ": the plan has no gradient tensors");
   BOOST_TEST((planned == computed), what << ": the reference computes " << computed.size()
                                          << " gradient tensors, the plan has " << planned.size());
   double worst = 0;
@@ -449,8 +459,10 @@ BOOST_AUTO_TEST_CASE(bf16_kernels_match_the_float64_reference) {
 // says NO_BF16_REFERENCE) bf16 under none, at their first micro-batch (bf16: 4 times it; limits
 // zoo_fp32, zoo_bf16).
 BOOST_AUTO_TEST_CASE(zoo_kernels_match_the_float64_reference) {
+  int checked = 0;
   for (const testing::TestModel &z : testing::test_models()) {
     if (z.example) continue;  // described by hand above
+    ++checked;
     const Wiring wiring = [&z](Reference &r) { zoo_reference(r, z.model); };
     const int samples = z.samples[0];
     for (Policy p : {none, selective}) {
@@ -462,6 +474,7 @@ BOOST_AUTO_TEST_CASE(zoo_kernels_match_the_float64_reference) {
     Run run(z.model, z.name, z.cpu, none, 4 * samples, z.dropout, true, Device::cpu, Precision::bf16);
     check_against_reference(run, wiring, z.dropout, zoo_bf16, std::string(z.name) + " bf16");
   }
+  BOOST_TEST(checked >= 2, checked << " non-example models in the registry");
 }
 
 // The comparison the reference tests use catches what the old max-error check let through: NaN
@@ -610,7 +623,7 @@ BOOST_AUTO_TEST_CASE(gradients_overwrite_the_buffer_without_accumulate) {
 // ---- AdamW ----
 // One AdamW step in double, the rule of generators/layers.h (decoupled weight decay):
 //   m' = b1 m + (1 - b1) g,  v' = b2 v + (1 - b2) g^2,  p' = p - lr ((m' / bias1) / (sqrt(v' / bias2) + eps) + wd p)
-// with bias1 = 1 - b1^t and bias2 = 1 - b2^t as runtime/trainer.cpp sets them for step t.
+// with bias1 = 1 - b1^t and bias2 = 1 - b2^t as runtime/trainer/loop.cpp (Training::step) sets them for step t.
 struct AdamW {
   double lr, beta1, beta2, eps, weight_decay, bias1, bias2;
 };

@@ -4,12 +4,13 @@
 //   algorithm.h  its Halide forward and vector-Jacobian rules (remat::gen)
 //   rules.h      how the model compiler builds and schedules it in a block kernel
 //                (remat::modelc::KindRules<Op::<name>>)
-//   reference.h  its float64 reference and layer checks for the tests
-//                (remat::testing::KindReference<Op::<name>>)
+//   reference.h  its float64 reference for the tests (remat::testing::KindReference<Op::<name>>)
+//   checks.h     its layer checks, test cases of test_layers (remat::testing::KindChecks<Op::<name>>)
 // From this list come remat::Op (in this order) and n_ops (dsl/core.cppm), the traits table
-// (dsl/language.cppm), the model compiler's rules table (generators/modelc.cpp) and the tests'
-// reference table (tests/kind_reference.h); CMake (cmake/RematKinds.cmake) compiles or includes each
-// folder's files. Adding a kind: its folder, and its line here.
+// (dsl/language.cppm), the model compiler's rules table (generators/modelc.cpp), the tests'
+// reference table (tests/test_model_gradients.cpp) and test_layers' checks; CMake
+// (cmake/RematKinds.cmake) compiles or includes each folder's files. Adding a kind: its folder, and
+// its line here.
 REMAT_KIND(linear)
 REMAT_KIND(layer_norm)
 REMAT_KIND(rms_norm)

@@ -114,19 +114,13 @@ public:
         program(program),
         progress(o.json ? stderr : stdout),
         data(data_source(info, {o.data_dir, run.batch, o.seed})),
+        steps_per_epoch(checked_steps_per_epoch(*data, run)),
+        max_steps(checked_max_steps(o, steps_per_epoch)),
         engine(run.plan, info.name, run.device == Device::cuda ? info.cuda_kernels : info.kernels,
                {.device = run.device}),
         ex(engine.executor),
         scalars(engine.scalars) {
-    const long per_step = long(run.batch) * run.micro;
-    if (per_step > data->train_samples())
-      throw InputError(fmt::format("--batch-size {} x --gradient-accumulation-steps {} exceeds the {} training samples",
-                                   run.batch, run.micro, data->train_samples()));
-    steps_per_epoch = data->train_samples() / per_step;
-    summary.max_steps = o.max_steps ? o.max_steps : o.num_train_epochs * steps_per_epoch;
-    if (summary.max_steps > INT32_MAX)
-      throw InputError(
-          fmt::format("{} steps: at most {} (the dropout counters are 32-bit)", summary.max_steps, INT32_MAX));
+    summary.max_steps = max_steps;
     eval_samples = o.eval_samples < 0 ? data->eval_samples() : o.eval_samples;
     // everything that shapes the sequence of steps; a resume must use the same
     run_flags = fmt::format(
@@ -294,6 +288,20 @@ private:
             {"eps", fmt::format("{}", scalars.eps)}};
   }
 
+  static long checked_steps_per_epoch(const DataSource &data, const Run &run) {
+    const long per_step = long(run.batch) * run.micro;
+    if (per_step > data.train_samples())
+      throw InputError(fmt::format("--batch-size {} x --gradient-accumulation-steps {} exceeds the {} training samples",
+                                   run.batch, run.micro, data.train_samples()));
+    return data.train_samples() / per_step;
+  }
+  static long checked_max_steps(const Options &o, long steps_per_epoch) {
+    const long steps = o.max_steps ? o.max_steps : o.num_train_epochs * steps_per_epoch;
+    if (steps > INT32_MAX)
+      throw InputError(fmt::format("{} steps: at most {} (the dropout counters are 32-bit)", steps, INT32_MAX));
+    return steps;
+  }
+
   const Options &o;
   const ModelInfo &info;
   const Run &run;
@@ -301,10 +309,12 @@ private:
   const std::string &program;
   std::FILE *progress;
   std::unique_ptr<DataSource> data;
+  // checked before the engine allocates anything
+  long steps_per_epoch, max_steps;
   Engine engine;
   Executor &ex;
   Scalars &scalars;
-  long steps_per_epoch = 0, eval_samples = 0;
+  long eval_samples = 0;
   std::string run_flags;
   Summary summary;
   double lr = 0, window_loss = 0;  // the last step's learning rate; the loss since the last progress line

@@ -30,6 +30,9 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
   } catch (const std::exception &e) {
     std::fprintf(stderr, "%s: error: %s\n", program.c_str(), e.what());
     return 1;
+  } catch (const char *e) {  // the planner's constexpr code throws its messages so
+    std::fprintf(stderr, "%s: error: %s\n", program.c_str(), e);
+    return 1;
   }
 }
 
