@@ -13,8 +13,9 @@ inline constexpr remat::Block transformer_block =
                  remat::residual(remat::layer_norm(), remat::linear(n_embd, 4 * n_embd), remat::gelu(),
                                  remat::linear(4 * n_embd, n_embd), remat::dropout()));
 
-inline constexpr remat::Model model =
-    remat::checked<remat::make_model(remat::tokens(vocab, block_size), remat::embedding(vocab, n_embd),
-                                     remat::dropout(), remat::repeat(n_layer, transformer_block), remat::layer_norm(),
-                                     remat::linear(n_embd, vocab), remat::softmax_cross_entropy(vocab))>();
+inline constexpr remat::Model model = remat::checked([] {
+  return remat::make_model(remat::tokens(vocab, block_size), remat::embedding(vocab, n_embd), remat::dropout(),
+                           remat::repeat(n_layer, transformer_block), remat::layer_norm(), remat::linear(n_embd, vocab),
+                           remat::softmax_cross_entropy(vocab));
+});
 }  // namespace gpt2s

@@ -492,14 +492,10 @@ constexpr Checked check(Model m) {
 
 // ---------------------------------------------------------------------------------------------
 // How a model's trainer starts: its model module's `inline constexpr remat::TrainerDefaults trainer`,
-// which the generated main (remat_add_trainer) hands to the shared trainer; flags override it.
+// which the generated main (remat_add_trainer, whose DATA says what the trainer reads) hands to the
+// shared trainer; flags override it.
 // ---------------------------------------------------------------------------------------------
-enum class Data : std::uint8_t {
-  text,           // a folder of text files read as bytes: next-token prediction (a token model)
-  fashion_mnist,  // Fashion-MNIST idx files: 28 x 28 images, 10 classes
-};
 struct TrainerDefaults {
-  Data data = Data::text;
   std::string_view data_dir;  // the dataset's folder (--data-dir)
   int batch = 128;            // --batch-size
   int epochs = 3;             // --num-train-epochs
@@ -511,10 +507,13 @@ struct TrainerDefaults {
   int sample_length = 0;  // token models: characters to generate at the end
 };
 
-// A model that failed check() does not compile; the message names the layer and the widths.
-template <Model M>
-consteval Model checked() {
-  constexpr Checked c = check(M);
+// A model that failed check() does not compile; the message names the layer and the widths:
+//   inline constexpr remat::Model model = remat::checked([] { return remat::make_model(...); });
+// The model comes as a lambda that makes it, not as a template argument, so that the compiler's
+// "in instantiation of" note names the lambda's line instead of printing the model's value.
+template <class MakeModel>
+consteval Model checked(MakeModel) {
+  constexpr Checked c = check(MakeModel{}());
   static_assert(c.ok(), c.error);
   return c.model;
 }

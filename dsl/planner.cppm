@@ -103,7 +103,9 @@ constexpr Plan make_plan(const Model &m, const StagePolicies &policies, int batc
 
 // A model module's policy with a budget, checked where the model is built: an infeasible budget
 // is a compile error that states the least feasible bytes. Gemms as the CPU's fp32 kernels use.
-template <Model M, Policy P, int Batch, Precision Pr = Precision::fp32, Gemms G = Gemms::library>
+// The model is a reference to the module's constexpr variable (its name, not its value, is what an
+// error note prints).
+template <const Model &M, Policy P, int Batch, Precision Pr = Precision::fp32, Gemms G = Gemms::library>
 consteval bool feasible() {
   constexpr Message error = plan_for(M, annotated(M, P), Batch, Pr, G).error;
   static_assert(error.size() == 0, cat<Message>("remat: ", error));

@@ -1308,9 +1308,10 @@ BOOST_AUTO_TEST_CASE(least_memory_is_the_memory_poor_extreme) {
 
 // A budget fixed in a model module is solved at compile time.
 namespace {
-constexpr Model budget_model = checked<make_model(
-    input(8), linear(8, 16), repeat(6, residual(layer_norm(), linear(16, 32), gelu(), linear(32, 16))), layer_norm(),
-    linear(16, 3), softmax_cross_entropy())>();
+constexpr Model budget_model = checked([] {
+  return make_model(input(8), linear(8, 16), repeat(6, residual(layer_norm(), linear(16, 32), gelu(), linear(32, 16))),
+                    layer_norm(), linear(16, 3), softmax_cross_entropy());
+});
 static_assert(feasible<budget_model, budget(200 * KiB), 16>());
 static_assert(make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32, Gemms::library).peak_bytes <= 200 * KiB);
 static_assert(make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32, Gemms::library).peak_bytes >

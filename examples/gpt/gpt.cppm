@@ -18,17 +18,17 @@ inline constexpr remat::Block transformer_block =
                  remat::residual(remat::layer_norm(), remat::linear(n_embd, 4 * n_embd), remat::gelu(),
                                  remat::linear(4 * n_embd, n_embd), remat::dropout()));
 
-inline constexpr remat::Model model =
-    remat::checked<remat::make_model(remat::tokens(vocab, block_size), remat::embedding(vocab, n_embd),
-                                     remat::dropout(), remat::repeat(n_layer, transformer_block), remat::layer_norm(),
-                                     remat::linear(n_embd, vocab), remat::softmax_cross_entropy(vocab))>();
+inline constexpr remat::Model model = remat::checked([] {
+  return remat::make_model(remat::tokens(vocab, block_size), remat::embedding(vocab, n_embd), remat::dropout(),
+                           remat::repeat(n_layer, transformer_block), remat::layer_norm(), remat::linear(n_embd, vocab),
+                           remat::softmax_cross_entropy(vocab));
+});
 
 // The policy `make train` uses unless --checkpoint-policy says otherwise.
 inline constexpr remat::Policy policy = remat::selective;
 inline constexpr int default_batch = 32;  // sequences of block_size characters
 // Its trainer (train-gpt): the fortune cookie files of Debian's `fortunes`, 90% train, 10% validation.
-inline constexpr remat::TrainerDefaults trainer{.data = remat::Data::text,
-                                                .data_dir = "/usr/share/games/fortunes",
+inline constexpr remat::TrainerDefaults trainer{.data_dir = "/usr/share/games/fortunes",
                                                 .batch = default_batch,
                                                 .max_steps = 1500,
                                                 .learning_rate = 2e-3,

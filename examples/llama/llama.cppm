@@ -19,16 +19,17 @@ inline constexpr remat::Block llama_block = remat::chain(
     remat::residual(remat::rms_norm(), remat::linear(n_embd, 2 * hidden, remat::no_bias), remat::swiglu(),
                     remat::linear(hidden, n_embd, remat::no_bias)));
 
-inline constexpr remat::Model model = remat::checked<remat::make_model(
-    remat::tokens(vocab, block_size), remat::token_embedding(vocab, n_embd), remat::repeat(n_layer, llama_block),
-    remat::rms_norm(), remat::linear(n_embd, vocab, remat::no_bias), remat::softmax_cross_entropy(vocab))>();
+inline constexpr remat::Model model = remat::checked([] {
+  return remat::make_model(remat::tokens(vocab, block_size), remat::token_embedding(vocab, n_embd),
+                           remat::repeat(n_layer, llama_block), remat::rms_norm(),
+                           remat::linear(n_embd, vocab, remat::no_bias), remat::softmax_cross_entropy(vocab));
+});
 
 // The policy `make train-llama` uses unless --checkpoint-policy says otherwise.
 inline constexpr remat::Policy policy = remat::selective;
 inline constexpr int default_batch = 32;  // sequences of block_size characters
 // Its trainer (train-llama): the GPT's corpus and schedule.
-inline constexpr remat::TrainerDefaults trainer{.data = remat::Data::text,
-                                                .data_dir = "/usr/share/games/fortunes",
+inline constexpr remat::TrainerDefaults trainer{.data_dir = "/usr/share/games/fortunes",
                                                 .batch = default_batch,
                                                 .max_steps = 1500,
                                                 .learning_rate = 2e-3,

@@ -10,14 +10,16 @@ import remat.language;
 export namespace unusual {
 inline constexpr int vocab = 13, block_size = 6, width = 12, heads = 3, hidden = 20;
 
-inline constexpr remat::Model model = remat::checked<remat::make_model(
-    remat::tokens(vocab, block_size), remat::embedding(vocab, width),
-    remat::repeat(3, remat::residual(remat::layer_norm(), remat::linear(width, 3 * width),
-                                     remat::causal_self_attention(heads), remat::linear(width, width))),
-    remat::repeat(4, remat::residual(remat::linear(width, hidden), remat::relu(), remat::linear(hidden, width),
-                                     remat::dropout())),
-    // loose: an attention whose q/k/v tensor is also a residual's skip (two gradients into it)
-    remat::linear(width, 3 * width),
-    remat::residual(remat::causal_self_attention(heads), remat::linear(width, 3 * width)),
-    remat::linear(3 * width, vocab), remat::softmax_cross_entropy(vocab))>();
+inline constexpr remat::Model model = remat::checked([] {
+  return remat::make_model(
+      remat::tokens(vocab, block_size), remat::embedding(vocab, width),
+      remat::repeat(3, remat::residual(remat::layer_norm(), remat::linear(width, 3 * width),
+                                       remat::causal_self_attention(heads), remat::linear(width, width))),
+      remat::repeat(4, remat::residual(remat::linear(width, hidden), remat::relu(), remat::linear(hidden, width),
+                                       remat::dropout())),
+      // loose: an attention whose q/k/v tensor is also a residual's skip (two gradients into it)
+      remat::linear(width, 3 * width),
+      remat::residual(remat::causal_self_attention(heads), remat::linear(width, 3 * width)),
+      remat::linear(3 * width, vocab), remat::softmax_cross_entropy(vocab));
+});
 }  // namespace unusual

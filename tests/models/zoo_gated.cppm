@@ -16,20 +16,22 @@ export namespace zoo_gated {
 inline constexpr int vocab = 11, block_size = 5, width = 12, heads = 6, kv_heads = 2, hidden = 14;
 inline constexpr int qkv_width = (heads + 2 * kv_heads) * (width / heads);
 
-inline constexpr remat::Model model = remat::checked<remat::make_model(
-    remat::tokens(vocab, block_size), remat::token_embedding(vocab, width),
-    remat::repeat(
-        3,
-        remat::chain(
-            remat::residual(remat::rms_norm(), remat::linear(width, qkv_width, remat::no_bias),
-                            remat::name("rotated", remat::rope(heads, kv_heads)),
-                            remat::causal_self_attention(heads, kv_heads), remat::linear(width, width, remat::no_bias)),
-            remat::residual(remat::rms_norm(), remat::linear(width, 2 * hidden, remat::no_bias),
-                            remat::name("gate", remat::swiglu()), remat::linear(hidden, width, remat::no_bias))),
-        remat::save_and_offload_only_these_names({"rotated"}, {"gate"})),
-    remat::repeat(2,
-                  remat::residual(remat::layer_norm(), remat::linear(width, 18), remat::relu2(), remat::dropout(),
-                                  remat::linear(18, width), remat::dropout()),
-                  remat::every_n_layers(2) | remat::recompute_modules(remat::norm)),
-    remat::rms_norm(), remat::linear(width, vocab, remat::no_bias), remat::softmax_cross_entropy(vocab))>();
+inline constexpr remat::Model model = remat::checked([] {
+  return remat::make_model(
+      remat::tokens(vocab, block_size), remat::token_embedding(vocab, width),
+      remat::repeat(3,
+                    remat::chain(remat::residual(remat::rms_norm(), remat::linear(width, qkv_width, remat::no_bias),
+                                                 remat::name("rotated", remat::rope(heads, kv_heads)),
+                                                 remat::causal_self_attention(heads, kv_heads),
+                                                 remat::linear(width, width, remat::no_bias)),
+                                 remat::residual(remat::rms_norm(), remat::linear(width, 2 * hidden, remat::no_bias),
+                                                 remat::name("gate", remat::swiglu()),
+                                                 remat::linear(hidden, width, remat::no_bias))),
+                    remat::save_and_offload_only_these_names({"rotated"}, {"gate"})),
+      remat::repeat(2,
+                    remat::residual(remat::layer_norm(), remat::linear(width, 18), remat::relu2(), remat::dropout(),
+                                    remat::linear(18, width), remat::dropout()),
+                    remat::every_n_layers(2) | remat::recompute_modules(remat::norm)),
+      remat::rms_norm(), remat::linear(width, vocab, remat::no_bias), remat::softmax_cross_entropy(vocab));
+});
 }  // namespace zoo_gated
