@@ -3,14 +3,17 @@ module;
 #include <zlib.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <numeric>
 #include <random>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 module remat.trainer;
 import remat;
@@ -162,29 +165,19 @@ private:
 };
 
 // Next-token prediction: a sample is a window of T tokens; its labels are the window shifted
-// by one. Training windows start at random offsets; evaluation windows tile the validation text.
-class TextCorpus final : public DataSource {
+// by one. Training windows start at random offsets; evaluation windows tile the validation split.
+// The tokens are kept as the source has them (Token) and widened to int32 into the batch.
+template <class Token>
+class TokenWindows : public DataSource {
 public:
-  TextCorpus(const Model &model, const DataOptions &o)
-      : corpus(load_corpus(o.dir, model.input.vocab, 0.1)), T(model.input.block_size), rng(o.seed ^ 0x7e87ull) {
-    if (corpus.val.size() < std::size_t(T) + 1 || corpus.train.size() < std::size_t(T) + 1)
-      throw InputError(fmt::format("{}: {} characters are too few for sequences of {}", o.dir,
-                                   corpus.train.size() + corpus.val.size(), T));
-  }
-  std::string describe() const override {
-    return fmt::format("text: {} files, {} training and {} validation characters", corpus.files, corpus.train.size(),
-                       corpus.val.size());
-  }
-  long train_samples() const override { return long(corpus.train.size()) / T; }
-  long eval_samples() const override { return long(corpus.val.size() - 1) / T; }
+  long train_samples() const override { return long(train.size()) / T; }
+  long eval_samples() const override { return long(val.size() - 1) / T; }
   void next_train_batch(Executor &ex) override {
-    std::uniform_int_distribution<std::size_t> start(0, corpus.train.size() - T - 1);
-    fill(ex, [&](std::size_t) { return start(rng); }, corpus.train);
+    std::uniform_int_distribution<std::size_t> start(0, train.size() - T - 1);
+    fill(ex, [&](std::size_t) { return start(rng); }, train);
   }
   void load_eval_batch(Executor &ex, long first) override {
-    fill(
-        ex, [&](std::size_t s) { return std::size_t(first + long(s) < eval_samples() ? first + s : 0) * T; },
-        corpus.val);
+    fill(ex, [&](std::size_t s) { return std::size_t(first + long(s) < eval_samples() ? first + s : 0) * T; }, val);
   }
   std::string state() const override {
     std::ostringstream out;
@@ -198,22 +191,89 @@ public:
       throw InputError("--resume-from-snapshot: the snapshot's data state does not fit this corpus");
   }
 
+protected:
+  // Both splits must hold one window and its next token.
+  TokenWindows(std::vector<Token> train_tokens, std::vector<Token> val_tokens, const Model &model, std::uint64_t seed)
+      : train(std::move(train_tokens)), val(std::move(val_tokens)), T(model.input.block_size), rng(seed ^ 0x7e87ull) {}
+  std::vector<Token> train, val;
+  int T;
+
 private:
   template <class Start>
-  void fill(Executor &ex, Start start, const std::vector<std::int32_t> &text) {
+  void fill(Executor &ex, Start start, const std::vector<Token> &tokens) {
     auto inputs = ex.tensor<std::int32_t>(ex.plan.inputs());
     auto labels = ex.tensor<std::int32_t>(ex.plan.labels());
     for (std::size_t s = 0; s < inputs.size() / T; ++s) {
       const std::size_t at = start(s);
-      std::copy_n(text.begin() + at, T, inputs.begin() + s * T);
-      std::copy_n(text.begin() + at + 1, T, labels.begin() + s * T);
+      std::copy_n(tokens.begin() + at, T, inputs.begin() + s * T);
+      std::copy_n(tokens.begin() + at + 1, T, labels.begin() + s * T);
     }
     ex.upload(ex.plan.inputs());
     ex.upload(ex.plan.labels());
   }
-  Corpus corpus;
-  int T;
   std::mt19937_64 rng;
+};
+
+// A folder of text read as bytes (load_corpus), 90% train, 10% validation.
+class TextCorpus final : public TokenWindows<std::int32_t> {
+public:
+  TextCorpus(const Model &model, const DataOptions &o)
+      : TextCorpus(load_corpus(o.dir, model.input.vocab, 0.1), model, o) {}
+  std::string describe() const override {
+    return fmt::format("text: {} files, {} training and {} validation characters", files, train.size(), val.size());
+  }
+  std::vector<std::int32_t> sample_prompt() const override { return {'\n'}; }
+
+private:
+  TextCorpus(Corpus corpus, const Model &model, const DataOptions &o)
+      : TokenWindows(std::move(corpus.train), std::move(corpus.val), model, o.seed), files(corpus.files) {
+    if (val.size() < std::size_t(T) + 1 || train.size() < std::size_t(T) + 1)
+      throw InputError(
+          fmt::format("{}: {} characters are too few for sequences of {}", o.dir, train.size() + val.size(), T));
+  }
+  std::size_t files;
+};
+
+// Token files in the llm.c / nanoGPT layout (load_tokens): <dir>/train.bin and <dir>/val.bin unless
+// --train-file / --validation-file say otherwise.
+class TokenFiles final : public TokenWindows<std::uint16_t> {
+  struct Splits {
+    std::string train_path, val_path;
+    std::vector<std::uint16_t> train, val;
+  };
+
+public:
+  TokenFiles(const Model &model, const DataOptions &o) : TokenFiles(model, o.seed, load(model, o)) {}
+  std::string describe() const override {
+    return fmt::format("tokens: {} training tokens ({}), {} validation tokens ({}), vocabulary {}", train.size(),
+                       train_path, val.size(), val_path, vocab);
+  }
+  std::vector<std::int32_t> sample_prompt() const override { return {val.front()}; }  // the validation split's first
+
+private:
+  TokenFiles(const Model &model, std::uint64_t seed, Splits s)
+      : TokenWindows(std::move(s.train), std::move(s.val), model, seed),
+        train_path(std::move(s.train_path)),
+        val_path(std::move(s.val_path)),
+        vocab(model.input.vocab) {}
+  // The training file, then the validation file.
+  static Splits load(const Model &model, const DataOptions &o) {
+    Splits s{o.train_file.empty() ? o.dir + "/train.bin" : o.train_file,
+             o.val_file.empty() ? o.dir + "/val.bin" : o.val_file};
+    s.train = load_split(s.train_path, model);
+    s.val = load_split(s.val_path, model);
+    return s;
+  }
+  static std::vector<std::uint16_t> load_split(const std::string &path, const Model &model) {
+    std::vector<std::uint16_t> tokens = load_tokens(path, model.input.vocab);
+    const int T = model.input.block_size;
+    if (tokens.size() < std::size_t(T) + 1)
+      throw InputError(
+          fmt::format("{}: {} tokens are too few for sequences of {} (at least {})", path, tokens.size(), T, T + 1));
+    return tokens;
+  }
+  std::string train_path, val_path;
+  int vocab;
 };
 
 }  // namespace
@@ -240,16 +300,64 @@ Corpus load_corpus(const std::string &dir, int vocab, double val_fraction) {
   return out;
 }
 
+std::vector<std::uint16_t> load_tokens(const std::string &path, int vocab) {
+  static_assert(std::endian::native == std::endian::little, "token files are little-endian, read in place");
+  constexpr std::int32_t magic = 20240520, version = 1;  // llm.c's dev/data/data_common.py
+  constexpr std::uintmax_t header_bytes = 256 * 4;
+  if (!std::filesystem::is_regular_file(path))
+    throw InputError(fmt::format(
+        "{}: no such file (write it with scripts/tokenize.py, or pass --data-dir, --train-file, --validation-file)",
+        path));
+  const std::uintmax_t size = std::filesystem::file_size(path);
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw InputError(fmt::format("{}: cannot open", path));
+  if (size == 0) throw InputError(fmt::format("{}: empty file, no tokens", path));
+  std::int32_t head[3] = {};
+  in.read(reinterpret_cast<char *>(head), std::streamsize(std::min<std::uintmax_t>(size, sizeof head)));
+  std::uintmax_t offset = 0, count = size / 2;
+  if (size >= 4 && head[0] == magic) {  // llm.c's header
+    if (size < header_bytes)
+      throw InputError(
+          fmt::format("{}: truncated llm.c header: {} bytes, the header alone is {}", path, size, header_bytes));
+    if (head[1] != version)
+      throw InputError(
+          fmt::format("{}: llm.c header version {}; only version {} (uint16 tokens) is read", path, head[1], version));
+    if (head[2] < 0 || 2 * std::uintmax_t(head[2]) != size - header_bytes)
+      throw InputError(fmt::format("{}: the llm.c header says {} tokens but {} bytes follow it (2 bytes a token)", path,
+                                   head[2], size - header_bytes));
+    offset = header_bytes;
+    count = std::uintmax_t(head[2]);
+  } else if (size % 2 != 0) {
+    throw InputError(fmt::format("{}: {} bytes, an odd size: not uint16 tokens", path, size));
+  }
+  std::vector<std::uint16_t> tokens(count);
+  in.seekg(std::streamoff(offset));
+  in.read(reinterpret_cast<char *>(tokens.data()), std::streamsize(2 * count));
+  if (!in) throw InputError(fmt::format("{}: cannot read {} bytes", path, size));
+  for (std::size_t i = 0; i < tokens.size(); ++i)
+    if (tokens[i] >= vocab)
+      throw InputError(
+          fmt::format("{}: token {} at index {} is not below the model's vocabulary of {}", path, tokens[i], i, vocab));
+  return tokens;
+}
+
 std::unique_ptr<DataSource> fashion_mnist(const Model &model, const DataOptions &o) {
   return std::make_unique<FashionMnist>(model, o);
 }
 std::unique_ptr<DataSource> text_corpus(const Model &model, const DataOptions &o) {
   return std::make_unique<TextCorpus>(model, o);
 }
+std::unique_ptr<DataSource> token_files(const Model &model, const DataOptions &o) {
+  return std::make_unique<TokenFiles>(model, o);
+}
 std::unique_ptr<DataSource> data_source(const ModelInfo &info, const DataOptions &o) {
-  switch (info.defaults.data) {
+  if (info.data != Data::fashion_mnist && (info.model.input.vocab <= 0 || info.model.input.block_size <= 0))
+    throw InputError(fmt::format("model {} reads {}, which needs a token input: remat::tokens(vocab, block_size)",
+                                 info.name, info.data == Data::text ? "text" : "tokens"));
+  switch (info.data) {
   case Data::text: return text_corpus(info.model, o);
   case Data::fashion_mnist: return fashion_mnist(info.model, o);
+  case Data::tokens: return token_files(info.model, o);
   }
   throw std::logic_error("a data source remat does not have");
 }

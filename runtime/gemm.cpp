@@ -232,11 +232,16 @@ int run(halide_buffer_t *a, halide_buffer_t *b, halide_buffer_t *bias, int k, in
 
 }  // namespace
 
-// MKL runs once per transpose case on every Halide thread, at a shape wider than its blocking,
-// so that the buffers it keeps per thread exist before the first step (they are then reused: a
-// step allocates nothing). The threads meet first, so that no thread runs two of the warm-ups.
+// MKL runs once per transpose case on every Halide thread, at a shape that makes it take the
+// largest buffer it keeps per thread, so that the buffer exists before the first step (it is then
+// reused: a step allocates nothing). That buffer grows with m, n and k up to 5522064 bytes (MKL
+// 2026.2, sequential sgemm), which 512 x 8192 x 512 reaches: a GEMM as wide as a 4096-token LM
+// head (n = 4096) grows it past what 2048 x 2048 x 512 takes, and none grows it past the cap
+// (m 64 and 2048, n up to 16384, k up to 2048, every transpose case: no allocation after this).
+// The threads meet first, so that no thread runs two of the warm-ups.
 namespace {
 struct WarmUp {
+  static constexpr int m = 512, n = 8192, k = 512;
   std::atomic<int> arrived{0};
   std::vector<float> a, b;
 };
@@ -245,13 +250,12 @@ int warm_up_thread(void *, int, uint8_t *closure) {
   w.arrived.fetch_add(1);
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(2);  // a pool smaller than asked
   while (w.arrived.load() < gemm_threads && std::chrono::steady_clock::now() < give_up) std::this_thread::yield();
-  constexpr int n = 2048;
-  std::vector<float> out(std::size_t(n) * n);
+  std::vector<float> out(std::size_t(WarmUp::m) * WarmUp::n);
   for (int t = 0; t < 4; ++t) {
     GemmCall g;
-    g.a = w.a.data(), g.b = w.b.data(), g.out = out.data(), g.m = g.n = n, g.k = 512;
+    g.a = w.a.data(), g.b = w.b.data(), g.out = out.data(), g.m = WarmUp::m, g.n = WarmUp::n, g.k = WarmUp::k;
     g.trans_a = t & 1, g.trans_b = t & 2;
-    gemm_band(g, 0, n);
+    gemm_band(g, 0, g.m);
   }
   return 0;
 }
@@ -263,8 +267,8 @@ void gemm_warm_up() {
     halide_set_num_threads(threads);
     gemm_threads = std::max(1, threads);
     WarmUp w;
-    w.a.assign(std::size_t(2048) * 2048, 1.f);
-    w.b = w.a;
+    w.a.assign(std::size_t(WarmUp::m) * WarmUp::k, 1.f);
+    w.b.assign(std::size_t(WarmUp::k) * WarmUp::n, 1.f);
     halide_do_par_for(nullptr, warm_up_thread, 0, gemm_threads, reinterpret_cast<uint8_t *>(&w));
     return true;
   }();
