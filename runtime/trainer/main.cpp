@@ -3,6 +3,7 @@
 module;
 #include <cstdio>
 #include <exception>
+#include <filesystem>
 #include <string>
 module remat.trainer;
 import remat;
@@ -10,7 +11,9 @@ import remat;
 namespace remat::runtime {
 
 int train_main(int argc, char **argv, const ModelInfo &info) {
-  const std::string program = "train-" + std::string(info.name);
+  // as the user called it (the target's name: train-gpt-bpe for model gpt_bpe)
+  const std::string program = argc > 0 && argv[0] && *argv[0] ? std::filesystem::path(argv[0]).filename().string()
+                                                              : "train-" + std::string(info.name);
   const ParsedFlags flags = parse_flags(argc, argv, info, program);
   if (flags.exit_code) return *flags.exit_code;
   const Options &o = flags.options;

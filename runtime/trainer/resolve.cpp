@@ -35,11 +35,8 @@ StagePolicies resolve_policies(const Options &o, const ModelInfo &info, Device d
   const Model &model = info.model;
   StagePolicies policies = annotated(model, info.default_policy);
   if (!o.checkpoint_policy.empty()) policies = parse_stage_policies(model, o.checkpoint_policy, policies);
-  if (!o.memory_budget.empty()) {
-    if (!o.checkpoint_policy.empty())
-      throw InputError("--memory-budget: the budget planner chooses the policy; drop --checkpoint-policy");
-    policies = parse_budget(o.memory_budget);
-  }
+  // (--memory-budget with --checkpoint-policy is refused with the flags: flags.cpp)
+  if (!o.memory_budget.empty()) policies = parse_budget(o.memory_budget);
   if (o.offload && device == Device::cpu)
     throw InputError(
         "--offload: with --device cpu the checkpoints already live in host memory; there is nothing to offload");
@@ -63,7 +60,7 @@ void resolve_costs(const Options &o, const ModelInfo &info, const std::string &p
   run.costs_from = "estimated from FLOPs and bytes (no --calibrate table for this machine)";
   if (o.calibrate) {
     if (run.device == Device::cuda) check_cuda(info, 0);
-    std::unique_ptr<DataSource> data = data_source(info, {o.data_dir, run.batch, o.seed});
+    std::unique_ptr<DataSource> data = data_source(info, data_options(o, run.batch));
     run.costs = calibrate(info, run.device, run.precision, run.batch, *data);
     save_costs(cost_table, machine, key, run.costs);
     run.costs_from = fmt::format("measured now on {} ({}, {})", machine, cost_table, key);
