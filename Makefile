@@ -7,11 +7,15 @@ DEBS  := clang-19 clang-tools-19 clang-format-19 universal-ctags ninja-build lib
          pocl-opencl-icd ocl-icd-libopencl1
 PY_PKGS := halide==21.0.0 cmake>=3.28 mkl-static==2026.2.0 mkl-include==2026.2.0
 TRAIN_ARGS ?=
-# make bench-cpu only: PyTorch and what bench/cpu.py needs, and flags for it (BENCH_ARGS="--steps 8")
+# make bench-cpu and make test: PyTorch and what bench/cpu.py, scripts/plot.py and the memory
+# timeline tests need; flags for bench/cpu.py (BENCH_ARGS="--steps 8")
 BENCH_PY_PKGS := torch==2.15.0 safetensors==0.8.0 matplotlib==3.11.2
 BENCH_ARGS ?=
+# make train-gpt-bpe only: the BPE tokenizer of scripts/bpe.py, and where its token files go
+TOKENIZE_PY_PKGS := tokenizers==0.23.3
+BPE_DATA := $(BUILD)/data/fortunes-bpe
 
-.PHONY: all deps build train train-gpt train-mlp train-llama test bench bench-cpu device-bundle clean
+.PHONY: all deps build install train train-gpt train-mlp train-llama train-gpt-bpe test bench bench-cpu bench-py-pkgs device-bundle clean
 
 all: build
 
@@ -55,9 +59,32 @@ train-mlp: build
 train-llama: build
 	$(BUILD)/bin/train-llama $(TRAIN_ARGS)
 
-# ctest's own results also go to $(BUILD)/ctest-results.xml (JUnit), which .ci/run counts.
-test: build
-	$(VENV)/bin/ctest --test-dir $(BUILD) --output-on-failure --output-junit $(abspath $(BUILD))/ctest-results.xml
+# A GPT over byte-level BPE tokens: scripts/bpe.py trains the tokenizer on the fortunes and
+# writes the token files (again only when the script or this file changed), then the trainer
+# reads them; its sample (token ids) goes through the tokenizer's decoder.
+$(BPE_DATA)/tokenizer.json: scripts/bpe.py Makefile | deps
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check $(foreach p,$(TOKENIZE_PY_PKGS),'$(p)')
+	$(VENV)/bin/python scripts/bpe.py train --corpus /usr/share/games/fortunes --vocab 4096 --out $(BPE_DATA)
+
+train-gpt-bpe: build $(BPE_DATA)/tokenizer.json
+	set -o pipefail; $(BUILD)/bin/train-gpt-bpe --data-dir $(BPE_DATA) $(TRAIN_ARGS) | \
+	  $(VENV)/bin/python scripts/bpe.py decode --tokenizer $(BPE_DATA)/tokenizer.json
+
+# PyTorch, safetensors and matplotlib in $(VENV), when missing.
+bench-py-pkgs: | deps
+	@$(VENV)/bin/python -c 'import torch, safetensors, matplotlib' 2>/dev/null || \
+	  $(VENV)/bin/pip install --quiet --disable-pip-version-check $(foreach p,$(BENCH_PY_PKGS),'$(p)')
+
+# ctest's own results also go to $(BUILD)/ctest-results.xml (JUnit), which .ci/run counts. The
+# memory timeline tests open the trainer's snapshots with PyTorch's own tools (bench-py-pkgs).
+# Two tests at a time (no test is timed; the slowest, test_trainer and consumer, then overlap).
+test: build bench-py-pkgs
+	$(VENV)/bin/ctest --test-dir $(BUILD) -j2 --output-on-failure --output-junit $(abspath $(BUILD))/ctest-results.xml
+
+# remat as a CMake package for other projects (docs/using-remat.md): make install PREFIX=$HOME/opt/remat
+PREFIX ?= /usr/local
+install: build
+	$(VENV)/bin/cmake --install $(BUILD) --prefix $(PREFIX)
 
 bench: build
 	$(BUILD)/bin/bench-policies 20
@@ -66,10 +93,8 @@ bench: build
 	$(BUILD)/bin/bench-gpu
 
 # remat against PyTorch eager and torch.compile on this CPU, side by side (bench/cpu.py; writes
-# bench/results/cpu.json and cpu.png). PyTorch is installed into $(VENV) only for this target.
-bench-cpu: build
-	@$(VENV)/bin/python -c 'import torch, safetensors, matplotlib' 2>/dev/null || \
-	  $(VENV)/bin/pip install --quiet --disable-pip-version-check $(foreach p,$(BENCH_PY_PKGS),'$(p)')
+# bench/results/cpu.json and cpu.png). PyTorch goes into $(VENV) first (bench-py-pkgs).
+bench-cpu: build bench-py-pkgs
 	$(VENV)/bin/python bench/gemm.py
 	$(VENV)/bin/python bench/cpu.py $(BENCH_ARGS)
 

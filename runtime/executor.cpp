@@ -453,6 +453,10 @@ void Executor::run(Phase phase) {
     const Step &st = steps[i];
     if (trace) std::fprintf(stderr, "kernel %s\n", b->kernel->name);
     const bool timed = profile || time_calls;
+    if (observe) {
+      PausedCounting paused;
+      observe(phase, i, false);
+    }
     const auto t0 = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
     if (transfers && phase == Phase::train) transfers->before(st);  // copies out, fetches into restored tensors
     if (check_free) {
@@ -474,6 +478,7 @@ void Executor::run(Phase phase) {
     {
       PausedCounting paused;
       check_after(*b, st, check_free ? &live : nullptr, untouched);
+      if (observe) observe(phase, i, true);
     }
     if (timed) {
       if (arena.device() == Device::cuda) arena.synchronize();

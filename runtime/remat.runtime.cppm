@@ -173,6 +173,11 @@ public:
   bool time_calls = false;
   std::vector<double> call_seconds(Phase phase) const;
   long timed_runs(Phase phase) const;
+  // While set, called before each kernel call of run() (done = false: the step's tensors in
+  // Step::alloc are about to become live) and after it (done = true: those in Step::free have
+  // died), with the index of the step in the phase's list of the plan. Not counted as heap use of
+  // the step (the trainer's --memory-timeline records a step through it).
+  std::function<void(Phase phase, std::size_t step, bool done)> observe;
 
   const Plan &plan;
 

@@ -48,19 +48,34 @@ public:
   // Where the training stream stands (shuffle order, RNG), for snapshots.
   virtual std::string state() const = 0;
   virtual void restore(const std::string &state) = 0;
+  // Token sources: what the sample after training starts from (none: no sample).
+  virtual std::vector<std::int32_t> sample_prompt() const { return {}; }
 };
 
 struct DataOptions {
   std::string dir;
   int batch = 0;
   std::uint64_t seed = 0;
+  std::string train_file, val_file;  // token files (empty: <dir>/train.bin, <dir>/val.bin)
 };
 std::unique_ptr<DataSource> fashion_mnist(const Model &model, const DataOptions &o);
 std::unique_ptr<DataSource> text_corpus(const Model &model, const DataOptions &o);
+// llm.c / nanoGPT token files: uint16 little-endian tokens, after llm.c's header when the file
+// starts with its magic (256 int32: 20240520, version 1, the token count). Every token is checked
+// against `vocab`; a bad file is an InputError naming it and the problem.
+std::vector<std::uint16_t> load_tokens(const std::string &path, int vocab);
+std::unique_ptr<DataSource> token_files(const Model &model, const DataOptions &o);
+
+// What a trainer reads: remat_add_trainer(<target> MODEL <name> DATA text | fashion_mnist | ...).
+enum class Data : std::uint8_t {
+  text,           // a folder of text files read as bytes: next-token prediction (a token model)
+  fashion_mnist,  // Fashion-MNIST idx files: 28 x 28 images, 10 classes
+  tokens,         // token files train.bin / val.bin (llm.c / nanoGPT layout): next-token prediction
+};
 
 // A model as the shared trainer runs it: its name, its value, its default policy and trainer
-// defaults (its model module's), its kernel tables (its kernels module's). The generated main of a
-// trainer (remat_add_trainer) passes one to train_main.
+// defaults (its model module's), its kernel tables (its kernels module's), and the data its trainer
+// reads. The generated main of a trainer (remat_add_trainer) passes one to train_main.
 struct ModelInfo {
   std::string_view name;
   const Model &model;
@@ -68,8 +83,9 @@ struct ModelInfo {
   TrainerDefaults defaults;
   std::span<const Kernel> kernels;       // CPU
   std::span<const Kernel> cuda_kernels;  // CUDA (empty when the build made none)
+  Data data = Data::text;
 };
-// The data source a model's trainer reads (TrainerDefaults::data).
+// The data source a model's trainer reads (ModelInfo::data).
 std::unique_ptr<DataSource> data_source(const ModelInfo &info, const DataOptions &o);
 
 // --save-initial: a safetensors file with every parameter under its plan name
@@ -117,6 +133,29 @@ std::string block_calls(const Plan &plan, const Unit &unit);
 // The median time of a micro-batch (forward, loss, backward) of `plan` here.
 double measured_step_ms(const Plan &plan, const ModelInfo &info, Device device, DataSource &data);
 
+// --memory-timeline FILE (runtime/trainer/timeline.cpp): every allocation and free of an engine's
+// arena over one training step (its micro-batches and the optimizer), written as the pickle
+// torch.cuda.memory._snapshot() returns (PyTorch's memory viewer opens it). Its maximum of live
+// bytes is the step's measured peak, which these add up to (the trainer's measured_peak_bytes).
+struct MeasuredPeak {
+  std::size_t arena_high_water = 0, halide_heap_peak = 0, step_heap_bytes = 0;  // the last on the CPU only
+  std::size_t total() const { return arena_high_water + halide_heap_peak + step_heap_bytes; }
+};
+class MemoryTimeline {
+public:
+  MemoryTimeline(std::string path, std::string program);  // an InputError if `path` cannot be written
+  ~MemoryTimeline();
+  // before the step: records its executor's calls
+  void start(Engine &engine, std::string_view model_name, std::string_view policy);
+  void finish(const MeasuredPeak &measured);  // after it: stops and writes the file
+
+private:
+  struct Recorder;
+  std::string path, program, model, policy;
+  Engine *engine = nullptr;
+  std::unique_ptr<Recorder> r;
+};
+
 }  // namespace remat::runtime
 
 // Not exported: the trainer's steps, one implementation unit each (runtime/trainer/).
@@ -134,22 +173,28 @@ struct Options {
   int warmup_steps = 0;
   std::uint64_t seed = 42;
   std::string checkpoint_policy;
+  bool gradient_checkpointing = false;        // HF's: --checkpoint-policy full, or what the kwargs say
+  std::string gradient_checkpointing_kwargs;  // JSON: every_n_layers, offload (use_reentrant, ...: no effect)
   std::string memory_budget;
   bool calibrate = false;
   std::string cost_table;
   bool sweep = false;
   double dropout = 0;
   std::string data_dir;
+  std::string train_file, validation_file;  // Data::tokens only
   int eval_samples = -1;
   int eval_steps = 0;
   int logging_steps = 50;
+  std::string logging_dir;  // metrics.jsonl and trainer_state.json
   bool json = false;
   bool plan_report = false;
+  std::string memory_timeline;  // the first step as a PyTorch memory snapshot (timeline.cpp)
   std::string save_snapshot, resume_from_snapshot, save_initial;
   long save_steps = 0;
   std::string device = "cpu";
   bool offload = false;
   bool bf16 = false;
+  std::string config;  // --config FILE.json
 };
 // The options, or the exit code when there is nothing to run (--help: 0; a bad flag: 2, said on
 // stderr).
@@ -158,6 +203,8 @@ struct ParsedFlags {
   std::optional<int> exit_code;
 };
 ParsedFlags parse_flags(int argc, char **argv, const ModelInfo &info, const std::string &program);
+// What the data source reads, by the flags.
+DataOptions data_options(const Options &o, int batch);
 
 // What the flags resolve to (resolve.cpp): each stage's policy, where and in which precision the
 // kernels run, the batch, the kernel costs and the plan.
@@ -173,7 +220,8 @@ struct Run {
 };
 Run resolve(const Options &o, const ModelInfo &info, const std::string &program);
 
-// The budget -> step time table from the smallest plan to none's peak, and its plot (report.cpp).
+// The budget -> step time table from the smallest plan to none's peak, printed and written to
+// <program>-sweep.json, which scripts/plot.py sweep draws (report.cpp).
 void print_sweep(std::FILE *out, const ModelInfo &info, const Run &run, const Options &o, const std::string &program);
 
 // What a training run measured (loop.cpp), and its report (summary.cpp).
@@ -192,6 +240,37 @@ struct Summary {
 };
 Summary train(const Options &o, const ModelInfo &info, const Run &run, const std::string &program);
 void print_summary(const Options &o, const ModelInfo &info, const Run &run, const Summary &s);
+
+// --logging-dir DIR (metrics.cpp): DIR/metrics.jsonl, one JSON object per optimizer step, written
+// and flushed as it happens, and at the end DIR/trainer_state.json in the shape of Hugging Face's
+// Trainer state (log_history: an entry per logging step and per evaluation; global_step,
+// max_steps, ...; at its top level only TrainerState's fields, so that TrainerState.load_from_json
+// reads it).
+struct StepMetrics {
+  long step = 0;
+  double epoch = 0, loss = 0, learning_rate = 0, train_accuracy = 0, step_ms = 0, tokens_per_s = 0;
+};
+class MetricsLog {
+public:
+  struct Setup {
+    long max_steps = 0, num_train_epochs = 0, save_steps = 0;
+    int logging_steps = 0, eval_steps = 0, train_batch_size = 0;
+  };
+  MetricsLog(const std::string &dir, Setup setup);  // creates DIR, opens metrics.jsonl: an InputError if it cannot
+  ~MetricsLog();
+  // A line of metrics.jsonl (with eval_loss and eval_accuracy on an evaluation step), flushed; an
+  // evaluation also goes to log_history.
+  void step(const StepMetrics &m, const std::optional<Evaluation> &eval);
+  // log_history's entry of a logging step: `window` holds the means over the steps since the last.
+  void logged(const StepMetrics &window);
+  // The run's last entry (train_loss: the mean over its `steps`, train_runtime: its wall time, ...)
+  // and trainer_state.json.
+  void finish(long step, double epoch, double train_loss, double train_seconds, long steps, long samples);
+
+private:
+  struct State;
+  std::unique_ptr<State> state;
+};
 
 // --device cuda: a usable GPU, kernels for it, and room for `arena_bytes` (loop.cpp); "12.3 MiB"
 // (summary.cpp).

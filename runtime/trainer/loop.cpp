@@ -4,6 +4,7 @@ module;
 #include "cuda_device.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <chrono>
@@ -20,6 +21,9 @@ module;
 #include <span>
 #include <string>
 #include <vector>
+
+#include <sys/ioctl.h>
+#include <unistd.h>
 module remat.trainer;
 import remat;
 
@@ -64,9 +68,11 @@ Evaluation evaluate(DataSource &data, Executor &ex, Scalars &scalars, const Plan
 }
 
 // Autoregressive sampling from a token model: a plan for one sequence, the trained parameters,
-// and the logits of the last filled position, at temperature 0.8.
-std::string generate(const ModelInfo &info, Device device, Precision precision, Executor &trained, int length,
-                     std::uint64_t seed) {
+// and the logits of the last filled position, at temperature 0.8. Returns the sampled tokens after
+// `prompt` (not empty); the positions past the filled ones hold the prompt's first token (a causal
+// model does not read them).
+std::vector<std::int32_t> generate(const ModelInfo &info, Device device, Precision precision, Executor &trained,
+                                   std::vector<std::int32_t> prompt, int length, std::uint64_t seed) {
   const Model &model = info.model;
   const int T = model.input.block_size, V = model.classes();
   const int samples = (min_kernel_rows + T - 1) / T;  // the sequence is sample 0; the rest pad the batch
@@ -78,12 +84,11 @@ std::string generate(const ModelInfo &info, Device device, Precision precision, 
   ex.upload(engine.plan.params());
   const TensorId logits = engine.plan.logits(Phase::eval);
   std::mt19937_64 rng(seed);
-  std::vector<std::int32_t> text = {'\n'};
-  std::string out;
+  std::vector<std::int32_t> text = prompt, out;
   auto inputs = ex.tensor<std::int32_t>(engine.plan.inputs());
   for (int i = 0; i < length; ++i) {
     const int n = std::min<int>(int(text.size()), T);
-    std::fill(inputs.begin(), inputs.end(), std::int32_t{' '});
+    std::fill(inputs.begin(), inputs.end(), prompt.front());
     std::copy(text.end() - n, text.end(), inputs.begin());
     ex.upload(engine.plan.inputs());
     ex.run(Executor::Phase::eval);
@@ -98,9 +103,36 @@ std::string generate(const ModelInfo &info, Device device, Precision precision, 
     int pick = 0;
     while (pick + 1 < V && (u -= p[pick]) > 0) ++pick;
     text.push_back(pick);
-    out.push_back(char(pick));
+    out.push_back(pick);
   }
   return out;
+}
+
+// The sample after training: text as characters; token ids as numbers, the prompt first, for the
+// tokenizer to decode (scripts/tokenize.py decode), since the trainer does not know it.
+void print_sample(std::FILE *progress, const ModelInfo &info, const Run &run, Executor &ex, const DataSource &data,
+                  std::uint64_t seed) {
+  const std::vector<std::int32_t> prompt = data.sample_prompt();
+  if (info.defaults.sample_length <= 0 || prompt.empty()) return;
+  const std::vector<std::int32_t> ids =
+      generate(info, run.device, run.precision, ex, prompt, info.defaults.sample_length, seed);
+  if (info.data == Data::tokens)
+    fmt::print(progress, "sample ids: {} {}\n", fmt::join(prompt, " "), fmt::join(ids, " "));
+  else
+    fmt::print(progress, "sample:\n{}\n", std::string(ids.begin(), ids.end()));
+}
+
+// "1:05", "2:03:07"
+std::string clock_text(double seconds) {
+  const long s = std::lround(std::max(0.0, seconds));
+  return s >= 3600 ? fmt::format("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
+                   : fmt::format("{}:{:02}", s / 60, s % 60);
+}
+
+// The width of the terminal `out` writes to (0: unknown).
+int terminal_columns(std::FILE *out) {
+  winsize w{};
+  return ::ioctl(::fileno(out), TIOCGWINSZ, &w) == 0 ? w.ws_col : 0;
 }
 
 // One training run, step by step.
@@ -113,14 +145,17 @@ public:
         plan(run.plan),
         program(program),
         progress(o.json ? stderr : stdout),
-        data(data_source(info, {o.data_dir, run.batch, o.seed})),
+        data(data_source(info, data_options(o, run.batch))),
         steps_per_epoch(checked_steps_per_epoch(*data, run)),
         max_steps(checked_max_steps(o, steps_per_epoch)),
+        timeline(o.memory_timeline.empty() ? nullptr : std::make_unique<MemoryTimeline>(o.memory_timeline, program)),
+        metrics(o.logging_dir.empty() ? nullptr : std::make_unique<MetricsLog>(o.logging_dir, metrics_setup())),
         engine(run.plan, info.name, run.device == Device::cuda ? info.cuda_kernels : info.kernels,
                {.device = run.device}),
         ex(engine.executor),
         scalars(engine.scalars) {
     summary.max_steps = max_steps;
+    live = ::isatty(::fileno(progress)) == 1;
     eval_samples = o.eval_samples < 0 ? data->eval_samples() : o.eval_samples;
     // everything that shapes the sequence of steps; a resume must use the same
     run_flags = fmt::format(
@@ -149,26 +184,35 @@ public:
                run.micro, summary.max_steps, plan.param_count, mib(plan.peak_bytes), mib(plan.activation_bytes),
                mib(none_plan.activation_bytes));
     std::fflush(progress);
+    started = std::chrono::steady_clock::now();
     for (long step = summary.first_step; step <= summary.max_steps; ++step) {
       this->step(step);
       log(step);
       if (o.save_steps > 0 && step % o.save_steps == 0 && step < summary.max_steps) save(step);
+      std::optional<Evaluation> e;
       if (o.eval_steps > 0 && step % o.eval_steps == 0 && step < summary.max_steps && eval_samples > 0) {
-        const Evaluation e = evaluate(*data, ex, scalars, plan, eval_samples, o.dropout);
+        e = evaluate(*data, ex, scalars, plan, eval_samples, o.dropout);
+        clear_live_line();
         fmt::print(progress, "step {:>5}/{} | eval loss {:.4f} | eval accuracy {:.2f}% ({} samples)\n", step,
-                   summary.max_steps, e.loss, 100 * e.accuracy, e.samples);
+                   summary.max_steps, e->loss, 100 * e->accuracy, e->samples);
         std::fflush(progress);
       }
+      if (metrics && step < summary.max_steps) metrics->step(last, e);  // the last step's: with the final evaluation
     }
+    clear_live_line();
     if (!o.save_snapshot.empty()) save(summary.max_steps);
     if (eval_samples > 0) {
       summary.eval = evaluate(*data, ex, scalars, plan, eval_samples, o.dropout);
       fmt::print(progress, "eval: {} samples | loss {:.4f} | accuracy {:.2f}%\n", summary.eval->samples,
                  summary.eval->loss, 100 * summary.eval->accuracy);
     }
-    if (info.defaults.sample_length > 0)
-      fmt::print(progress, "sample:\n{}\n",
-                 generate(info, run.device, run.precision, ex, info.defaults.sample_length, o.seed));
+    if (metrics) {
+      const long steps = summary.max_steps - summary.first_step + 1;
+      metrics->step(last, summary.eval);
+      metrics->finish(summary.max_steps, epoch(summary.max_steps), loss_total / steps, seconds_since(started), steps,
+                      steps * run.batch * run.micro);
+    }
+    print_sample(progress, info, run, ex, *data, o.seed);
     ex.download(plan.params());
     summary.param_digest = digest(std::as_bytes(ex.tensor<float>(plan.params())));
     return summary;
@@ -182,8 +226,10 @@ private:
   // cuBLASLt, which allocate host memory: reported as step_heap_bytes, not device memory).
   void step(long step) {
     const bool first = step == summary.first_step;
+    if (first && timeline) timeline->start(engine, info.name, run.policy_label);
     auto t0 = std::chrono::steady_clock::now();
     double loss_sum = 0;
+    long correct = 0;
     scalars.step = std::int32_t(step);
     for (int m = 0; m < run.micro; ++m) {
       data->next_train_batch(ex);
@@ -196,8 +242,7 @@ private:
       ex.download(plan.row_loss());
       ex.download(plan.row_correct());
       for (float l : ex.tensor<float>(plan.row_loss())) loss_sum += l;
-      for (std::int32_t c : ex.tensor<std::int32_t>(plan.row_correct())) window_correct += c;
-      window_rows += plan.rows;
+      for (std::int32_t c : ex.tensor<std::int32_t>(plan.row_correct())) correct += c;
     }
     if (first) {
       ex.download(plan.grads());
@@ -210,9 +255,12 @@ private:
     ex.run(Executor::Phase::optimize);
     engine.arena.synchronize();  // CUDA: the step's time includes its kernels
     const auto t1 = std::chrono::steady_clock::now();
-    if (first)
-      summary.measured_peak =
-          engine.arena.high_water() + halide_heap().peak + (run.device == Device::cpu ? step_heap().bytes : 0);
+    if (first) {
+      const MeasuredPeak measured{engine.arena.high_water(), halide_heap().peak,
+                                  run.device == Device::cpu ? step_heap().bytes : 0};
+      summary.measured_peak = measured.total();
+      if (timeline) timeline->finish(measured);
+    }
     const double ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
     summary.step_ms.push_back(ms);
     summary.train_seconds += ms / 1000;
@@ -221,20 +269,77 @@ private:
       throw std::runtime_error(fmt::format("loss is {} at step {}; lower --learning-rate", loss, step));
     if (first) summary.loss_first = loss;
     summary.loss_last = loss;
+    const long rows = long(plan.rows) * run.micro;
+    last = {step, epoch(step), loss, lr, double(correct) / double(rows), ms, double(rows) / (ms / 1000)};
+    loss_total += loss;
     window_loss += loss;
+    window_ms += ms;
+    window_correct += correct;
+    window_rows += rows;
     ++window_steps;
   }
-  // Progress every --logging-steps, and at the last step.
+  // Progress: a line every --logging-steps and at the last step (with --logging-dir, an entry of
+  // log_history too), with the time since the first step and the time left at the mean step time so
+  // far; on a terminal also a live line, rewritten after every step (at most ten times a second).
   void log(long step) {
-    if (step % o.logging_steps != 0 && step != summary.max_steps) return;
-    fmt::print(progress,
-               "step {:>5}/{} | epoch {:5.2f} | loss {:.4f} | train acc {:5.1f}% | lr {:.2e} | {:.0f} samples/s\n",
-               step, summary.max_steps, double(step) / std::max(1L, steps_per_epoch), window_loss / window_steps,
-               100.0 * window_correct / std::max(1L, window_rows), lr,
-               double(step - summary.first_step + 1) * run.batch * run.micro / summary.train_seconds);
+    const long done = step - summary.first_step + 1;
+    const double elapsed = seconds_since(started), left = summary.train_seconds / done * (summary.max_steps - step);
+    if (step % o.logging_steps == 0 || step == summary.max_steps) {
+      const StepMetrics window{step,
+                               epoch(step),
+                               window_loss / window_steps,
+                               lr,
+                               double(window_correct) / double(window_rows),
+                               window_ms / window_steps,
+                               double(window_rows) / (window_ms / 1000)};
+      clear_live_line();
+      fmt::print(progress,
+                 "step {:>5}/{} | epoch {:5.2f} | loss {:.4f} | train acc {:5.1f}% | lr {:.2e} | {:.0f} samples/s | "
+                 "elapsed {} | left {}\n",
+                 step, summary.max_steps, window.epoch, window.loss, 100 * window.train_accuracy, lr,
+                 double(done) * run.batch * run.micro / summary.train_seconds, clock_text(elapsed), clock_text(left));
+      std::fflush(progress);
+      if (metrics) metrics->logged(window);
+      window_loss = window_ms = 0;
+      window_correct = window_rows = window_steps = 0;
+    }
+    if (live && step < summary.max_steps) live_line(step, done, elapsed, left);
+  }
+  // step/max, loss, tokens/s (rows/s: samples/s for a model of one row per sample), the planned and
+  // the measured peak, elapsed and time left; cut to the terminal's width so that \r rewrites it.
+  void live_line(long step, long done, double elapsed, double left) {
+    const auto now = std::chrono::steady_clock::now();
+    if (live_shown && now - live_at < std::chrono::milliseconds(100)) return;
+    live_at = now;
+    const bool tokens = info.model.rows_per_sample() > 1;
+    std::string line =
+        fmt::format("step {}/{} | loss {:.4f} | {:.0f} {}/s | memory {} planned, {} measured | elapsed {} | left {}",
+                    step, summary.max_steps, last.loss, double(done) * plan.rows * run.micro / summary.train_seconds,
+                    tokens ? "tokens" : "samples", mib(plan.peak_bytes), mib(summary.measured_peak),
+                    clock_text(elapsed), clock_text(left));
+    if (const int columns = terminal_columns(progress); columns > 1 && int(line.size()) >= columns)
+      line.resize(columns - 1);
+    fmt::print(progress, "\r\033[K{}", line);
     std::fflush(progress);
-    window_loss = 0;
-    window_correct = window_rows = window_steps = 0;
+    live_shown = true;
+  }
+  // Before a line that stays: the live line goes.
+  void clear_live_line() {
+    if (!live_shown) return;
+    fmt::print(progress, "\r\033[K");
+    live_shown = false;
+  }
+  double epoch(long step) const { return double(step) / double(std::max(1L, steps_per_epoch)); }
+  static double seconds_since(std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+  }
+  MetricsLog::Setup metrics_setup() const {
+    return {.max_steps = max_steps,
+            .num_train_epochs = (max_steps + steps_per_epoch - 1) / std::max(1L, steps_per_epoch),
+            .save_steps = o.save_steps,
+            .logging_steps = o.logging_steps,
+            .eval_steps = o.eval_steps,
+            .train_batch_size = run.batch};
   }
   // Fail now, not after training, if the snapshot cannot be written.
   void probe_snapshot_path() const {
@@ -311,14 +416,22 @@ private:
   std::unique_ptr<DataSource> data;
   // checked before the engine allocates anything
   long steps_per_epoch, max_steps;
+  std::unique_ptr<MemoryTimeline> timeline;  // --memory-timeline: records the first step
+  std::unique_ptr<MetricsLog> metrics;       // --logging-dir
   Engine engine;
   Executor &ex;
   Scalars &scalars;
   long eval_samples = 0;
   std::string run_flags;
   Summary summary;
-  double lr = 0, window_loss = 0;  // the last step's learning rate; the loss since the last progress line
+  double lr = 0, loss_total = 0;  // the last step's learning rate; the sum of this run's step losses
+  StepMetrics last;               // the last step's
+  // since the last progress line
+  double window_loss = 0, window_ms = 0;
   long window_correct = 0, window_rows = 0, window_steps = 0;
+  // the progress stream is a terminal (a live line), which shows one now; when the loop started
+  bool live = false, live_shown = false;
+  std::chrono::steady_clock::time_point started, live_at;
 };
 
 }  // namespace

@@ -1,10 +1,10 @@
 // The plan report (--plan-report): what each block's kernels do, every tensor saved for backward
 // and why, the peak, the recompute arithmetic and the predicted step time; with --sweep, the
-// budget -> step time table and its plot.
+// budget -> step time table (printed, and as JSON for scripts/plot.py).
 module;
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
-#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <ostream>
@@ -89,7 +89,7 @@ void print_plan_report(std::FILE *out, const Model &model, const Plan &plan, con
       recompute_flops / 1e9, flops / 1e9, predicted.seconds * 1e3, costs_from);
 }
 
-// The budget -> step time table, from the smallest plan to none's peak, and its plot (SVG).
+// The budget -> step time table, from the smallest plan to none's peak, printed and written as JSON.
 void print_sweep(std::FILE *out, const ModelInfo &info, const Run &run, const Options &o, const std::string &program) {
   const Model &m = info.model;
   const Device device = run.device;
@@ -101,7 +101,7 @@ void print_sweep(std::FILE *out, const ModelInfo &info, const Run &run, const Op
   const long long lo = (long long)smallest_plan(m, batch, precision, gemms).peak_bytes;
   const long long hi = (long long)make_plan(m, none, batch, precision, gemms).peak_bytes;
   std::unique_ptr<DataSource> data;
-  if (o.calibrate) data = data_source(info, {o.data_dir, batch, o.seed});
+  if (o.calibrate) data = data_source(info, data_options(o, batch));
   struct Row {
     long long budget, peak;
     double predicted, measured;
@@ -123,39 +123,24 @@ void print_sweep(std::FILE *out, const ModelInfo &info, const Run &run, const Op
   for (const Row &r : rows)
     fmt::print(out, "{:>14} {:>7.1f}% {:>14} {:>13.2f} {:>12} {:>4} ({} re)\n", r.budget, 100.0 * r.budget / hi, r.peak,
                r.predicted, o.calibrate ? fmt::format("{:.2f}", r.measured) : "", r.launches, r.recompute);
-  // the plot: step time against the budget in MiB
-  const std::string path = program + "-sweep.svg";
-  write_atomically(path, "sweep plot", [&](std::ostream &svg) {
-    const double W = 640, H = 400, L = 70, R = 20, T = 30, B = 50;
-    double tmax = 0;
-    for (const Row &r : rows) tmax = std::max({tmax, r.predicted, r.measured});
-    tmax = tmax > 0 ? tmax * 1.1 : 1;
-    const double x0 = lo / 1048576.0, x1 = std::max(hi / 1048576.0, x0 + 1e-9);
-    auto X = [&](long long b) { return L + (b / 1048576.0 - x0) / (x1 - x0) * (W - L - R); };
-    auto Y = [&](double ms) { return H - B - ms / tmax * (H - T - B); };
-    svg << fmt::format(
-        "<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}' font-family='sans-serif' font-size='12'>\n", W,
-        H);
-    svg << fmt::format("<text x='{}' y='18'>{}: step time against the memory budget ({}, batch {})</text>\n", L,
-                       info.name, precision_name(precision), batch);
-    svg << fmt::format(
-        "<line x1='{0}' y1='{1}' x2='{2}' y2='{1}' stroke='black'/><line x1='{0}' y1='{3}' x2='{0}' y2='{1}' "
-        "stroke='black'/>\n",
-        L, H - B, W - R, T);
-    svg << fmt::format("<text x='{}' y='{}'>budget (MiB): {:.1f} .. {:.1f}</text>\n", L, H - 15, x0, x1);
-    svg << fmt::format("<text x='5' y='{}'>ms (0 .. {:.1f})</text>\n", T - 5 + 15, tmax);
-    for (int series = 0; series < (o.calibrate ? 2 : 1); ++series) {
-      std::string points_attr;
-      for (const Row &r : rows)
-        points_attr += fmt::format("{:.1f},{:.1f} ", X(r.budget), Y(series ? r.measured : r.predicted));
-      svg << fmt::format("<polyline fill='none' stroke='{}' stroke-width='2' points='{}'/>\n",
-                         series ? "crimson" : "steelblue", points_attr);
-      svg << fmt::format("<text x='{}' y='{}' fill='{}'>{}</text>\n", W - R - 150, T + 15 + 15 * series,
-                         series ? "crimson" : "steelblue", series ? "measured" : "predicted");
-    }
-    svg << "</svg>\n";
-  });
-  fmt::print(out, "plot: {}\n", path);
+  // the table as JSON, for scripts/plot.py sweep
+  nlohmann::json table = {{"model", std::string(info.name)},
+                          {"precision", std::string(precision_name(precision))},
+                          {"batch", batch},
+                          {"device", o.device},
+                          {"none_peak_bytes", hi},
+                          {"measured", o.calibrate},
+                          {"rows", nlohmann::json::array()}};
+  for (const Row &r : rows)
+    table["rows"].push_back({{"budget_bytes", r.budget},
+                             {"planned_peak_bytes", r.peak},
+                             {"predicted_ms", r.predicted},
+                             {"measured_ms", o.calibrate ? nlohmann::json(r.measured) : nlohmann::json()},
+                             {"launches", r.launches},
+                             {"recompute_launches", r.recompute}});
+  const std::string path = program + "-sweep.json";
+  write_atomically(path, "sweep table", [&](std::ostream &json) { json << table.dump(1) << '\n'; });
+  fmt::print(out, "table: {} (plot: .venv/bin/python scripts/plot.py sweep {} -o {}-sweep.png)\n", path, path, program);
 }
 
 }  // namespace remat::runtime
