@@ -306,8 +306,7 @@ std::vector<std::uint16_t> load_tokens(const std::string &path, int vocab) {
   constexpr std::uintmax_t header_bytes = 256 * 4;
   if (!std::filesystem::is_regular_file(path))
     throw InputError(fmt::format(
-        "{}: no such file (write it with scripts/tokenize.py, or pass --data-dir, --train-file, --validation-file)",
-        path));
+        "{}: no such file (write it with scripts/bpe.py, or pass --data-dir, --train-file, --validation-file)", path));
   const std::uintmax_t size = std::filesystem::file_size(path);
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError(fmt::format("{}: cannot open", path));

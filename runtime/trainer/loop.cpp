@@ -109,7 +109,7 @@ std::vector<std::int32_t> generate(const ModelInfo &info, Device device, Precisi
 }
 
 // The sample after training: text as characters; token ids as numbers, the prompt first, for the
-// tokenizer to decode (scripts/tokenize.py decode), since the trainer does not know it.
+// tokenizer to decode (scripts/bpe.py decode), since the trainer does not know it.
 void print_sample(std::FILE *progress, const ModelInfo &info, const Run &run, Executor &ex, const DataSource &data,
                   std::uint64_t seed) {
   const std::vector<std::int32_t> prompt = data.sample_prompt();
