@@ -33,6 +33,13 @@ std::array<TensorId, 3> state_tensors(const Plan &plan) { return {plan.params(),
 float uniform(std::mt19937_64 &rng) { return float(double(rng() >> 11) * 0x1.0p-53 * 2.0 - 1.0); }
 }  // namespace
 
+void check_writable(const std::string &path, std::string_view what) {
+  if (std::filesystem::is_directory(path)) throw InputError(fmt::format("{} {}: a folder", what, path));
+  const std::string probe = path + ".tmp";
+  if (!std::ofstream(probe)) throw InputError(fmt::format("{} {}: cannot write", what, path));
+  std::filesystem::remove(probe);
+}
+
 void write_atomically(const std::string &path, std::string_view what,
                       const std::function<void(std::ostream &)> &write) {
   const std::string tmp = path + ".tmp";

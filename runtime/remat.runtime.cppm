@@ -240,6 +240,9 @@ public:
 // Runs write(out) on <path>.tmp, then renames it to path, so that no file is ever half-written;
 // errors are one line (InputError) starting with `what` and the path.
 void write_atomically(const std::string &path, std::string_view what, const std::function<void(std::ostream &)> &write);
+// Before a long run that writes `path` at its end: one line (InputError) starting with `what` and
+// the path now if it is a folder or <path>.tmp cannot be created.
+void check_writable(const std::string &path, std::string_view what);
 
 // FNV-1a over bytes, as 16 hex digits.
 std::string digest(std::span<const std::byte> bytes);

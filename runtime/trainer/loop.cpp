@@ -343,10 +343,7 @@ private:
   }
   // Fail now, not after training, if the snapshot cannot be written.
   void probe_snapshot_path() const {
-    if (o.save_snapshot.empty()) return;
-    const std::string probe = o.save_snapshot + ".tmp";
-    if (!std::ofstream(probe)) throw InputError(fmt::format("--save-snapshot {}: cannot write", o.save_snapshot));
-    std::filesystem::remove(probe);
+    if (!o.save_snapshot.empty()) check_writable(o.save_snapshot, "--save-snapshot");
   }
   // The snapshot's state, if it is one of this run (same seed and shaping flags, before the last step).
   void resume() {

@@ -39,10 +39,7 @@ MetricsLog::MetricsLog(const std::string &dir, Setup setup) : state(std::make_un
   if (!state->jsonl)
     throw InputError(fmt::format("--logging-dir {}: cannot write {} ({})", dir, jsonl.string(), std::strerror(errno)));
   // trainer_state.json is written at the end: fail now, not after training, if it could not be
-  const std::filesystem::path probe = state->dir / "trainer_state.json.tmp";
-  if (!std::ofstream(probe))
-    throw InputError(fmt::format("--logging-dir {}: cannot write {} ({})", dir, probe.string(), std::strerror(errno)));
-  std::filesystem::remove(probe, ec);
+  check_writable((state->dir / "trainer_state.json").string(), "--logging-dir");
 }
 
 MetricsLog::~MetricsLog() = default;
@@ -103,14 +100,8 @@ void MetricsLog::finish(long step, double epoch, double train_loss, double train
                                         {"num_train_epochs", s.num_train_epochs},
                                         {"save_steps", s.save_steps},
                                         {"train_batch_size", s.train_batch_size}};
-  const std::filesystem::path path = state->dir / "trainer_state.json", tmp = state->dir / "trainer_state.json.tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << trainer_state.dump(2) << '\n';
-    if (!out.flush())
-      throw std::runtime_error(fmt::format("--logging-dir {}: writing {} failed", state->dir.string(), tmp.string()));
-  }
-  std::filesystem::rename(tmp, path);
+  write_atomically((state->dir / "trainer_state.json").string(), "--logging-dir",
+                   [&](std::ostream &out) { out << trainer_state.dump(2) << '\n'; });
 }
 
 }  // namespace remat::runtime

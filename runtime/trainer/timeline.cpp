@@ -335,11 +335,7 @@ std::string snapshot(const std::vector<Event> &events, std::size_t base, std::si
 
 MemoryTimeline::MemoryTimeline(std::string path_, std::string program_)
     : path(std::move(path_)), program(std::move(program_)) {
-  // fail now, before the engine allocates, if the file cannot be written
-  const std::string probe = path + ".tmp";
-  if (std::filesystem::is_directory(path)) throw InputError(fmt::format("--memory-timeline {}: a folder", path));
-  if (!std::ofstream(probe)) throw InputError(fmt::format("--memory-timeline {}: cannot write", path));
-  std::filesystem::remove(probe);
+  check_writable(path, "--memory-timeline");  // now, before the engine allocates
 }
 
 MemoryTimeline::~MemoryTimeline() {
