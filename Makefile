@@ -4,7 +4,7 @@ VENV  := .venv
 BUILD := build
 DEBS  := clang-19 clang-tools-19 clang-format-19 universal-ctags ninja-build libboost-test-dev librange-v3-dev libcli11-dev \
          nlohmann-json3-dev libfmt-dev zlib1g-dev dataset-fashion-mnist fortunes python3-venv python3-dev \
-         pocl-opencl-icd ocl-icd-libopencl1
+         pocl-opencl-icd ocl-icd-libopencl1 libclang-rt-19-dev
 PY_PKGS := halide==21.0.0 cmake>=3.28 mkl-static==2026.2.0 mkl-include==2026.2.0
 TRAIN_ARGS ?=
 # make bench-cpu and make test: PyTorch and what bench/cpu.py, scripts/plot.py and the memory
@@ -15,7 +15,7 @@ BENCH_ARGS ?=
 TOKENIZE_PY_PKGS := tokenizers==0.23.3
 BPE_DATA := $(BUILD)/data/fortunes-bpe
 
-.PHONY: all deps build install train train-gpt train-mlp train-llama train-gpt-bpe test bench bench-cpu bench-py-pkgs device-bundle clean
+.PHONY: all deps build install train train-gpt train-mlp train-llama train-gpt-bpe test test-sanitize fuzz bench bench-cpu bench-py-pkgs device-bundle clean
 
 all: build
 
@@ -81,6 +81,43 @@ bench-py-pkgs: | deps
 test: build bench-py-pkgs
 	$(VENV)/bin/ctest --test-dir $(BUILD) -j2 --output-on-failure --output-junit $(abspath $(BUILD))/ctest-results.xml
 
+# make test-sanitize: the suite again, every object of its own build folder compiled with
+# AddressSanitizer + UndefinedBehaviorSanitizer (C++ modules must all agree on the flags, hence a
+# whole build; the Halide kernels and the model compilers' libHalide stay uninstrumented). About
+# 30 min from scratch on 2 cores, not part of `make test`. Leaks are not checked while building
+# (the model compilers run libHalide, LLVM inside) but are while testing (cmake/lsan.supp: only
+# other libraries' own). The consumer test builds an unsanitized project against it: left out.
+SANITIZE_BUILD := build-sanitize
+SANITIZE_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -gline-tables-only
+SANITIZE_ENV := ASAN_OPTIONS=detect_leaks=1:strict_string_checks=1 \
+                LSAN_OPTIONS=suppressions=$(abspath cmake/lsan.supp):print_suppressions=0 \
+                UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+HALIDE_DIR = $$($(VENV)/bin/python -c "import halide, os; print(os.path.dirname(halide.__file__))")/lib64/cmake/Halide
+
+$(SANITIZE_BUILD)/build.ninja: CMakeLists.txt | deps
+	$(VENV)/bin/cmake -S . -B $(SANITIZE_BUILD) -G Ninja -DCMAKE_CXX_COMPILER=clang++-19 -DCMAKE_BUILD_TYPE=Release \
+	  -DCMAKE_CXX_FLAGS="$(SANITIZE_FLAGS)" -DHalide_DIR="$(HALIDE_DIR)"
+
+test-sanitize: deps bench-py-pkgs $(SANITIZE_BUILD)/build.ninja
+	ASAN_OPTIONS=detect_leaks=0 $(VENV)/bin/cmake --build $(SANITIZE_BUILD)
+	$(SANITIZE_ENV) $(VENV)/bin/ctest --test-dir $(SANITIZE_BUILD) -j2 --output-on-failure -E '^consumer$$'
+
+# make fuzz: each libFuzzer target of fuzz/ (a reader of user input, or the flags and --config)
+# for FUZZ_SECONDS, in a build folder whose objects all carry -fsanitize=fuzzer-no-link and the
+# sanitizers (no kernels needed: the targets link Halide's bare runtime). A crash is kept in
+# fuzz/regressions/<target>/, which `make test` replays (ctest fuzz_replay_<target>).
+FUZZ_BUILD := build-fuzz
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS ?= idx text tokens data_state flags safetensors
+
+$(FUZZ_BUILD)/build.ninja: CMakeLists.txt | deps
+	$(VENV)/bin/cmake -S . -B $(FUZZ_BUILD) -G Ninja -DCMAKE_CXX_COMPILER=clang++-19 -DCMAKE_BUILD_TYPE=Release \
+	  -DREMAT_FUZZ=ON -DCMAKE_CXX_FLAGS="-fsanitize=fuzzer-no-link $(SANITIZE_FLAGS)" -DHalide_DIR="$(HALIDE_DIR)"
+
+fuzz: deps $(FUZZ_BUILD)/build.ninja
+	$(VENV)/bin/cmake --build $(FUZZ_BUILD) --target $(addprefix fuzz_,$(FUZZ_TARGETS))
+	bash fuzz/run.sh $(FUZZ_BUILD) $(FUZZ_SECONDS) $(FUZZ_TARGETS)
+
 # remat as a CMake package for other projects (docs/using-remat.md): make install PREFIX=$HOME/opt/remat
 PREFIX ?= /usr/local
 install: build
@@ -103,4 +140,4 @@ device-bundle: build
 	bash scripts/device-bundle.sh
 
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) $(SANITIZE_BUILD) $(FUZZ_BUILD)

@@ -2,7 +2,10 @@
 """The GPT and MLP examples in PyTorch with remat's math, trained on the CPU from remat's weights.
 
 Loads the parameters and the first batch that `train-gpt/train-mlp --save-initial FILE` wrote
-(the trainer's hyper-parameters come from the file's metadata), checks that the first step's loss
+(the trainer's hyper-parameters come from the file's metadata; the parameters under the names and
+layouts of remat's model.safetensors, which are the state_dict names of the module trees here:
+stages.<s>.blocks.<b>.layers.<l>.<param>, l counting remat's parameter-free layers too, which are
+placeholders here; a linear's weight [out, in] as nn.Linear's), checks that the first step's loss
 equals remat's (--expect-loss, from a dropout-0 remat run) before anything else counts, then
 trains --steps steps on that batch and prints one JSON line: per-step times, first and last loss.
 
@@ -43,15 +46,53 @@ def fail(message, code=2):
     sys.exit(code)
 
 
-class GPTBlock(nn.Module):
-    def __init__(self, C, H, p):
+class Free(nn.Identity):
+    """A parameter-free remat layer (a residual marker, attention, GELU, dropout, the loss): it holds
+    its layer's place in `layers`, so that the others keep remat's index l; the block's forward does
+    its math."""
+    def __init__(self, kind):
         super().__init__()
-        self.H, self.p = H, p
-        self.ln1, self.qkv, self.proj = nn.LayerNorm(C, eps=1e-5), nn.Linear(C, 3 * C), nn.Linear(C, C)
-        self.ln2, self.fc, self.fc2 = nn.LayerNorm(C, eps=1e-5), nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+        self.kind = kind
 
-    def layers(self):  # in remat's layer order
-        return [self.ln1, self.qkv, self.proj, self.ln2, self.fc, self.fc2]
+    def extra_repr(self):
+        return self.kind
+
+
+class Block(nn.Module):
+    """One remat block: `layers` in remat's layer order, the l of stages.<s>.blocks.<b>.layers.<l>."""
+    def __init__(self, *layers):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+
+class Stage(nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+
+class Embedding(nn.Module):  # remat's embedding layer: token + position
+    def __init__(self, V, T, C):
+        super().__init__()
+        self.token, self.position = nn.Embedding(V, C), nn.Embedding(T, C)
+
+    def forward(self, idx):
+        return self.token(idx) + self.position(torch.arange(idx.shape[1]))
+
+
+def layer(l):  # a block's layer l under a readable name (not a second module: no second state_dict name)
+    return property(lambda self: self.layers[l])
+
+
+class GPTBlock(Block):
+    def __init__(self, C, H, p):
+        super().__init__(Free("residual("), nn.LayerNorm(C, eps=1e-5), nn.Linear(C, 3 * C),
+                         Free("causal_self_attention"), nn.Linear(C, C), Free("dropout"), Free(")residual"),
+                         Free("residual("), nn.LayerNorm(C, eps=1e-5), nn.Linear(C, 4 * C), Free("gelu"),
+                         nn.Linear(4 * C, C), Free("dropout"), Free(")residual"))
+        self.H, self.p = H, p
+
+    ln1, qkv, proj, ln2, fc, fc2 = (layer(l) for l in (1, 2, 4, 8, 9, 11))
 
     def forward(self, x):
         B, T, C = x.shape
@@ -62,79 +103,78 @@ class GPTBlock(nn.Module):
         return x + F.dropout(self.fc2(F.gelu(self.fc(self.ln2(x)), approximate="tanh")), p, self.training)
 
 
-class GPTModel(nn.Module):
-    def __init__(self, p):
-        super().__init__()
-        V, T, L, H, C = (GPT[k] for k in "VTLHC")
-        self.p = p
-        self.wte, self.wpe = nn.Embedding(V, C), nn.Embedding(T, C)
-        self.blocks = nn.ModuleList(GPTBlock(C, H, p) for _ in range(L))
-        self.ln_f, self.head = nn.LayerNorm(C, eps=1e-5), nn.Linear(C, V)
-
-    def stem(self, idx):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
-        return F.dropout(x, self.p if self.training else 0.0, self.training)
-
-    def head_loss(self, x, labels):
-        logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1).long())
-
-    def load(self, f):
-        copy_params(f, 0, 0, [(self.wte, self.wpe)])
-        for i, blk in enumerate(self.blocks):
-            copy_params(f, 1, i, blk.layers())
-        copy_params(f, 2, 0, [self.ln_f, self.head])
-
-
-class MLPBlock(nn.Module):
+class MLPBlock(Block):
     def __init__(self, C, Hd):
-        super().__init__()
-        self.ln, self.fc, self.fc2 = nn.LayerNorm(C, eps=1e-5), nn.Linear(C, Hd), nn.Linear(Hd, C)
+        super().__init__(Free("residual("), nn.LayerNorm(C, eps=1e-5), nn.Linear(C, Hd), Free("gelu"),
+                         nn.Linear(Hd, C), Free(")residual"))
 
-    def layers(self):
-        return [self.ln, self.fc, self.fc2]
+    ln, fc, fc2 = (layer(l) for l in (1, 2, 4))
 
     def forward(self, x):
         return x + self.fc2(F.gelu(self.fc(self.ln(x)), approximate="tanh"))
 
 
-class MLPModel(nn.Module):
-    def __init__(self, p):
+class RematModel(nn.Module):
+    """A remat example as a PyTorch module tree whose state_dict names are those of remat's
+    model.safetensors: `stages` (the model's stages), each with `blocks`, each with `layers`.
+    Stage 1 is the repeated blocks (which the policies checkpoint); stages 0 and 2 one block each."""
+    def __init__(self, stem, blocks, head):
         super().__init__()
+        self.stages = nn.ModuleList([Stage([Block(*stem)]), Stage(blocks), Stage([Block(*head)])])
+
+    @property
+    def blocks(self):
+        return self.stages[1].blocks
+
+    def head_loss(self, x, labels):  # LayerNorm, linear, mean cross-entropy over all rows
+        ln_f, head = self.stages[2].blocks[0].layers[:2]
+        logits = head(ln_f(x))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1).long())
+
+    def forward(self, inputs, labels, policy="none"):  # the loss
+        return self.head_loss(run_blocks(self.blocks, self.stem(inputs), policy), labels)
+
+
+class GPTModel(RematModel):
+    def __init__(self, p=0.0):
+        V, T, L, H, C = (GPT[k] for k in "VTLHC")
+        super().__init__([Embedding(V, T, C), Free("dropout")], [GPTBlock(C, H, p) for _ in range(L)],
+                         [nn.LayerNorm(C, eps=1e-5), nn.Linear(C, V), Free("softmax_cross_entropy")])
+        self.p = p
+
+    def stem(self, idx):
+        x = self.stages[0].blocks[0].layers[0](idx)
+        return F.dropout(x, self.p if self.training else 0.0, self.training)
+
+
+class MLPModel(RematModel):
+    def __init__(self, p=0.0):  # no dropout layers
         W, C, Hd, L, K = (MLP[k] for k in ("W", "C", "Hd", "L", "K"))
-        self.stem_fc = nn.Linear(W, C)
-        self.blocks = nn.ModuleList(MLPBlock(C, Hd) for _ in range(L))
-        self.ln_f, self.head = nn.LayerNorm(C, eps=1e-5), nn.Linear(C, K)
+        super().__init__([nn.Linear(W, C)], [MLPBlock(C, Hd) for _ in range(L)],
+                         [nn.LayerNorm(C, eps=1e-5), nn.Linear(C, K), Free("softmax_cross_entropy")])
 
     def stem(self, x):
-        return self.stem_fc(x)
-
-    def head_loss(self, x, labels):
-        return F.cross_entropy(self.head(self.ln_f(x)).float(), labels.long())
-
-    def load(self, f):
-        copy_params(f, 0, 0, [self.stem_fc])
-        for i, blk in enumerate(self.blocks):
-            copy_params(f, 1, i, blk.layers())
-        copy_params(f, 2, 0, [self.ln_f, self.head])
+        return self.stages[0].blocks[0].layers[0](x)
 
 
-def copy_params(f, stage, block, modules):
-    """remat's s<stage>.b<block>.p<layer>_w/_b, in layer order, into the modules (remat's linear
-    weight is [in, out]: y = x w + b; nn.Linear's is [out, in]; an embedding pair is (wte, wpe))."""
-    prefix = f"s{stage}.b{block}."
-    layers = sorted({int(m.group(1)) for k in f.keys() if (m := re.fullmatch(re.escape(prefix) + r"p(\d+)_[wb]", k))})
-    if len(layers) != len(modules):
-        fail(f"{prefix}*: the file has {len(layers)} parameterized layers, this model {len(modules)}")
-    for k, mod in zip(layers, modules):
-        w, b = f.get_tensor(f"{prefix}p{k}_w"), f.get_tensor(f"{prefix}p{k}_b")
-        pairs = ([(mod[0].weight, w), (mod[1].weight, b)] if isinstance(mod, tuple) else
-                 [(mod.weight, w.t() if isinstance(mod, nn.Linear) else w), (mod.bias, b)])
-        for dst, src in pairs:
-            if tuple(dst.shape) != tuple(src.shape):
-                fail(f"{prefix}p{k}: shape {tuple(src.shape)} in the file, {tuple(dst.shape)} here")
-            with torch.no_grad():
-                dst.copy_(src)
+MODELS = {"gpt": GPTModel, "mlp": MLPModel}
+BATCH = ("inputs", "labels")  # what --save-initial writes beside the parameters
+
+
+def load_params(model, f, what):
+    """remat's tensor names (stages.<s>.blocks.<b>.layers.<l>.<param>; a linear weight [out, in] as
+    nn.Linear's) are the model's state_dict names: load_state_dict(strict=True) from the safetensors
+    file f (safe_open), after listing every missing, unexpected and wrong-shaped tensor in one error."""
+    state = {k: f.get_tensor(k) for k in f.keys() if k not in BATCH}
+    mine = model.state_dict()
+    problems = ([f"{k} missing" for k in sorted(mine.keys() - state.keys())] +
+                [f"{k} unexpected" for k in sorted(state.keys() - mine.keys())] +
+                [f"{k} has shape {list(state[k].shape)}, not {list(mine[k].shape)}"
+                 for k in sorted(mine.keys() & state.keys()) if state[k].shape != mine[k].shape])
+    if problems:
+        more = f"; and {len(problems) - 8} more" if len(problems) > 8 else ""
+        fail(f"{what}: {len(problems)} tensors do not fit the {type(model).__name__}: {'; '.join(problems[:8])}{more}")
+    model.load_state_dict(state, strict=True)
 
 
 def selective_policy(ctx, op, *args, **kwargs):  # save GEMM outputs, recompute everything else
@@ -201,13 +241,13 @@ def main():
     if a.dropout > 0 and kind == "mlp":
         fail("--dropout: the mlp model has no dropout layers")
     torch.manual_seed(int(meta.get("seed", 0)))
-    model = (GPTModel if kind == "gpt" else MLPModel)(a.dropout)
-    model.load(f)
+    model = MODELS[kind](a.dropout)
+    load_params(model, f, f"--init {a.init}")
     inputs, labels = f.get_tensor("inputs"), f.get_tensor("labels")
 
     def loss_of(x, y):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
-            return model.head_loss(run_blocks(model.blocks, model.stem(x), a.policy), y)
+            return model(x, y, a.policy)
 
     decayed = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]  # remat: linear weights only
     plain = [p for p in model.parameters() if all(p is not d for d in decayed)]

@@ -1,10 +1,13 @@
 module;
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <zlib.h>
 
 #include <algorithm>
 #include <bit>
+#include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -13,6 +16,7 @@ module;
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 module remat.trainer;
@@ -21,22 +25,27 @@ import remat;
 namespace remat::runtime {
 namespace {
 
-// The whole file, gunzipped when it is gzip (zlib reads plain files as they are).
+// The whole file, gunzipped when it is gzip (zlib reads plain files as they are). A gzip stream that
+// ends early (Z_BUF_ERROR: "unexpected end of file") or fails its checks is an error.
 std::vector<std::uint8_t> read_file(const std::string &path) {
-  if (!std::filesystem::is_regular_file(path))
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec))
     throw InputError(fmt::format("{}: no such file (install the dataset package or pass --data-dir)", path));
   gzFile f = gzopen(path.c_str(), "rb");
-  if (!f) throw InputError(fmt::format("{}: cannot open", path));
+  if (!f) throw InputError(fmt::format("{}: cannot open ({})", path, std::strerror(errno)));
   std::vector<std::uint8_t> out;
-  std::uint8_t chunk[1 << 16];
+  std::vector<std::uint8_t> chunk(1 << 16);
   int n;
-  while ((n = gzread(f, chunk, sizeof chunk)) > 0) out.insert(out.end(), chunk, chunk + n);
+  while ((n = gzread(f, chunk.data(), unsigned(chunk.size()))) > 0)
+    out.insert(out.end(), chunk.data(), chunk.data() + n);
   int err = 0;
-  const char *msg = gzerror(f, &err);
-  const bool failed = n < 0 || (err != Z_OK && err != Z_BUF_ERROR);
-  const std::string why = failed ? msg : "";
+  std::string_view msg = gzerror(f, &err);
+  if (msg.starts_with(path + ": ")) msg.remove_prefix(path.size() + 2);  // zlib names the file too
+  const std::string why = err == Z_BUF_ERROR     ? "truncated gzip data: unexpected end of file"
+                          : n < 0 || err != Z_OK ? fmt::format("corrupt gzip data ({})", msg)
+                                                 : "";
   gzclose(f);
-  if (failed) throw InputError(fmt::format("{}: corrupt gzip data ({})", path, why));
+  if (!why.empty()) throw InputError(fmt::format("{}: {}", path, why));
   return out;
 }
 
@@ -44,19 +53,24 @@ std::uint32_t be32(const std::vector<std::uint8_t> &d, std::size_t at) {
   return std::uint32_t(d[at]) << 24 | std::uint32_t(d[at + 1]) << 16 | std::uint32_t(d[at + 2]) << 8 | d[at + 3];
 }
 
-// idx header: 0x00 0x00 type(0x08 = ubyte) ndims, then ndims big-endian sizes.
+// idx header: 0x00 0x00 type(0x08 = ubyte) ndims, then ndims big-endian sizes, none 0; the data
+// after it must be exactly their product (computed in 128 bits: three 32-bit sizes cannot wrap).
 std::vector<std::uint32_t> idx_shape(const std::vector<std::uint8_t> &d, const std::string &path, int dims) {
-  if (d.size() < 4 + 4u * dims || d[0] != 0 || d[1] != 0 || d[2] != 0x08 || d[3] != dims)
+  const std::size_t header = 4 + 4 * std::size_t(dims);
+  if (d.size() < header || d[0] != 0 || d[1] != 0 || d[2] != 0x08 || d[3] != dims)
     throw InputError(fmt::format("{}: not an idx file of unsigned bytes with {} dimension(s)", path, dims));
   std::vector<std::uint32_t> shape;
-  std::uint64_t count = 1;
+  unsigned __int128 count = 1;
   for (int i = 0; i < dims; ++i) {
     shape.push_back(be32(d, 4 + 4 * i));
     count *= shape.back();
   }
-  if (d.size() != 4 + 4u * dims + count)
-    throw InputError(fmt::format("{}: expected {} data bytes after the header, found {} (truncated or corrupt)", path,
-                                 count, d.size() - 4 - 4 * dims));
+  if (count == 0) throw InputError(fmt::format("{}: the idx header has a size of 0: no data", path));
+  if (count != d.size() - header)
+    throw InputError(fmt::format(
+        "{}: the idx header's sizes {} need {} data bytes, the file has {} (truncated or corrupt)", path,
+        fmt::join(shape, " x "), count > UINT64_MAX ? std::string("over 2^64") : std::to_string(std::uint64_t(count)),
+        d.size() - header));
   return shape;
 }
 
@@ -68,6 +82,10 @@ Dataset load_idx(const std::string &images_path, const std::string &labels_path,
   if (ishape[0] != lshape[0])
     throw InputError(
         fmt::format("{} has {} images but {} has {} labels", images_path, ishape[0], labels_path, lshape[0]));
+  // sizes below 2^31: rows and pixels index ints (each is at most the file's size)
+  if (ishape[0] > INT32_MAX || std::uint64_t(ishape[1]) * ishape[2] > INT32_MAX)
+    throw InputError(fmt::format("{}: {} images of {} x {} pixels are more than remat reads", images_path, ishape[0],
+                                 ishape[1], ishape[2]));
   Dataset ds;
   ds.rows = int(ishape[0]);
   ds.width = int(ishape[1] * ishape[2]);
@@ -100,6 +118,8 @@ public:
       if (ds->width != model.input.width)
         throw InputError(
             fmt::format("{}: images have {} pixels but the model takes {}", o.dir, ds->width, model.input.width));
+    if (std::size_t(train.rows) < batch)
+      throw InputError(fmt::format("{}: {} training images are fewer than a batch of {}", o.dir, train.rows, batch));
     order.resize(train.rows);
     std::iota(order.begin(), order.end(), 0);
     std::shuffle(order.begin(), order.end(), rng);
@@ -126,20 +146,29 @@ public:
     for (int i : order) out << ' ' << i;
     return out.str();
   }
+  // Read in full and checked (RNG state, a position within the epoch, an order of every training
+  // image, nothing after it) before anything changes.
   void restore(const std::string &state) override {
+    auto bad = [](const std::string &why) {
+      return InputError("--resume-from-snapshot: the snapshot's data state does not fit this dataset: " + why);
+    };
     std::istringstream in(state);
-    in >> rng >> cursor;
+    std::mt19937_64 restored_rng;
+    long long at = -1;
+    if (!(in >> restored_rng >> at)) throw bad("no shuffle state and position");
+    if (at < 0 || std::uint64_t(at) > order.size())
+      throw bad(fmt::format("position {} is not within its {} training images", at, order.size()));
     std::vector<int> restored(order.size());
-    for (int &i : restored) in >> i;
     std::vector<bool> seen(order.size());
-    bool permutation = bool(in);
-    for (int i : restored) {
-      permutation = permutation && i >= 0 && std::size_t(i) < seen.size() && !seen[i];
-      if (permutation) seen[i] = true;
+    for (int &i : restored) {
+      if (!(in >> i) || i < 0 || std::size_t(i) >= seen.size() || seen[i])
+        throw bad(fmt::format("not an order of its {} training images", order.size()));
+      seen[i] = true;
     }
-    if (!permutation || cursor > order.size() || !(in >> std::ws).eof())
-      throw InputError("--resume-from-snapshot: the snapshot's data state does not fit this dataset");
-    order = restored;
+    if (!(in >> std::ws).eof()) throw bad(fmt::format("more than an order of its {} training images", order.size()));
+    rng = restored_rng;
+    cursor = std::size_t(at);
+    order = std::move(restored);
   }
 
 private:
@@ -186,9 +215,11 @@ public:
   }
   void restore(const std::string &state) override {
     std::istringstream in(state);
-    in >> rng;
-    if (!in || !(in >> std::ws).eof())
-      throw InputError("--resume-from-snapshot: the snapshot's data state does not fit this corpus");
+    std::mt19937_64 restored;
+    if (!(in >> restored) || !(in >> std::ws).eof())
+      throw InputError(
+          "--resume-from-snapshot: the snapshot's data state does not fit this corpus: not a sampler state");
+    rng = restored;
   }
 
 protected:
@@ -278,19 +309,61 @@ private:
 
 }  // namespace
 
-Corpus load_corpus(const std::string &dir, int vocab, double val_fraction) {
-  if (!std::filesystem::is_directory(dir))
+namespace {
+
+// Bytes that are not text: neither printable ASCII, nor whitespace (\t \n \v \f \r), nor part of a
+// UTF-8 sequence (a lead byte C2..F4 and its continuation bytes).
+std::size_t non_text_bytes(const std::vector<std::uint8_t> &bytes) {
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < bytes.size();) {
+    const std::uint8_t c = bytes[i];
+    const std::size_t tail = c >= 0xc2 && c <= 0xdf ? 1 : c >= 0xe0 && c <= 0xef ? 2 : c >= 0xf0 && c <= 0xf4 ? 3 : 0;
+    std::size_t n = 1;
+    while (n <= tail && i + n < bytes.size() && (bytes[i + n] & 0xc0) == 0x80) ++n;
+    const bool text = (c >= 0x20 && c < 0x7f) || (c >= '\t' && c <= '\r') || (tail > 0 && n == tail + 1);
+    if (!text) ++bad;
+    i += text ? n : 1;
+  }
+  return bad;
+}
+
+// A file of a text corpus may have at most this share of bytes that are not text (Debian's fortunes
+// have at most 0.11%: overstruck and escaped characters; random bytes about 60%; Latin-1 prose a few %).
+constexpr double max_non_text = 0.10;
+
+// The regular files of `dir` (sorted; fortune's .dat/.u8 index files and symbolic links skipped).
+std::vector<std::filesystem::path> corpus_files(const std::string &dir) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec))
     throw InputError(fmt::format("{}: no such folder (install the text package or pass --data-dir)", dir));
   std::vector<std::filesystem::path> files;
-  for (const auto &e : std::filesystem::directory_iterator(dir)) {
-    const auto ext = e.path().extension();
-    if (e.is_regular_file() && !e.is_symlink() && ext != ".dat" && ext != ".u8") files.push_back(e.path());
+  std::filesystem::directory_iterator it(dir, ec);
+  for (; !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    std::error_code kind;
+    const auto ext = it->path().extension();
+    if (it->is_regular_file(kind) && !it->is_symlink(kind) && ext != ".dat" && ext != ".u8")
+      files.push_back(it->path());
   }
+  if (ec) throw InputError(fmt::format("{}: cannot list the folder ({})", dir, ec.message()));
   std::sort(files.begin(), files.end());
+  return files;
+}
+
+}  // namespace
+
+Corpus load_corpus(const std::string &dir, int vocab, double val_fraction) {
+  const std::vector<std::filesystem::path> files = corpus_files(dir);
   const std::int32_t unknown = vocab > '?' ? '?' : 0;  // bytes past the vocabulary
   std::vector<std::int32_t> text;
-  for (const auto &f : files)
-    for (std::uint8_t c : read_file(f.string())) text.push_back(c < vocab ? c : unknown);
+  for (const auto &f : files) {
+    const std::vector<std::uint8_t> bytes = read_file(f.string());
+    if (const std::size_t bad = non_text_bytes(bytes); double(bad) > max_non_text * double(bytes.size()))
+      throw InputError(fmt::format(
+          "{}: {:.0f}% of its {} bytes are not text (printable ASCII, whitespace or UTF-8); a text corpus file may "
+          "have at most {:.0f}%",
+          f.string(), 100.0 * double(bad) / double(bytes.size()), bytes.size(), 100 * max_non_text));
+    for (std::uint8_t c : bytes) text.push_back(c < vocab ? c : unknown);
+  }
   if (files.empty() || text.empty()) throw InputError(fmt::format("{}: no text files", dir));
   Corpus out;
   out.files = files.size();
@@ -304,12 +377,13 @@ std::vector<std::uint16_t> load_tokens(const std::string &path, int vocab) {
   static_assert(std::endian::native == std::endian::little, "token files are little-endian, read in place");
   constexpr std::int32_t magic = 20240520, version = 1;  // llm.c's dev/data/data_common.py
   constexpr std::uintmax_t header_bytes = 256 * 4;
-  if (!std::filesystem::is_regular_file(path))
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec))
     throw InputError(fmt::format(
         "{}: no such file (write it with scripts/bpe.py, or pass --data-dir, --train-file, --validation-file)", path));
-  const std::uintmax_t size = std::filesystem::file_size(path);
+  const std::uintmax_t size = std::filesystem::file_size(path, ec);
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw InputError(fmt::format("{}: cannot open", path));
+  if (ec || !in) throw InputError(fmt::format("{}: cannot open ({})", path, ec ? ec.message() : std::strerror(errno)));
   if (size == 0) throw InputError(fmt::format("{}: empty file, no tokens", path));
   std::int32_t head[3] = {};
   in.read(reinterpret_cast<char *>(head), std::streamsize(std::min<std::uintmax_t>(size, sizeof head)));

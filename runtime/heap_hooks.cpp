@@ -5,7 +5,8 @@
 //   win over glibc's for every library in the process, libstdc++'s operator new included) and
 //   forwards them to glibc's own. While the executor runs a phase (remat_heap_counting), every
 //   allocation on any thread is counted with its bytes. free is not interposed: every block still
-//   comes from glibc's allocator.
+//   comes from glibc's allocator. Under AddressSanitizer (make test-sanitize, make fuzz), whose
+//   allocator must see every block, nothing is interposed: its malloc hook counts instead.
 #include <HalideRuntime.h>
 
 #include <atomic>
@@ -13,6 +14,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define REMAT_ASAN 1
+#include <sanitizer/allocator_interface.h>
+#endif
+#endif
 
 extern "C" {
 void *__libc_malloc(size_t);
@@ -32,6 +40,21 @@ static inline void count(size_t bytes) {
   remat_heap_allocations.fetch_add(1, std::memory_order_relaxed);
   remat_heap_bytes.fetch_add(bytes, std::memory_order_relaxed);
 }
+
+#ifdef REMAT_ASAN
+static thread_local bool in_halide_malloc = false;  // halide_malloc's blocks are counted apart
+static void counted(const volatile void *, size_t bytes) {
+  if (!in_halide_malloc) count(bytes);
+}
+[[maybe_unused]] static const int hooks = __sanitizer_install_malloc_and_free_hooks(counted, nullptr);
+static void *halide_block(size_t alignment, size_t bytes) {
+  in_halide_malloc = true;
+  void *p = std::aligned_alloc(alignment, bytes);
+  in_halide_malloc = false;
+  return p;
+}
+#else
+static void *halide_block(size_t alignment, size_t bytes) { return __libc_memalign(alignment, bytes); }
 
 void *malloc(size_t bytes) {
   count(bytes);
@@ -62,13 +85,14 @@ int posix_memalign(void **out, size_t alignment, size_t bytes) {
   *out = p;
   return 0;
 }
+#endif
 
 std::atomic<size_t> remat_halide_heap_current{0}, remat_halide_heap_peak{0};
 
 void *halide_malloc(void *, size_t bytes) {
   // Halide wants 128-byte alignment; the size word sits in front of the returned block.
   constexpr size_t header = 128;
-  auto *raw = static_cast<unsigned char *>(__libc_memalign(header, (bytes + 2 * header - 1) / header * header));
+  auto *raw = static_cast<unsigned char *>(halide_block(header, (bytes + 2 * header - 1) / header * header));
   if (!raw) return nullptr;
   std::memcpy(raw, &bytes, sizeof bytes);
   if (std::getenv("REMAT_TRACE_HEAP")) std::fprintf(stderr, "halide_malloc %zu bytes\n", bytes);
@@ -84,7 +108,7 @@ void halide_free(void *, void *ptr) {
   size_t bytes;
   std::memcpy(&bytes, raw, sizeof bytes);
   remat_halide_heap_current -= bytes;
-  std::free(raw);  // glibc's free: the block came from __libc_memalign
+  std::free(raw);  // the block came from halide_block
 }
 }
 

@@ -18,6 +18,7 @@ module;
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 export module remat.runtime;
 import remat;
@@ -194,14 +195,16 @@ private:
   std::unique_ptr<Transfers> transfers;
 };
 
-// Snapshots: parameters, AdamW moments, the step, the seed, the run's shaping flags and the data
-// stream's state, so that a run resumed with the same flags repeats the uninterrupted one exactly
+// What a snapshot holds besides the parameters and the AdamW moments: where the run stands and
+// what shaped it, so that a run resumed with the same flags repeats the uninterrupted one exactly
 // (a resume with other flags is refused).
 struct SnapshotState {
-  long step = 0;
+  long step = 0, max_steps = 0;
   std::uint64_t seed = 0;
-  std::string run;   // the flags that shape the run (steps, batch, schedule...); must match on resume
-  std::string data;  // DataSource::state()
+  std::string run;               // the flags that shape the run (steps, batch, schedule...); must match on resume
+  std::string data;              // DataSource::state()
+  std::string model_definition;  // definition_digest(model)
+  std::string remat_version;     // of the remat that wrote it (load_snapshot fills it)
 };
 
 // What runs one plan: the plan, an arena sized for its training and evaluation peaks (filled
@@ -225,10 +228,15 @@ public:
   // from a 64-bit Mersenne Twister seeded with `seed`, in plan order; ones; zeros), gradients and
   // AdamW moments zero (the alignment padding between parameters too), uploaded.
   void init_params(std::uint64_t seed);
-  // A snapshot (the parameters, the AdamW moments and `state`) to `path`, written to <path>.tmp
-  // and renamed; load() checks that it is one of this model, with as many parameters, and whole.
-  void save(const std::string &path, const SnapshotState &state);
-  SnapshotState load(const std::string &path);
+  // A snapshot folder (snapshot.cpp): built as <folder>.tmp, every file fsync'ed, then renamed.
+  // load_snapshot() checks every CRC-32, size, name and shape, that it is of this model and that
+  // its parameters are finite, before it changes anything.
+  void save_snapshot(const std::string &folder, const SnapshotState &state);
+  SnapshotState load_snapshot(const std::string &folder);
+  // --init-from: the parameters from a safetensors file of PyTorch names and layouts
+  // (named_parameters; F32, BF16 or F16; a snapshot folder means its model.safetensors), every
+  // mismatch of names, shapes and dtypes listed in one InputError.
+  void load_weights(const std::string &path);
 
   const std::string model_name;
   const Plan plan;
@@ -237,12 +245,70 @@ public:
   Executor executor;
 };
 
-// Runs write(out) on <path>.tmp, then renames it to path, so that no file is ever half-written;
-// errors are one line (InputError) starting with `what` and the path.
+// Files that survive a crash (files.cpp). write_atomically runs write(out) on <path>.tmp,
+// fsyncs it, renames it to path and fsyncs the folder, so that no file is ever half-written;
+// errors are one line (InputError) starting with `what` and the path (a full disk: "No space left
+// on device").
 void write_atomically(const std::string &path, std::string_view what, const std::function<void(std::ostream &)> &write);
+void sync_path(const std::string &path, std::string_view what);  // fsync a file or a folder
 // Before a long run that writes `path` at its end: one line (InputError) starting with `what` and
 // the path now if it is a folder or <path>.tmp cannot be created.
 void check_writable(const std::string &path, std::string_view what);
+std::vector<std::byte> read_bytes(const std::string &path);  // errors: "<path>: <problem>"
+std::string crc32_hex(std::span<const std::byte> bytes);     // zlib's CRC-32, 8 hex digits
+
+// safetensors (huggingface/safetensors): an 8-byte little-endian header length, a JSON header
+// {name: {dtype, shape, data_offsets: [begin, end)}, "__metadata__": {string: string}} padded with
+// spaces, then the tensors' data back to back.
+struct SafetensorsTensor {
+  std::string name, dtype;  // "F32", "BF16", "I32"...
+  std::vector<long long> shape;
+  std::size_t begin = 0, end = 0;  // in the data section
+};
+struct Safetensors {
+  std::map<std::string, std::string> metadata;
+  std::vector<SafetensorsTensor> tensors;  // in header order
+  std::vector<std::byte> bytes;            // the whole file
+  std::size_t data_start = 0;
+  const SafetensorsTensor *find(std::string_view name) const;
+  std::span<const std::byte> data(const SafetensorsTensor &t) const;
+};
+// Every size, offset, dtype and shape checked before use (no holes, overlaps or trailing bytes);
+// a problem is one InputError starting with `what`.
+Safetensors parse_safetensors(std::vector<std::byte> file, std::string_view what);
+Safetensors read_safetensors(const std::string &path);
+// tensors[i] (dtype and shape; offsets ignored) holds data[i]; each tensor's CRC-32 goes into the
+// metadata as "crc32.<name>". Written with write_atomically.
+void write_safetensors(const std::string &path, std::string_view what, std::map<std::string, std::string> metadata,
+                       std::span<const SafetensorsTensor> tensors, std::span<const std::span<const std::byte>> data);
+
+// The plan's parameters as PyTorch names and lays them out (snapshot.cpp): layer l of block b of
+// stage s is stages.<s>.blocks.<b>.layers.<l>; a linear's weight [out, in] (nn.Linear's; remat
+// keeps [in, out]: transposed) and bias [out]; a norm's weight and bias [C]; an embedding's
+// token.weight [V, C] and position.weight [T, C].
+struct NamedParameter {
+  std::string name;
+  TensorId id;
+  std::vector<long long> shape;  // in the file
+  bool transposed = false;       // the file holds the transpose of remat's [in, out]
+};
+std::vector<NamedParameter> named_parameters(const Plan &plan);
+std::vector<float> to_file_layout(const NamedParameter &p, std::span<const float> values);
+void from_file_layout(const NamedParameter &p, std::span<const float> file, std::span<float> values);
+// A digest of what the parameters mean: the input, the stages and their layers (kinds and sizes;
+// not policies or names).
+std::string definition_digest(const Model &m);
+
+// Snapshot folders of an --output-dir: snapshot-<step> by step (incomplete ones are *.tmp, not
+// listed); resolve_snapshot() takes a snapshot folder, or a folder of them (then its newest);
+// remove_old_snapshots() keeps the newest `keep` and removes what interrupted saves left;
+// check_output_dir() creates the folder and probes that it is writable and has room for a snapshot.
+std::vector<std::pair<long, std::string>> snapshot_folders(const std::string &dir);
+std::string resolve_snapshot(const std::string &path);
+void remove_old_snapshots(const std::string &dir, int keep);
+std::size_t snapshot_bytes(const Plan &plan);
+std::string_view remat_version();  // the project's version (CMakeLists.txt)
+void check_output_dir(const std::string &dir, std::size_t bytes);
 
 // FNV-1a over bytes, as 16 hex digits.
 std::string digest(std::span<const std::byte> bytes);

@@ -18,7 +18,9 @@ import remat;
 
 export namespace remat::runtime {
 
-// Fashion-MNIST style idx files (gzip or plain): images scaled to [0, 1], labels 0..classes-1.
+// Fashion-MNIST style idx files (gzip or plain): images scaled to [0, 1], labels 0..classes-1. The
+// header (magic, sizes: none 0, data bytes exactly their product), the label count and every label
+// are checked; a bad file is an InputError naming it and the problem.
 struct Dataset {
   int rows = 0, width = 0;
   std::vector<float> images;
@@ -31,7 +33,9 @@ struct Corpus {
   std::vector<std::int32_t> train, val;
   std::size_t files = 0;
 };
-// Every regular file of `dir` (sorted; fortune's .dat/.u8 index files skipped), concatenated.
+// Every regular file of `dir` (sorted; fortune's .dat/.u8 index files skipped), concatenated. A file
+// of which more than 10% of the bytes are not text (printable ASCII, whitespace, UTF-8) is an
+// InputError naming it, as are an empty folder and gzip'ed files that are truncated or corrupt.
 Corpus load_corpus(const std::string &dir, int vocab, double val_fraction);
 
 // Where a trainer's batches come from. A sample is one image or one sequence of block_size
@@ -189,8 +193,14 @@ struct Options {
   bool json = false;
   bool plan_report = false;
   std::string memory_timeline;  // the first step as a PyTorch memory snapshot (timeline.cpp)
-  std::string save_snapshot, resume_from_snapshot, save_initial;
-  long save_steps = 0;
+  std::string output_dir;       // snapshot-<step> folders
+  long save_steps = 0;          // a snapshot every N steps (and one at the end)
+  int save_total_limit = 0;     // keep the newest K snapshots (0: all)
+  std::string resume_from_snapshot, init_from, save_initial;
+  std::string removed_save_snapshot;  // --save-snapshot FILE: replaced by --output-dir
+  int skip_nonfinite_steps = 0;
+  long exit_interval = 0;  // stop (with a snapshot) after a step divisible by N, as Megatron-LM's       // steps with a
+                           // NaN/Inf loss or gradient skipped before the guard stops
   std::string device = "cpu";
   bool offload = false;
   bool bf16 = false;
@@ -231,6 +241,7 @@ struct Evaluation {
 };
 struct Summary {
   long first_step = 1, max_steps = 0;
+  long last_step = 0;  // max_steps, or where --exit-interval or a SIGTERM stopped the run
   double loss_first = 0, loss_last = 0;
   std::optional<Evaluation> eval;
   std::vector<double> step_ms;

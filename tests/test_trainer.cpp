@@ -5,6 +5,7 @@
 
 #include "compare.h"
 #include "snapshot.h"
+#include "trainer_run.h"
 
 #include <array>
 #include <cstdint>
@@ -25,59 +26,16 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct Result {
-  int exit_code;
-  std::string out, err;
-  std::vector<std::string> err_lines() const {
-    std::vector<std::string> lines;
-    std::istringstream in(err);
-    for (std::string l; std::getline(in, l);) lines.push_back(l);
-    return lines;
-  }
-};
-
-std::string slurp(const fs::path &p) {
-  std::ifstream in(p);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-fs::path scratch_dir() {
-  static const fs::path dir = [] {
-    fs::path d = fs::temp_directory_path() / ("remat-test-trainer-" + std::to_string(::getpid()));
-    fs::create_directories(d);
-    return d;
-  }();
-  return dir;
-}
-
-Result run(const std::string &program, const std::string &args) {
-  const fs::path out = scratch_dir() / "stdout", err = scratch_dir() / "stderr";
-  const std::string cmd = program + " " + args + " >" + out.string() + " 2>" + err.string() + " </dev/null";
-  const int status = std::system(cmd.c_str());
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), slurp(out), slurp(err)};
-}
+using remat::testing::expect_one_line_error;
+using remat::testing::Result;
+using remat::testing::run;
+using remat::testing::scratch_dir;
+using remat::testing::slurp;
+using remat::testing::summary;
 
 Result train(const std::string &args) { return run(TRAIN_MLP, args); }
 Result train_gpt(const std::string &args) { return run(TRAIN_GPT, args); }
 
-nlohmann::json summary(const Result &r) {
-  const auto last = r.out.find_last_of('\n', r.out.size() - 2);
-  return nlohmann::json::parse(r.out.substr(last == std::string::npos ? 0 : last + 1));
-}
-
-// `program args` ends with exit code 2, nothing on stdout and one line on stderr that mentions
-// each of `mentions`.
-void expect_one_line_error(const std::string &program, const std::string &args,
-                           const std::vector<std::string> &mentions) {
-  const Result r = run(program, args);
-  BOOST_TEST(r.exit_code == 2, args << ": exit code " << r.exit_code);
-  BOOST_TEST(r.out.empty(), args << ": wrote to stdout: " << r.out);
-  const auto lines = r.err_lines();
-  BOOST_TEST_REQUIRE(lines.size() == 1u, args << ": stderr was\n" << r.err);
-  BOOST_TEST(lines[0].starts_with(fs::path(program).filename().string() + ": error: "), lines[0]);
-  for (const std::string &m : mentions)
-    BOOST_TEST(lines[0].find(m) != std::string::npos, lines[0] << " should mention " << m);
-}
 void expect_one_line_error(const std::string &args, const std::string &mentions) {
   expect_one_line_error(TRAIN_MLP, args, {mentions});
 }
@@ -121,17 +79,19 @@ BOOST_AUTO_TEST_CASE(policies_agree_and_peaks_are_exact) {
   BOOST_TEST(runs["full"]["planned_peak_bytes"] < runs["none"]["planned_peak_bytes"]);
 }
 
-// The gradient of the AdamW first moment after one step: m = (1 - beta1) g, read from a snapshot
-// (the line "remat-snapshot 1", a JSON header line, then params, adam_m, adam_v as raw float32).
-std::vector<float> first_moment(const std::string &path) {
-  std::ifstream in(path, std::ios::binary);
-  std::string line;
-  std::getline(in, line);
-  std::getline(in, line);
-  const std::string bytes{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-  BOOST_TEST_REQUIRE(bytes.size() % 12 == 0u);
-  std::vector<float> m(bytes.size() / 12);
-  std::memcpy(m.data(), bytes.data() + bytes.size() / 3, bytes.size() / 3);
+// The gradient of the AdamW first moment after one step: m = (1 - beta1) g, every parameter's
+// exp_avg of a snapshot's optimizer.safetensors, in the file's order.
+std::vector<float> first_moment(const std::string &snapshot) {
+  const auto file = remat::testing::read_safetensors_file(fs::path(snapshot) / "optimizer.safetensors");
+  std::vector<float> m;
+  for (const auto &[name, entry] : file.header.items()) {
+    if (!name.ends_with(".exp_avg")) continue;
+    const std::string &bytes = file.data.at(name);
+    const std::size_t at = m.size();
+    m.resize(at + bytes.size() / 4);
+    std::memcpy(m.data() + at, bytes.data(), bytes.size());
+  }
+  BOOST_TEST_REQUIRE(!m.empty());
   return m;
 }
 
@@ -143,7 +103,7 @@ std::vector<float> first_moment(const std::string &path) {
 BOOST_AUTO_TEST_CASE(gradient_accumulation_equals_one_large_batch) {
   const std::string whole = (scratch_dir() / "batch128").string(), split = (scratch_dir() / "batch2x64").string(),
                     half = (scratch_dir() / "batch64").string();
-  const std::string common = "--max-steps 1 --eval-samples 0 --json --save-snapshot ";
+  const std::string common = "--max-steps 1 --eval-samples 0 --json --output-dir ";
   const Result a = train("--batch-size 128 " + common + whole);
   const Result b = train("--batch-size 64 --gradient-accumulation-steps 2 " + common + split);
   const Result c = train("--batch-size 64 " + common + half);
@@ -154,7 +114,8 @@ BOOST_AUTO_TEST_CASE(gradient_accumulation_equals_one_large_batch) {
   BOOST_TEST(j["step_heap_allocations"] == 0);
   const double loss128 = summary(a)["loss_first"].get<double>(), loss2x64 = j["loss_first"].get<double>();
   BOOST_TEST(std::abs(loss128 - loss2x64) <= 1e-6 * loss128, loss128 << " vs " << loss2x64);
-  const std::vector<float> m128 = first_moment(whole), m2x64 = first_moment(split), m64 = first_moment(half);
+  const std::vector<float> m128 = first_moment(whole + "/snapshot-1"), m2x64 = first_moment(split + "/snapshot-1"),
+                           m64 = first_moment(half + "/snapshot-1");
   const remat::testing::Tolerance tol{3e-6, 0};
   const auto same = remat::testing::compare(m2x64, m128, tol);
   BOOST_TEST(same.ok(), same.describe());
@@ -377,10 +338,10 @@ BOOST_AUTO_TEST_CASE(bf16_runs_agree_across_policies) {
 
   const std::string snap = (scratch_dir() / "bf16-snapshot").string();
   const std::string flags = "--max-steps 3 --batch-size 64 --eval-samples 0";
-  const Result saved = train("--bf16 " + flags + " --save-steps 2 --save-snapshot " + snap);
+  const Result saved = train("--bf16 " + flags + " --save-steps 2 --output-dir " + snap);
   BOOST_TEST_REQUIRE(saved.exit_code == 0, saved.err);
-  expect_one_line_error(flags + " --resume-from-snapshot " + snap + ".step2", "--bf16");
-  const Result resumed = train("--bf16 " + flags + " --json --resume-from-snapshot " + snap + ".step2");
+  expect_one_line_error(flags + " --resume-from-snapshot " + snap + "/snapshot-2", "--bf16");
+  const Result resumed = train("--bf16 " + flags + " --json --resume-from-snapshot " + snap + "/snapshot-2");
   BOOST_TEST_REQUIRE(resumed.exit_code == 0, resumed.err);
 }
 
@@ -400,45 +361,7 @@ BOOST_AUTO_TEST_CASE(gpt_plan_report_lists_saved_tensors) {
   expect_one_line_error("--dropout 0.1 --max-steps 1", "no dropout layers");
 }
 
-// A run resumed from a snapshot repeats the uninterrupted run exactly: the same last loss and
-// the same final parameters, bit for bit (dropout included: its masks follow the step).
-BOOST_AUTO_TEST_CASE(resumed_runs_repeat_the_uninterrupted_run) {
-  const std::string snap = (scratch_dir() / "snapshot").string();
-  for (auto [program, extra] : {std::pair{std::string(TRAIN_MLP), std::string("--batch-size 64")},
-                                {std::string(TRAIN_GPT), std::string("--batch-size 4 --dropout 0.1")}}) {
-    // past warm-up, in the cosine phase, with gradient accumulation
-    const std::string common =
-        "--max-steps 5 --warmup-steps 1 --gradient-accumulation-steps 2 --json --eval-samples 0 " + extra;
-    const Result whole = run(program, common + " --save-steps 2 --save-snapshot " + snap);
-    BOOST_TEST_REQUIRE(whole.exit_code == 0, whole.err);
-    BOOST_TEST_REQUIRE(fs::exists(snap + ".step2"));
-    // the policy may change on resume: the gradients are the same under every policy
-    const Result resumed = run(program, common + " --checkpoint-policy full --resume-from-snapshot " + snap + ".step2");
-    BOOST_TEST_REQUIRE(resumed.exit_code == 0, resumed.err);
-    const auto a = summary(whole), b = summary(resumed);
-    BOOST_TEST(b["loss_last"] == a["loss_last"], program);
-    BOOST_TEST(b["param_digest"] == a["param_digest"], program);
-    BOOST_TEST(b["measured_peak_bytes"] == b["planned_peak_bytes"]);
-    // other flags would not repeat the run: refused
-    const Result other =
-        run(program, "--max-steps 6 --warmup-steps 1 --gradient-accumulation-steps 2 --eval-samples 0 " + extra +
-                         " --resume-from-snapshot " + snap + ".step2");
-    BOOST_TEST(other.exit_code == 2);
-    BOOST_TEST(other.err.find("the snapshot's run used") != std::string::npos, other.err);
-  }
-  // a snapshot of the GPT does not resume the MLP; a cut file is refused
-  expect_one_line_error("--max-steps 4 --resume-from-snapshot " + snap, "a snapshot of model gpt");
-  const std::string cut = (scratch_dir() / "cut").string();
-  BOOST_TEST_REQUIRE(std::system(("head -c 5000000 " + snap + " > " + cut).c_str()) == 0);
-  const Result r = run(TRAIN_GPT,
-                       "--max-steps 5 --warmup-steps 1 --gradient-accumulation-steps 2 --batch-size 4 "
-                       "--dropout 0.1 --resume-from-snapshot " +
-                           cut);
-  BOOST_TEST(r.exit_code == 2);
-  BOOST_TEST(r.err.find("truncated") != std::string::npos, r.err);
-  expect_one_line_error("--max-steps 1 --save-snapshot /nonexistent/dir/snap", "cannot write");
-  expect_one_line_error("--seed -1", "--seed");
-}
+BOOST_AUTO_TEST_CASE(bad_seed_is_one_line_error) { expect_one_line_error("--seed -1", "--seed"); }
 
 // ---- token files (train-gpt-bpe: vocabulary 4096, T = 64) ----------------------------------------
 namespace {

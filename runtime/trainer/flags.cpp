@@ -175,15 +175,35 @@ void add_output_options(CLI::App &app, Options &o) {
   app.add_option("--memory-timeline", o.memory_timeline,
                  "record the first step's allocations and frees as a PyTorch memory snapshot (pytorch.org/memory_viz)")
       ->group(group);
-  app.add_option("--save-snapshot", o.save_snapshot,
-                 "write a snapshot (weights, optimizer, step, data state) here at the end")
+  app.add_option("--output-dir,--output_dir", o.output_dir,
+                 "write snapshots to DIR/snapshot-<step>/ (model.safetensors, optimizer.safetensors, "
+                 "trainer_state.json) every --save-steps and at the end; DIR is created")
       ->group(group);
-  app.add_option("--save-steps,--save_steps", o.save_steps, "also write a snapshot every N steps, to FILE.step<N>")
+  app.add_option("--save-steps,--save_steps", o.save_steps, "also write a snapshot every N steps (needs --output-dir)")
+      ->check(positive)
+      ->group(group);
+  app.add_option("--save-total-limit,--save_total_limit", o.save_total_limit,
+                 "keep only the newest K snapshots; an older one is removed after a newer is complete")
       ->check(positive)
       ->group(group);
   app.add_option("--resume-from-snapshot,--resume_from_checkpoint", o.resume_from_snapshot,
-                 "continue a run from its snapshot (same flags)")
+                 "continue a run from a snapshot folder, or from the newest snapshot in an --output-dir (same flags)")
       ->group(group);
+  app.add_option("--init-from", o.init_from,
+                 "start from the weights of FILE.safetensors (PyTorch names and layouts, as model.safetensors; F32, "
+                 "BF16 or F16) or of a snapshot folder, with a fresh optimizer")
+      ->group(group);
+  app.add_option("--skip-nonfinite-steps", o.skip_nonfinite_steps,
+                 "skip up to N steps whose loss or gradients are NaN or infinite (each reported) before stopping")
+      ->check(non_negative)
+      ->capture_default_str()
+      ->group(group);
+  app.add_option("--exit-interval", o.exit_interval,
+                 "stop after a step divisible by N (with a snapshot when --output-dir is given); a SIGTERM stops "
+                 "the run the same way after its current step")
+      ->check(positive)
+      ->group(group);
+  app.add_option("--save-snapshot", o.removed_save_snapshot)->group("");  // replaced: resolve() says by what
   app.add_option("--save-initial", o.save_initial,
                  "write the parameters and the first (micro-)batch, before the first step, as safetensors")
       ->group(group);

@@ -9,6 +9,7 @@ module;
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <csignal>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -29,6 +30,9 @@ import remat;
 
 namespace remat::runtime {
 namespace {
+
+volatile std::sig_atomic_t terminate_requested = 0;
+extern "C" void request_termination(int) { terminate_requested = 1; }
 
 // Linear warm-up, then constant or cosine decay.
 double learning_rate(const Options &o, long step, long max_steps) {  // step counts from 1
@@ -155,6 +159,7 @@ public:
         ex(engine.executor),
         scalars(engine.scalars) {
     summary.max_steps = max_steps;
+    std::signal(SIGTERM, request_termination);  // the run stops after its step, with a snapshot
     live = ::isatty(::fileno(progress)) == 1;
     eval_samples = o.eval_samples < 0 ? data->eval_samples() : o.eval_samples;
     // everything that shapes the sequence of steps; a resume must use the same
@@ -164,7 +169,9 @@ public:
         summary.max_steps, run.batch, run.micro, o.learning_rate, o.warmup_steps, o.lr_scheduler_type, o.weight_decay,
         o.dropout, o.bf16 ? " --bf16" : "");
     engine.init_params(o.seed);
-    probe_snapshot_path();
+    initial_max_abs = max_abs_param();
+    if (!o.init_from.empty()) init_from();
+    if (!o.output_dir.empty()) check_output_dir(o.output_dir, snapshot_bytes(plan));
     if (!o.resume_from_snapshot.empty()) resume();
     reset_halide_heap_peak();
     reset_step_heap();
@@ -186,9 +193,11 @@ public:
     std::fflush(progress);
     started = std::chrono::steady_clock::now();
     for (long step = summary.first_step; step <= summary.max_steps; ++step) {
-      this->step(step);
-      log(step);
-      if (o.save_steps > 0 && step % o.save_steps == 0 && step < summary.max_steps) save(step);
+      if (this->step(step)) log(step);
+      summary.last_step = step;
+      const std::string stop = step < summary.max_steps ? stop_reason(step) : "";
+      const bool save_now = step == summary.max_steps || (o.save_steps > 0 && step % o.save_steps == 0);
+      if (!o.output_dir.empty() && (save_now || !stop.empty())) save(step);
       std::optional<Evaluation> e;
       if (o.eval_steps > 0 && step % o.eval_steps == 0 && step < summary.max_steps && eval_samples > 0) {
         e = evaluate(*data, ex, scalars, plan, eval_samples, o.dropout);
@@ -198,33 +207,49 @@ public:
         std::fflush(progress);
       }
       if (metrics && step < summary.max_steps) metrics->step(last, e);  // the last step's: with the final evaluation
+      if (!stop.empty()) {
+        clear_live_line();
+        fmt::print(progress, "{}: stopped after step {} ({}){}\n", program, step, stop,
+                   o.output_dir.empty() ? "" : fmt::format("; continue with --resume-from-snapshot {}", o.output_dir));
+        break;
+      }
     }
     clear_live_line();
-    if (!o.save_snapshot.empty()) save(summary.max_steps);
-    if (eval_samples > 0) {
+    const bool ended = summary.last_step == summary.max_steps;  // not stopped before --max-steps
+    if (ended && eval_samples > 0) {
       summary.eval = evaluate(*data, ex, scalars, plan, eval_samples, o.dropout);
       fmt::print(progress, "eval: {} samples | loss {:.4f} | accuracy {:.2f}%\n", summary.eval->samples,
                  summary.eval->loss, 100 * summary.eval->accuracy);
     }
     if (metrics) {
-      const long steps = summary.max_steps - summary.first_step + 1;
-      metrics->step(last, summary.eval);
-      metrics->finish(summary.max_steps, epoch(summary.max_steps), loss_total / steps, seconds_since(started), steps,
+      const long steps = summary.last_step - summary.first_step + 1;
+      if (ended) metrics->step(last, summary.eval);
+      metrics->finish(summary.last_step, epoch(summary.last_step), loss_total / steps, seconds_since(started), steps,
                       steps * run.batch * run.micro);
     }
-    print_sample(progress, info, run, ex, *data, o.seed);
+    if (ended) print_sample(progress, info, run, ex, *data, o.seed);
+    return finish();
+  }
+
+private:
+  Summary finish() {
     ex.download(plan.params());
     summary.param_digest = digest(std::as_bytes(ex.tensor<float>(plan.params())));
     return summary;
   }
-
-private:
+  // Why the run stops before --max-steps after `step` ("": it does not): --exit-interval, or a
+  // SIGTERM (a scheduler's preemption) that arrived during the step.
+  std::string stop_reason(long step) const {
+    if (terminate_requested) return "SIGTERM";
+    if (o.exit_interval > 0 && step % o.exit_interval == 0) return fmt::format("--exit-interval {}", o.exit_interval);
+    return {};
+  }
   // One optimizer step: its micro-batches (forward, loss, backward), then AdamW. The first step of
   // the run also gives the gradient digest and the measured peak (what the kernels wrote, guard
   // included, and what Halide allocated; on the CPU, where the arena is host memory, any other
   // heap allocation of the step too; on CUDA the first step also loads the kernels' modules and
   // cuBLASLt, which allocate host memory: reported as step_heap_bytes, not device memory).
-  void step(long step) {
+  bool step(long step) {  // false: skipped (--skip-nonfinite-steps)
     const bool first = step == summary.first_step;
     if (first && timeline) timeline->start(engine, info.name, run.policy_label);
     auto t0 = std::chrono::steady_clock::now();
@@ -243,6 +268,7 @@ private:
       ex.download(plan.row_correct());
       for (float l : ex.tensor<float>(plan.row_loss())) loss_sum += l;
       for (std::int32_t c : ex.tensor<std::int32_t>(plan.row_correct())) correct += c;
+      if (!std::isfinite(loss_sum) || !finite(plan.grads())) return nonfinite(step, m, loss_sum);
     }
     if (first) {
       ex.download(plan.grads());
@@ -265,8 +291,6 @@ private:
     summary.step_ms.push_back(ms);
     summary.train_seconds += ms / 1000;
     const double loss = loss_sum / (double(plan.rows) * run.micro);
-    if (!std::isfinite(loss))
-      throw std::runtime_error(fmt::format("loss is {} at step {}; lower --learning-rate", loss, step));
     if (first) summary.loss_first = loss;
     summary.loss_last = loss;
     const long rows = long(plan.rows) * run.micro;
@@ -277,6 +301,64 @@ private:
     window_correct += correct;
     window_rows += rows;
     ++window_steps;
+    return true;
+  }
+  // The guard: a NaN or an infinity in micro-batch m's loss or gradients. The micro-batch runs again
+  // (its batch is still in the arena; the parameters are those of the step) with every written
+  // tensor checked, and the first one found non-finite is named, with a cause when one shows: a
+  // non-finite input, or parameters grown far beyond their start (the learning rate). The step is
+  // skipped (AdamW does not run) while --skip-nonfinite-steps allows, otherwise training stops.
+  bool nonfinite(long step, int m, double loss_sum) {
+    const std::string what = std::isfinite(loss_sum) ? "the gradients hold" : "the loss is";
+    std::string where = "no tensor of the step's replay is (the values differ between runs?)";
+    ex.observe = [&, found = false](Executor::Phase, std::size_t i, bool done) mutable {
+      if (!done || found) return;
+      const Step &st = plan.train[i];
+      for (const Arg &a : st.args)
+        if (a.access == Access::write && plan.tensors[a.tensor].kind != LocalTensor::Kind::index &&
+            !finite(TensorId{a.tensor})) {
+          where = fmt::format("{} (written by the {}{} kernel of stage {} block {})",
+                              name_of(plan.tensors[a.tensor].key).view(), variant_name(st.variant),
+                              st.recompute ? " recompute" : "", st.stage, st.block);
+          found = true;
+          return;
+        }
+    };
+    scalars.accumulate = false;
+    ex.run(Executor::Phase::train);
+    ex.observe = nullptr;
+    std::string cause;
+    if (!info.model.token_input() && !finite(plan.inputs())) {
+      cause = "; the input batch holds NaN or infinite values (check the data)";
+    } else if (const float now = max_abs_param(); now > 100 * initial_max_abs) {
+      cause = fmt::format(
+          "; the parameters grew from max |w| {:.3g} at initialization to {:.3g}: --learning-rate {} is "
+          "likely too high",
+          initial_max_abs, now, o.learning_rate);
+    }
+    const std::string message =
+        fmt::format("step {}{}: {} NaN or infinite values; the first non-finite tensor is {}{}", step,
+                    run.micro > 1 ? fmt::format(" (micro-batch {})", m + 1) : "", what, where, cause);
+    if (skipped_steps >= o.skip_nonfinite_steps)
+      throw std::runtime_error(fmt::format(
+          "{}{}", message, o.skip_nonfinite_steps ? fmt::format(" ({} steps skipped before)", skipped_steps) : ""));
+    ++skipped_steps;
+    clear_live_line();
+    fmt::print(progress, "{}: skipped ({} of --skip-nonfinite-steps {})\n", message, skipped_steps,
+               o.skip_nonfinite_steps);
+    std::fflush(progress);
+    return false;
+  }
+  bool finite(TensorId t) {  // fp32 tensors without allocating (the guard runs in every step)
+    const auto all_finite = [](auto &&v) { return std::ranges::all_of(v, [](float x) { return std::isfinite(x); }); };
+    ex.download(t);
+    return ex.element_size(t) == sizeof(float) ? all_finite(ex.tensor<float>(t)) : all_finite(ex.values(t));
+  }
+  float max_abs_param() {
+    ex.download(plan.params());
+    float m = 0;
+    for (float v : ex.tensor<float>(plan.params())) m = std::max(m, std::abs(v));
+    return m;
   }
   // Progress: a line every --logging-steps and at the last step (with --logging-dir, an entry of
   // log_history too), with the time since the first step and the time left at the mean step time so
@@ -341,35 +423,52 @@ private:
             .eval_steps = o.eval_steps,
             .train_batch_size = run.batch};
   }
-  // Fail now, not after training, if the snapshot cannot be written.
-  void probe_snapshot_path() const {
-    if (!o.save_snapshot.empty()) check_writable(o.save_snapshot, "--save-snapshot");
-  }
-  // The snapshot's state, if it is one of this run (same seed and shaping flags, before the last step).
-  void resume() {
-    const SnapshotState snap = [&] {
-      try {
-        return engine.load(o.resume_from_snapshot);
-      } catch (const InputError &e) { throw InputError(fmt::format("--resume-from-snapshot: {}", e.what())); }
-    }();
-    if (snap.seed != o.seed)
-      throw InputError(
-          fmt::format("--resume-from-snapshot: the snapshot was made with --seed {}, not {}", snap.seed, o.seed));
-    if (snap.run != run_flags)
-      throw InputError(fmt::format("--resume-from-snapshot: the snapshot's run used {}", snap.run));
-    if (snap.step >= summary.max_steps)
-      throw InputError(fmt::format("--resume-from-snapshot: the snapshot is at step {}, not before --max-steps {}",
-                                   snap.step, summary.max_steps));
-    data->restore(snap.data);
-    summary.first_step = snap.step + 1;
-  }
-  // The final snapshot goes to FILE, the ones every --save-steps to FILE.step<N>.
-  void save(long step) {
-    const std::string path =
-        step == summary.max_steps ? o.save_snapshot : fmt::format("{}.step{}", o.save_snapshot, step);
+  // --init-from: weights made elsewhere (or a snapshot's), with a fresh optimizer.
+  void init_from() {
     try {
-      engine.save(path, {step, o.seed, run_flags, data->state()});
-    } catch (const InputError &e) { throw InputError(fmt::format("--save-snapshot: {}", e.what())); }
+      engine.load_weights(o.init_from);
+    } catch (const InputError &e) { throw InputError(fmt::format("--init-from {}", e.what())); }
+    fmt::print(progress, "{}: weights from {}\n", program, o.init_from);
+  }
+  // The snapshot's state, if it is one of this run (same model definition, seed and shaping flags,
+  // before the last step).
+  void resume() {
+    SnapshotState snap;
+    std::string folder;
+    try {
+      folder = resolve_snapshot(o.resume_from_snapshot);
+      snap = engine.load_snapshot(folder);
+    } catch (const InputError &e) { throw InputError(fmt::format("--resume-from-snapshot {}", e.what())); }
+    const auto refuse = [&](std::string_view why) {
+      return InputError(fmt::format("--resume-from-snapshot {}: {}", folder, why));
+    };
+    if (snap.model_definition != definition_digest(info.model))
+      throw refuse(fmt::format("model {}'s definition (its layers or sizes) changed since the snapshot", info.name));
+    if (snap.seed != o.seed)
+      throw refuse(fmt::format("the snapshot was made with --seed {}, not {}", snap.seed, o.seed));
+    if (snap.run != run_flags) throw refuse(fmt::format("the snapshot's run used {}", snap.run));
+    if (snap.step >= summary.max_steps)
+      throw refuse(fmt::format("the snapshot is at step {}, not before --max-steps {}", snap.step, summary.max_steps));
+    data->restore(snap.data);  // its errors say --resume-from-snapshot
+    summary.first_step = snap.step + 1;
+    fmt::print(progress, "{}: resuming from {} at step {}{}\n", program, folder, snap.step,
+               snap.remat_version == remat_version()
+                   ? ""
+                   : fmt::format(" (written by remat {}, this is {})", snap.remat_version, remat_version()));
+  }
+  // DIR/snapshot-<step>; then the snapshots beyond --save-total-limit, and what an interrupted save
+  // left, are removed.
+  void save(long step) {
+    const std::string folder = (std::filesystem::path(o.output_dir) / fmt::format("snapshot-{}", step)).string();
+    try {
+      engine.save_snapshot(folder, {.step = step,
+                                    .max_steps = summary.max_steps,
+                                    .seed = o.seed,
+                                    .run = run_flags,
+                                    .data = data->state(),
+                                    .model_definition = definition_digest(info.model)});
+      remove_old_snapshots(o.output_dir, o.save_total_limit > 0 ? o.save_total_limit : INT_MAX);
+    } catch (const InputError &e) { throw InputError(fmt::format("--output-dir: {}", e.what())); }
   }
   // --save-initial: what another implementation needs to repeat the run's first steps.
   std::map<std::string, std::string> initial_metadata() const {
@@ -420,6 +519,8 @@ private:
   Scalars &scalars;
   long eval_samples = 0;
   std::string run_flags;
+  float initial_max_abs = 0;  // of the parameters as initialized (the guard's reference)
+  int skipped_steps = 0;      // --skip-nonfinite-steps
   Summary summary;
   double lr = 0, loss_total = 0;  // the last step's learning rate; the sum of this run's step losses
   StepMetrics last;               // the last step's

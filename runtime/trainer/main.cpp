@@ -1,6 +1,7 @@
 // The trainer shared by every model, in its steps: flags -> resolved run -> (the plan report, or
 // the training loop) -> summary.
 module;
+#include <csignal>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
@@ -14,6 +15,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
   // as the user called it (the target's name: train-gpt-bpe for model gpt_bpe)
   const std::string program = argc > 0 && argv[0] && *argv[0] ? std::filesystem::path(argv[0]).filename().string()
                                                               : "train-" + std::string(info.name);
+  std::signal(SIGXFSZ, SIG_IGN);  // past `ulimit -f` a write fails (EFBIG, reported) instead of killing the run
   const ParsedFlags flags = parse_flags(argc, argv, info, program);
   if (flags.exit_code) return *flags.exit_code;
   const Options &o = flags.options;

@@ -73,6 +73,15 @@ void resolve_costs(const Options &o, const ModelInfo &info, const std::string &p
   if (run.device == Device::cuda) run.costs.transfer_rate = cuda_host_transfer_rate;
 }
 
+void check_snapshot_flags(const Options &o) {
+  if (!o.removed_save_snapshot.empty())
+    throw InputError("--save-snapshot FILE: snapshots are folders now; use --output-dir DIR (README: Snapshots)");
+  if (o.output_dir.empty() && (o.save_steps || o.save_total_limit))
+    throw InputError(fmt::format("{} needs --output-dir DIR", o.save_steps ? "--save-steps" : "--save-total-limit"));
+  if (!o.init_from.empty() && !o.resume_from_snapshot.empty())
+    throw InputError("--init-from and --resume-from-snapshot: a resumed run has its weights already; pass one");
+}
+
 }  // namespace
 
 Run resolve(const Options &o, const ModelInfo &info, const std::string &program) {
@@ -88,7 +97,7 @@ Run resolve(const Options &o, const ModelInfo &info, const std::string &program)
   if (o.dropout > 0 && !has_dropout(model))
     throw InputError(fmt::format("--dropout {}: model {} has no dropout layers", o.dropout, info.name));
   if (o.sweep && !o.plan_report) throw InputError("--sweep: goes with --plan-report");
-  if (o.save_steps && o.save_snapshot.empty()) throw InputError("--save-steps needs --save-snapshot FILE");
+  check_snapshot_flags(o);
   run.precision = o.bf16 ? Precision::bf16 : Precision::fp32;
   resolve_costs(o, info, program, run);
   Planned planned =

@@ -19,8 +19,8 @@ void print_summary(const Options &o, const ModelInfo &info, const Run &run, cons
   const Plan &plan = run.plan;
   std::vector<double> sorted = s.step_ms;
   std::ranges::sort(sorted);
-  const double median = sorted[sorted.size() / 2];
-  const double samples_per_s = double(s.max_steps - s.first_step + 1) * run.batch * run.micro / s.train_seconds;
+  const double median = sorted.empty() ? 0 : sorted[sorted.size() / 2];  // every step skipped: none
+  const double samples_per_s = double(s.step_ms.size()) * run.batch * run.micro / s.train_seconds;
   const double rows_per_s = samples_per_s * info.model.rows_per_sample();
   fmt::print(o.json ? stderr : stdout,
              "memory: planned peak {} B, measured peak {} B ({}); activations {} under {} vs {} under none ({:.1f}%)\n"
@@ -41,7 +41,7 @@ void print_summary(const Options &o, const ModelInfo &info, const Run &run, cons
       {"batch_size", run.batch},
       {"gradient_accumulation_steps", run.micro},
       {"dropout", o.dropout},
-      {"steps", s.max_steps},
+      {"steps", s.last_step},
       {"loss_first", s.loss_first},
       {"loss_last", s.loss_last},
       {"eval_accuracy", optional([](const Evaluation &e) { return e.accuracy; })},
