@@ -46,7 +46,8 @@ static thread_local bool in_halide_malloc = false;  // halide_malloc's blocks ar
 static void counted(const volatile void *, size_t bytes) {
   if (!in_halide_malloc) count(bytes);
 }
-[[maybe_unused]] static const int hooks = __sanitizer_install_malloc_and_free_hooks(counted, nullptr);
+static void freed(const volatile void *) {}  // (the sanitizer installs no hook without both)
+[[maybe_unused]] static const int hooks = __sanitizer_install_malloc_and_free_hooks(counted, freed);
 static void *halide_block(size_t alignment, size_t bytes) {
   in_halide_malloc = true;
   void *p = std::aligned_alloc(alignment, bytes);
