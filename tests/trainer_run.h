@@ -38,13 +38,19 @@ inline std::string slurp(const fs::path &p) {
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
+// This process's folder under the system temp folder, removed with everything in it when the
+// process exits (snapshot tests write gigabytes there; CI machines are reused).
 inline fs::path scratch_dir() {
-  static const fs::path dir = [] {
-    fs::path d = fs::temp_directory_path() / ("remat-test-" + std::to_string(::getpid()));
-    fs::create_directories(d);
-    return d;
-  }();
-  return dir;
+  struct Scratch {
+    fs::path path = fs::temp_directory_path() / ("remat-test-" + std::to_string(::getpid()));
+    Scratch() { fs::create_directories(path); }
+    ~Scratch() {
+      std::error_code ignored;
+      fs::remove_all(path, ignored);
+    }
+  };
+  static const Scratch scratch;
+  return scratch.path;
 }
 
 // `program args` through /bin/sh; shell_prefix goes before it ("ulimit -f 100; ").
