@@ -1,10 +1,12 @@
-// remat's CPU GEMM (runtime/gemm.cpp: sequential MKL in row bands on Halide's threads, what the fp32 kernels call) at
-// every GEMM shape the example models run, forward and backward, and the Halide
-// schedule it replaced (generators/schedules.h, JIT-compiled for the pinned target) at the
-// forward shapes. `--json` prints the rows as JSON for bench/gemm.py, which puts torch.matmul
-// beside them.
+// remat's CPU GEMM (runtime/gemm.cpp's host_gemm: sequential MKL in row bands on Halide's threads, what the
+// library-GEMM kernels call) at every GEMM shape the example models run, forward and backward: with fp32 operands
+// (sgemm) and with bf16 operands, fp32 out (cblas_gemm_bf16bf16f32; the bf16 operands are the fp32 ones rounded to
+// nearest even), each product checked against a double-precision one, and the Halide schedule it replaced
+// (generators/schedules.h, JIT-compiled for the pinned target) at the forward shapes. `--json` prints the rows as
+// JSON for bench/gemm.py, which puts torch.matmul (fp32 and bf16) beside them.
 #include <Halide.h>
 #include <HalideRuntime.h>
+#include <bf16.h>
 #include <fmt/format.h>
 #include <gemm.h>
 #include <layers.h>
@@ -47,6 +49,21 @@ double median_ms(F run, int reps) {
   return ms[ms.size() / 2];
 }
 
+// The largest |reference - out| over a grid of out's entries, the reference summed in double from the operands as
+// floats (a_at(x, y) and b_at(x, y) read an element of a and b, x the column, as float).
+template <class A, class B>
+double worst_error(const Shape &s, A a_at, B b_at, const Halide::Buffer<float> &out) {
+  double worst = 0;
+  for (int i = 0; i < s.m; i += 7)
+    for (int j = 0; j < s.n; j += 5) {
+      double sum = 0;
+      for (int p = 0; p < s.k; ++p)
+        sum += double(s.trans_a ? a_at(i, p) : a_at(p, i)) * double(s.trans_b ? b_at(p, j) : b_at(j, p));
+      worst = std::max(worst, std::abs(sum - out(j, i)));
+    }
+  return worst;
+}
+
 }  // namespace
 
 int main(int argc, char **argv) {
@@ -76,10 +93,11 @@ int main(int argc, char **argv) {
   const Halide::Target target(REMAT_CPU_TARGET);
   if (!json)
     fmt::print(
-        "out[m, n] = op(a) op(b) over k, fp32, median of {} runs, {} threads; Halide schedule (pinned {}) at "
-        "forward shapes\n{:<20} {:>5} {:>5} {:>5} {:>9} {:>9} {:>11} {:>11}\n",
-        reps, remat::gemm_thread_count(), REMAT_CPU_TARGET, "shape", "m", "n", "k", "remat ms", "halide ms",
-        "remat GF/s", "halide GF/s");
+        "out[m, n] = op(a) op(b) over k, fp32 out; remat with fp32 and with bf16 operands; median of {} runs, {} "
+        "threads; Halide schedule (fp32, pinned {}) at forward shapes\n{:<20} {:>5} {:>5} {:>5} {:>9} {:>9} {:>9} "
+        "{:>11} {:>11} {:>11}\n",
+        reps, remat::gemm_thread_count(), REMAT_CPU_TARGET, "shape", "m", "n", "k", "remat ms", "bf16 ms", "halide ms",
+        "remat GF/s", "bf16 GF/s", "halide GF/s");
   nlohmann::json rows = nlohmann::json::array();
   std::mt19937 rng(1);
   std::uniform_real_distribution<float> u(-1, 1);
@@ -94,16 +112,26 @@ int main(int argc, char **argv) {
     g.trans_a = s.trans_a, g.trans_b = s.trans_b;
     const double remat_ms = median_ms([&] { remat::host_gemm(g); }, reps);
     // the product must be right before its speed means anything
-    double worst = 0;
-    for (int i = 0; i < s.m; i += 7)
-      for (int j = 0; j < s.n; j += 5) {
-        double sum = 0;
-        for (int p = 0; p < s.k; ++p)
-          sum += double(s.trans_a ? a(i, p) : a(p, i)) * double(s.trans_b ? b(p, j) : b(j, p));
-        worst = std::max(worst, std::abs(sum - out(j, i)));
-      }
-    if (worst > 1e-3 * s.k) {
-      std::fprintf(stderr, "bench-gemm: %s: the product is off by %g\n", s.where.c_str(), worst);
+    if (const double worst = worst_error(
+            s, [&](int x, int y) { return a(x, y); }, [&](int x, int y) { return b(x, y); }, out);
+        worst > 1e-3 * s.k) {
+      std::fprintf(stderr, "bench-gemm: %s: the fp32 product is off by %g\n", s.where.c_str(), worst);
+      return 1;
+    }
+    // the same GEMM on bf16 operands (a and b rounded to nearest even), fp32 out: checked against the product of
+    // the rounded operands, so the products' fp32 accumulation is all the tolerance covers, as for fp32
+    Halide::Buffer<std::uint16_t> a16(a.width(), a.height()), b16(b.width(), b.height());
+    a16.for_each_element([&](int x, int y) { a16(x, y) = remat::float_to_bf16(a(x, y)); });
+    b16.for_each_element([&](int x, int y) { b16(x, y) = remat::float_to_bf16(b(x, y)); });
+    out.fill(0.f);
+    remat::GemmCall g16 = g;
+    g16.a = a16.data(), g16.b = b16.data(), g16.bf16_in = true;
+    const double bf16_ms = median_ms([&] { remat::host_gemm(g16); }, reps);
+    if (const double worst = worst_error(
+            s, [&](int x, int y) { return remat::bf16_to_float(a16(x, y)); },
+            [&](int x, int y) { return remat::bf16_to_float(b16(x, y)); }, out);
+        worst > 1e-3 * s.k) {
+      std::fprintf(stderr, "bench-gemm: %s: the bf16 product is off by %g\n", s.where.c_str(), worst);
       return 1;
     }
     double halide_ms = 0;
@@ -127,11 +155,13 @@ int main(int argc, char **argv) {
                     {"trans_b", s.trans_b},
                     {"remat_ms", remat_ms},
                     {"remat_gflops", gflop / (remat_ms / 1e3)},
+                    {"remat_bf16_ms", bf16_ms},
+                    {"remat_bf16_gflops", gflop / (bf16_ms / 1e3)},
                     {"halide_ms", halide_ms ? nlohmann::json(halide_ms) : nlohmann::json()}});
     if (!json)
-      fmt::print("{:<20} {:>5} {:>5} {:>5} {:>9.3f} {:>9} {:>11.1f} {:>11}\n", s.where, s.m, s.n, s.k, remat_ms,
-                 halide_ms ? fmt::format("{:.3f}", halide_ms) : "-", gflop / (remat_ms / 1e3),
-                 halide_ms ? fmt::format("{:.1f}", gflop / (halide_ms / 1e3)) : "-");
+      fmt::print("{:<20} {:>5} {:>5} {:>5} {:>9.3f} {:>9.3f} {:>9} {:>11.1f} {:>11.1f} {:>11}\n", s.where, s.m, s.n,
+                 s.k, remat_ms, bf16_ms, halide_ms ? fmt::format("{:.3f}", halide_ms) : "-", gflop / (remat_ms / 1e3),
+                 gflop / (bf16_ms / 1e3), halide_ms ? fmt::format("{:.1f}", gflop / (halide_ms / 1e3)) : "-");
   }
   if (json)
     fmt::print(

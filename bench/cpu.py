@@ -5,7 +5,7 @@ Per model, one remat run writes the initial weights and first batch (--save-init
 and gives the reference first-step loss. Then, per policy, the systems run alternately, each in
 its own process with the same steps: remat (build/bin/train-<model> --json), PyTorch eager and
 torch.compile (bench/torch_cpu.py, which checks its first-step loss against remat's before
-timing). Reported: median step time after the warm-up steps, tokens/s (gpt) or samples/s (mlp),
+timing). Reported: median step time after the warm-up steps, tokens/s (gpt, llama) or samples/s (mlp),
 peak RSS of each process (os.wait4's ru_maxrss), the ratios against remat and against the same
 system's `none`. Writes bench/results/cpu.json and bench/results/cpu.png.
 A failing run is a failed row with its reason; the exit code is 1 if a remat or eager run failed.
@@ -26,6 +26,8 @@ PROG = "bench/cpu.py"
 MODELS = {  # the examples' shapes (examples/*/*.cppm); the MLP at batch 256
     "gpt": dict(batch=32, rows_per_sample=64, unit="tokens/s",
                 policies=["none", "full", "selective", "every_n_layers=2", "sqrt_n"]),
+    "llama": dict(batch=32, rows_per_sample=64, unit="tokens/s",
+                  policies=["none", "full", "selective", "every_n_layers=2", "sqrt_n"]),
     "mlp": dict(batch=256, rows_per_sample=1, unit="samples/s", policies=["none", "full", "selective"]),
 }
 SYSTEMS = ["remat", "pytorch", "torch.compile"]
@@ -77,6 +79,11 @@ def last_line(text):
     return lines[-1] if lines else ""
 
 
+def tokens_per_s(model, samples_per_s):  # the token models' samples are sequences of rows_per_sample tokens
+    m = MODELS[model]
+    return samples_per_s * m["rows_per_sample"] if m["unit"] == "tokens/s" else None
+
+
 def measure(system, model, policy, precision, cmd, args):
     rc, out, err, rss, elsewhere = run(cmd)
     row = {"system": system, "model": model, "policy": policy, "precision": precision, "command": " ".join(cmd),
@@ -93,7 +100,7 @@ def measure(system, model, policy, precision, cmd, args):
     samples_per_s = MODELS[model]["batch"] * 1000 / median
     row.update(status="ok", step_ms=summary["step_ms"], timed_ms=timed, step_ms_median=median, step_ms_min=min(timed),
                samples_per_s=samples_per_s,
-               tokens_per_s=samples_per_s * MODELS[model]["rows_per_sample"] if model == "gpt" else None,
+               tokens_per_s=tokens_per_s(model, samples_per_s),
                loss_first=summary["loss_first"], loss_last=summary["loss_last"])
     for key in ("planned_peak_bytes", "measured_peak_bytes", "activation_bytes", "rss_after_import_bytes", "threads"):
         if key in summary:
@@ -119,7 +126,7 @@ def bench_model(model, policies, precisions, args, workdir):
     reference = json.loads(last_line(out))["loss_first"]
     print(f"{model}: remat's first-step loss {reference:.7f} (dropout 0); initial weights and batch in {init}",
           file=sys.stderr)
-    dropout = ["--dropout", str(args.dropout)] if model == "gpt" else []
+    dropout = ["--dropout", str(args.dropout)] if model != "mlp" else []  # llama: attention dropout only
     rows = {}
     for rnd, precision, policy in ((r, pr, po) for r in range(args.rounds) for pr in precisions for po in policies):
         bf16 = ["--bf16"] if precision == "bf16" else []
@@ -158,7 +165,7 @@ def pooled(first, later, model):
     return {**first, "step_ms": first["step_ms"] + later["step_ms"], "timed_ms": timed, "step_ms_median": median,
             "round_ms": first["round_ms"] + later["round_ms"],
             "step_ms_min": min(timed), "samples_per_s": samples_per_s,
-            "tokens_per_s": samples_per_s * MODELS[model]["rows_per_sample"] if model == "gpt" else None,
+            "tokens_per_s": tokens_per_s(model, samples_per_s),
             "peak_rss_bytes": max(first["peak_rss_bytes"], later["peak_rss_bytes"]),
             "other_busy_cores": max(first["other_busy_cores"], later["other_busy_cores"])}
 
@@ -274,11 +281,13 @@ def main():
     ap.add_argument("--warmup", type=int, default=4, help="first steps left out of the median")
     ap.add_argument("--rounds", type=int, default=2,
                     help="rounds over every (policy, system), alternating; each row pools its rounds' timed steps")
-    ap.add_argument("--models", default="gpt,mlp", help="comma-separated: gpt, mlp")
-    ap.add_argument("--policies", help="comma-separated (default: gpt none,full,selective,every_n_layers=2,"
-                                       "sqrt_n; mlp none,full,selective)")
+    ap.add_argument("--models", default="gpt,llama,mlp", help="comma-separated: gpt, llama, mlp")
+    ap.add_argument("--policies", help="comma-separated (default: gpt and llama none,full,selective,"
+                                       "every_n_layers=2,sqrt_n; mlp none,full,selective)")
+    ap.add_argument("--precisions", help="comma-separated: fp32, bf16 (default: fp32, and bf16 where the CPU has "
+                                         "avx512_bf16 or amx_bf16)")
     ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows")
-    ap.add_argument("--dropout", type=float, default=0.0, help="gpt dropout while timing, both systems")
+    ap.add_argument("--dropout", type=float, default=0.0, help="gpt and llama dropout while timing, both systems")
     ap.add_argument("--build", default=os.path.join(ROOT, "build"), help="the build folder (bin/train-*)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="where cpu.json and cpu.png go")
     args = ap.parse_args()
@@ -295,9 +304,14 @@ def main():
     if not 0 <= args.dropout < 1:
         fail(f"--dropout {args.dropout}: not in [0, 1)")
     cpu = cpu_info()
-    precisions = ["fp32", "bf16"] if cpu["bf16"] else ["fp32"]
+    precisions = args.precisions.split(",") if args.precisions else ["fp32", "bf16"] if cpu["bf16"] else ["fp32"]
+    if any(p not in ("fp32", "bf16") for p in precisions):
+        fail(f"--precisions {args.precisions}: each one of fp32, bf16")
     if not cpu["bf16"]:
-        print("bf16 rows skipped: the CPU has neither avx512_bf16 nor amx_bf16", file=sys.stderr)
+        print("bf16 rows " + ("run on a CPU without bf16 arithmetic (neither avx512_bf16 nor amx_bf16: MKL and PyTorch "
+                              "convert to fp32)" if "bf16" in precisions else
+                              "skipped: the CPU has neither avx512_bf16 nor amx_bf16 (--precisions fp32,bf16 runs them)"),
+              file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
     load = args.load_before = os.getloadavg()[0]
     if load > cpu["cores"] / 2:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""The GPT and MLP examples in PyTorch with remat's math, trained on the CPU from remat's weights.
+"""The GPT, Llama and MLP examples in PyTorch with remat's math, trained on the CPU from remat's weights.
 
-Loads the parameters and the first batch that `train-gpt/train-mlp --save-initial FILE` wrote
+Loads the parameters and the first batch that `train-<model> --save-initial FILE` wrote
 (the trainer's hyper-parameters come from the file's metadata; the parameters under the names and
 layouts of remat's model.safetensors, which are the state_dict names of the module trees here:
 stages.<s>.blocks.<b>.layers.<l>.<param>, l counting remat's parameter-free layers too, which are
@@ -9,14 +9,20 @@ placeholders here; a linear's weight [out, in] as nn.Linear's), checks that the 
 equals remat's (--expect-loss, from a dropout-0 remat run) before anything else counts, then
 trains --steps steps on that batch and prints one JSON line: per-step times, first and last loss.
 
-The math is remat's (generators/layers.h, attention.h): LayerNorm eps 1e-5, tanh GELU, causal
-attention scaled by 1/sqrt(D) (F.scaled_dot_product_attention), token + position embedding,
+The math is remat's (generators/kinds/<kind>/algorithm.h). GPT: LayerNorm eps 1e-5, tanh GELU,
+causal attention scaled by 1/sqrt(D) (F.scaled_dot_product_attention), token + position embedding,
 dropout after the embedding, on the attention probabilities and at the end of both residual
-branches (GPT), loss = mean cross-entropy over all rows, AdamW (decoupled weight decay on linear
-weights only) with remat's warm-up + cosine learning-rate schedule. Policies as PyTorch users
-write them: none; full = torch.utils.checkpoint per block; every_n_layers=N = blocks 0, N, 2N...
-(as HF Transformers); sqrt_n = checkpoint_sequential with ceil(sqrt(L)) segments; selective =
-selective activation checkpointing saving matmul outputs and recomputing the rest.
+branches. Llama: token embedding only; RMSNorm x / sqrt(mean x^2 + 1e-6) * weight; bias-free
+linears; qkv columns [q (4 heads) | k (2 heads) | v (2 heads)]; RoPE base 10000 on q and k in the
+rotate-half form (feature e < D/2 turns with e + D/2, as HF's Llama and GPT-NeoX, not interleaved
+pairs); grouped-query attention, query head h reading key / value head h // 2 (repeat_interleave);
+SwiGLU silu(a) * b of the up-projection's halves [a | b]; dropout only on the attention
+probabilities. All: final norm, linear head, loss = mean cross-entropy over all rows, AdamW
+(decoupled weight decay on linear weights only) with remat's warm-up + cosine learning-rate
+schedule. Policies as PyTorch users write them: none; full = torch.utils.checkpoint per block;
+every_n_layers=N = blocks 0, N, 2N... (as HF Transformers); sqrt_n = checkpoint_sequential with
+ceil(sqrt(L)) segments; selective = selective activation checkpointing saving matmul outputs and
+recomputing the rest.
 Errors (mismatching loss, bad input, a failing torch.compile) end with one line on stderr and a
 non-zero exit: 1 for a loss mismatch, 2 for bad input, 3 when torch.compile fails.
 """
@@ -38,6 +44,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_seq
 
 PROG = "torch_cpu.py"
 GPT = dict(V=128, T=64, L=6, H=4, C=128)             # examples/gpt/gpt.cppm
+LLAMA = dict(V=128, T=64, L=6, H=4, KV=2, C=128, Hd=352)  # examples/llama/llama.cppm
 MLP = dict(W=28 * 28, C=256, Hd=512, L=16, K=10)     # examples/mlp/mlp.cppm
 
 
@@ -47,9 +54,9 @@ def fail(message, code=2):
 
 
 class Free(nn.Identity):
-    """A parameter-free remat layer (a residual marker, attention, GELU, dropout, the loss): it holds
-    its layer's place in `layers`, so that the others keep remat's index l; the block's forward does
-    its math."""
+    """A parameter-free remat layer (a residual marker, RoPE, attention, GELU, SwiGLU, dropout, the
+    loss): it holds its layer's place in `layers`, so that the others keep remat's index l; the
+    block's forward does its math."""
     def __init__(self, kind):
         super().__init__()
         self.kind = kind
@@ -71,13 +78,14 @@ class Stage(nn.Module):
         self.blocks = nn.ModuleList(blocks)
 
 
-class Embedding(nn.Module):  # remat's embedding layer: token + position
-    def __init__(self, V, T, C):
+class Embedding(nn.Module):  # remat's embedding layer: token + position (token_embedding: token only)
+    def __init__(self, V, T, C, positions=True):
         super().__init__()
-        self.token, self.position = nn.Embedding(V, C), nn.Embedding(T, C)
+        self.token, self.position = nn.Embedding(V, C), nn.Embedding(T, C) if positions else None
 
     def forward(self, idx):
-        return self.token(idx) + self.position(torch.arange(idx.shape[1]))
+        x = self.token(idx)
+        return x if self.position is None else x + self.position(torch.arange(idx.shape[1]))
 
 
 def layer(l):  # a block's layer l under a readable name (not a second module: no second state_dict name)
@@ -103,6 +111,41 @@ class GPTBlock(Block):
         return x + F.dropout(self.fc2(F.gelu(self.fc(self.ln2(x)), approximate="tanh")), p, self.training)
 
 
+@functools.cache
+def rope_tables(T, D):  # cos, sin of t 10000^(-2i/D) for i < D/2, each repeated for the pair's two halves: [T, D]
+    angle = torch.outer(torch.arange(T, dtype=torch.float64), 10000.0 ** (-2 * torch.arange(D // 2) / D))
+    return torch.cat([angle.cos(), angle.cos()], 1).float(), torch.cat([angle.sin(), angle.sin()], 1).float()
+
+
+def rope(x, cos, sin):  # rotate-half: y(e) = x(e) cos - x(e + D/2) sin, y(e + D/2) = x(e + D/2) cos + x(e) sin
+    lo, hi = x.float().chunk(2, dim=-1)  # in fp32, rounded to x's type (bf16 under autocast) as remat's
+    return (x.float() * cos + torch.cat([-hi, lo], dim=-1) * sin).to(x.dtype)
+
+
+class LlamaBlock(Block):
+    def __init__(self, C, H, KV, Hd, p):
+        D = C // H
+        super().__init__(Free("residual("), nn.RMSNorm(C, eps=1e-6), nn.Linear(C, (H + 2 * KV) * D, bias=False),
+                         Free("rope"), Free("causal_self_attention"), nn.Linear(C, C, bias=False), Free(")residual"),
+                         Free("residual("), nn.RMSNorm(C, eps=1e-6), nn.Linear(C, 2 * Hd, bias=False), Free("swiglu"),
+                         nn.Linear(Hd, C, bias=False), Free(")residual"))
+        self.H, self.KV, self.p = H, KV, p
+
+    norm1, qkv, proj, norm2, up, down = (layer(l) for l in (1, 2, 5, 8, 9, 11))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        H, KV, D = self.H, self.KV, C // self.H
+        q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in self.qkv(self.norm1(x)).split([C, KV * D, KV * D], 2))
+        cos, sin = rope_tables(T, D)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)  # query head h: kv h // (H/KV)
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=self.p if self.training else 0.0, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, T, C))
+        gate, up = self.up(self.norm2(x)).chunk(2, dim=2)
+        return x + self.down(F.silu(gate) * up)
+
+
 class MLPBlock(Block):
     def __init__(self, C, Hd):
         super().__init__(Free("residual("), nn.LayerNorm(C, eps=1e-5), nn.Linear(C, Hd), Free("gelu"),
@@ -126,7 +169,7 @@ class RematModel(nn.Module):
     def blocks(self):
         return self.stages[1].blocks
 
-    def head_loss(self, x, labels):  # LayerNorm, linear, mean cross-entropy over all rows
+    def head_loss(self, x, labels):  # the final norm, linear, mean cross-entropy over all rows
         ln_f, head = self.stages[2].blocks[0].layers[:2]
         logits = head(ln_f(x))
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1).long())
@@ -147,6 +190,16 @@ class GPTModel(RematModel):
         return F.dropout(x, self.p if self.training else 0.0, self.training)
 
 
+class LlamaModel(RematModel):
+    def __init__(self, p=0.0):  # p: attention dropout, its only dropout
+        V, T, L, H, KV, C, Hd = (LLAMA[k] for k in ("V", "T", "L", "H", "KV", "C", "Hd"))
+        super().__init__([Embedding(V, T, C, positions=False)], [LlamaBlock(C, H, KV, Hd, p) for _ in range(L)],
+                         [nn.RMSNorm(C, eps=1e-6), nn.Linear(C, V, bias=False), Free("softmax_cross_entropy")])
+
+    def stem(self, idx):
+        return self.stages[0].blocks[0].layers[0](idx)
+
+
 class MLPModel(RematModel):
     def __init__(self, p=0.0):  # no dropout layers
         W, C, Hd, L, K = (MLP[k] for k in ("W", "C", "Hd", "L", "K"))
@@ -157,7 +210,7 @@ class MLPModel(RematModel):
         return self.stages[0].blocks[0].layers[0](x)
 
 
-MODELS = {"gpt": GPTModel, "mlp": MLPModel}
+MODELS = {"gpt": GPTModel, "llama": LlamaModel, "mlp": MLPModel}
 BATCH = ("inputs", "labels")  # what --save-initial writes beside the parameters
 
 
@@ -215,7 +268,7 @@ def status_bytes(field):  # VmRSS, VmHWM
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--init", required=True, help="the safetensors file of train-gpt/train-mlp --save-initial")
+    ap.add_argument("--init", required=True, help="the safetensors file of train-<model> --save-initial")
     ap.add_argument("--policy", default="none", help="none | full | selective | every_n_layers=N | sqrt_n")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--dropout", type=float, default=0.0, help="dropout while timing (the loss check uses 0)")
@@ -236,8 +289,8 @@ def main():
         kind = meta["model"]
     except Exception as e:  # a missing, truncated or foreign file
         fail(f"--init {a.init}: not a remat --save-initial file ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
-    if kind not in ("gpt", "mlp"):
-        fail(f"--init {a.init}: model {kind}; this script knows gpt and mlp")
+    if kind not in MODELS:
+        fail(f"--init {a.init}: model {kind}; this script knows {', '.join(MODELS)}")
     if a.dropout > 0 and kind == "mlp":
         fail("--dropout: the mlp model has no dropout layers")
     torch.manual_seed(int(meta.get("seed", 0)))

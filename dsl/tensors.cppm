@@ -617,11 +617,11 @@ constexpr Keep keep_of(Variant v) {
 // compiler checks against this).
 inline constexpr int min_kernel_rows = 8;
 
-// The GEMMs of a device's kernels: a library for fp32 and on every GPU, Halide's for the CPU's
-// bf16 kernels (the plans that call them must be made with the same choice).
-constexpr Gemms gemms_for(bool gpu, Precision p) {
-  return gpu || p == Precision::fp32 ? Gemms::library : Gemms::halide;
-}
+// The GEMMs of a device's kernels: a library's (MKL on the CPU, cuBLASLt on GPUs) in every
+// precision (the plans that call them must be made with the same choice). No device's kernels
+// use Halide's own GEMMs (Gemms::halide, epilogues fused) any more; the planner's tests still
+// plan them.
+constexpr Gemms gemms_for(bool, Precision) { return Gemms::library; }
 
 // The signature of a kernel: stage s's block kernel of variant v, or the loss / AdamW kernel.
 constexpr std::vector<KernelArg> signature(const Model &m, int stage, Variant v, Precision p, Gemms g) {

@@ -1,9 +1,9 @@
 // Extern stages of library-GEMM kernels (generators/modelc.cpp, library_gemm): Halide calls them
 // with the kernel's buffers, on the kernel's device, and leaves device transitions of the inputs
 // to them. CUDA buffers go to cuBLASLt on the runtime's compute stream. Host buffers go to MKL's
-// sequential sgemm, in row bands on Halide's threads. The OpenCL test build's GEMMs run on the
-// host too: inputs are brought to host memory, the product computed there (bf16 operands by a
-// plain loop) and sent back to the device, where the kernel's next stages read it.
+// sequential GEMMs (fp32 or bf16), in row bands on Halide's threads. The OpenCL test build's GEMMs
+// run on the host too: inputs are brought to host memory, the product computed there and sent
+// back to the device, where the kernel's next stages read it.
 #include "bf16.h"
 #include "cuda_device.h"
 #include "gemm.h"
@@ -60,52 +60,82 @@ void require_gemm_alignment(const GemmCall &g) {
 
 namespace {
 
-float load(const void *p, std::size_t i, bool bf16) {
-  return bf16 ? bf16_to_float(static_cast<const std::uint16_t *>(p)[i]) : static_cast<const float *>(p)[i];
-}
-
-// The sums run over k in order for each output, as a dot product would.
-void plain_gemm(const GemmCall &g) {
-  std::vector<float> row(g.n);
-  for (int i = 0; i < g.m; ++i) {
-    std::fill(row.begin(), row.end(), 0.f);
-    for (int p = 0; p < g.k; ++p) {
-      const float a = load(g.a, g.trans_a ? std::size_t(p) * g.m + i : std::size_t(i) * g.k + p, g.bf16_in);
-      for (int j = 0; j < g.n; ++j)
-        row[j] += a * load(g.b, g.trans_b ? std::size_t(j) * g.k + p : std::size_t(p) * g.n + j, g.bf16_in);
-    }
-    for (int j = 0; j < g.n; ++j) {
-      const std::size_t at = std::size_t(i) * g.n + j;
-      float v = row[j];
-      if (g.bias) v = v + load(g.bias, j, g.bf16_out);
-      if (g.accumulate) v = load(g.out, at, g.bf16_out) + v;
-      if (g.bf16_out)
-        static_cast<std::uint16_t *>(g.out)[at] = float_to_bf16(v);
-      else
-        static_cast<float *>(g.out)[at] = v;
-    }
-  }
-}
-
 // ---- host GEMMs: sequential MKL on Halide's threads ----
-// The product is cut into row bands, one per Halide thread, each band a sequential sgemm: one
+// The product is cut into row bands, one per Halide thread, each band a sequential GEMM: one
 // thread pool in the process (a second one, MKL's OpenMP threads, spins on the same cores while
 // the Halide stages around the GEMMs run).
 int gemm_threads = 1;  // set by gemm_warm_up: Halide's thread count, the number of bands
 
-// Rows [first, first + count) of out = op(a) op(b) (+ bias) (+ out): out starts as the bias (or
-// out + bias) and MKL adds the product to it.
-void gemm_band(const GemmCall &g, int first, int count) {
-  const float *a = static_cast<const float *>(g.a), *b = static_cast<const float *>(g.b);
+// fp32: rows [first, first + count) of out = op(a) op(b) (+ bias) (+ out), one cblas_sgemm: out
+// starts as the bias (or out + bias) and MKL adds the product to it.
+void sgemm_band(const GemmCall &g, int first, int count) {
   const float *bias = static_cast<const float *>(g.bias);
   float *out = static_cast<float *>(g.out) + std::size_t(first) * g.n;
   if (bias)
     for (int i = 0; i < count; ++i)
       for (int j = 0; j < g.n; ++j)
         out[std::size_t(i) * g.n + j] = (g.accumulate ? out[std::size_t(i) * g.n + j] : 0.f) + bias[j];
-  a += g.trans_a ? first : std::size_t(first) * g.k;  // the band's rows of op(a)
+  const float *a = static_cast<const float *>(g.a) + (g.trans_a ? first : std::size_t(first) * g.k);
   cblas_sgemm(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans, g.trans_b ? CblasTrans : CblasNoTrans, count, g.n,
-              g.k, 1.f, a, g.trans_a ? g.m : g.k, b, g.trans_b ? g.k : g.n, bias || g.accumulate ? 1.f : 0.f, out, g.n);
+              g.k, 1.f, a, g.trans_a ? g.m : g.k, static_cast<const float *>(g.b), g.trans_b ? g.k : g.n,
+              bias || g.accumulate ? 1.f : 0.f, out, g.n);
+}
+
+// bf16 operands go to MKL's cblas_gemm_bf16bf16f32 (AMX or AVX512_BF16 where the CPU has them;
+// elsewhere MKL converts to fp32), which accumulates and writes fp32, in panels of at most
+// panel_rows x panel_cols x panel_depth: MKL's buffers for a call grow with its operands (without
+// bf16 arithmetic it converts the whole of b, 64 MiB at k = n = 4096), a panel's stay the size
+// the warm-up makes. k sums over panels in order. A bf16 output's panel is summed in this thread's
+// workspace and rounded once. Panel boundaries depend on the shape and the band only: a
+// recomputed product has the same bits.
+constexpr int panel_rows = 256, panel_cols = 512, panel_depth = 512;
+std::vector<float> &bf16_out_workspace() {
+  thread_local std::vector<float> workspace(std::size_t(panel_rows) * panel_cols);
+  return workspace;
+}
+
+void bf16_gemm_band(const GemmCall &g, int first, int count) {
+  const auto *a = static_cast<const MKL_BF16 *>(g.a), *b = static_cast<const MKL_BF16 *>(g.b);
+  const int lda = g.trans_a ? g.m : g.k, ldb = g.trans_b ? g.k : g.n;
+  float *workspace = bf16_out_workspace().data();
+  for (int i = first; i < first + count; i += panel_rows)
+    for (int j = 0; j < g.n; j += panel_cols) {
+      const int rows = std::min(panel_rows, first + count - i), cols = std::min(panel_cols, g.n - j);
+      float *c = g.bf16_out ? workspace : static_cast<float *>(g.out) + std::size_t(i) * g.n + j;
+      const int ldc = g.bf16_out ? cols : g.n;
+      float beta = 0.f;
+      if (!g.bf16_out && (g.bias || g.accumulate)) {  // fp32 out: starts as (out +) bias, as sgemm_band's
+        for (int r = 0; r < rows; ++r)
+          for (int col = 0; col < cols; ++col) {
+            float &o = c[std::size_t(r) * ldc + col];
+            o = (g.accumulate ? o : 0.f) + (g.bias ? static_cast<const float *>(g.bias)[j + col] : 0.f);
+          }
+        beta = 1.f;
+      }
+      for (int p = 0; p < g.k; p += panel_depth) {
+        const MKL_BF16 *ap = g.trans_a ? a + std::size_t(p) * lda + i : a + std::size_t(i) * lda + p;
+        const MKL_BF16 *bp = g.trans_b ? b + std::size_t(j) * ldb + p : b + std::size_t(p) * ldb + j;
+        cblas_gemm_bf16bf16f32(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans,
+                               g.trans_b ? CblasTrans : CblasNoTrans, rows, cols, std::min(panel_depth, g.k - p), 1.f,
+                               ap, lda, bp, ldb, p ? 1.f : beta, c, ldc);
+      }
+      if (!g.bf16_out) continue;
+      // bf16 out: (out +) (product + bias), rounded once
+      const auto *bias = static_cast<const std::uint16_t *>(g.bias);
+      for (int r = 0; r < rows; ++r)
+        for (int col = 0; col < cols; ++col) {
+          std::uint16_t &o = static_cast<std::uint16_t *>(g.out)[std::size_t(i + r) * g.n + j + col];
+          float v = c[std::size_t(r) * ldc + col];
+          if (bias) v = v + bf16_to_float(bias[j + col]);
+          if (g.accumulate) v = bf16_to_float(o) + v;
+          o = float_to_bf16(v);
+        }
+    }
+}
+
+void gemm_band(const GemmCall &g, int first, int count) {
+  if (g.bf16_in) return bf16_gemm_band(g, first, count);
+  sgemm_band(g, first, count);
 }
 
 // Band boundaries depend on m and the thread count only, so a recomputed product is cut (and
@@ -128,8 +158,8 @@ int run_band(void *, int band, uint8_t *closure) {
 }  // namespace
 
 void host_gemm(const GemmCall &g) {
-  if (g.bf16_in || g.bf16_out) return plain_gemm(g);  // only the OpenCL test build: CPU bf16 kernels keep Halide GEMMs
   if (g.m <= 0) return;
+  if (g.bf16_out && !g.bf16_in) throw std::runtime_error("fp32 operands with a bf16 output: no such GEMM in any plan");
   Bands b = bands_of(g);
   if (b.count == 1) return gemm_band(g, 0, g.m);
   halide_do_par_for(nullptr, run_band, 0, b.count, reinterpret_cast<uint8_t *>(&b));
@@ -232,18 +262,21 @@ int run(halide_buffer_t *a, halide_buffer_t *b, halide_buffer_t *bias, int k, in
 
 }  // namespace
 
-// MKL runs once per transpose case on every Halide thread, at a shape that makes it take the
-// largest buffer it keeps per thread, so that the buffer exists before the first step (it is then
-// reused: a step allocates nothing). That buffer grows with m, n and k up to 5522064 bytes (MKL
-// 2026.2, sequential sgemm), which 512 x 8192 x 512 reaches: a GEMM as wide as a 4096-token LM
-// head (n = 4096) grows it past what 2048 x 2048 x 512 takes, and none grows it past the cap
-// (m 64 and 2048, n up to 16384, k up to 2048, every transpose case: no allocation after this).
-// The threads meet first, so that no thread runs two of the warm-ups.
+// MKL runs once per transpose case and operand type on every Halide thread, at a shape that
+// makes it take the largest buffer it keeps per thread, so that the buffer exists before the
+// first step (it is then reused: a step allocates nothing). That buffer grows with m, n and k up to
+// 5522064 bytes (MKL 2026.2, sequential sgemm), which 512 x 8192 x 512 reaches: a GEMM as wide as
+// a 4096-token LM head (n = 4096) grows it past what 2048 x 2048 x 512 takes, and none grows it
+// past the cap (m 64 and 2048, n up to 16384, k up to 2048, every transpose case: no allocation
+// after this). The bf16 GEMMs (bf16 and fp32 outputs) run at the same shape, in full panels
+// (bf16_gemm_band): MKL's buffers for a panel and each thread's bf16-output workspace. The threads meet first, so that
+// no thread runs two warm-ups.
 namespace {
 struct WarmUp {
   static constexpr int m = 512, n = 8192, k = 512;
   std::atomic<int> arrived{0};
   std::vector<float> a, b;
+  std::vector<std::uint16_t> a16, b16;
 };
 int warm_up_thread(void *, int, uint8_t *closure) {
   WarmUp &w = *reinterpret_cast<WarmUp *>(closure);
@@ -251,9 +284,12 @@ int warm_up_thread(void *, int, uint8_t *closure) {
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(2);  // a pool smaller than asked
   while (w.arrived.load() < gemm_threads && std::chrono::steady_clock::now() < give_up) std::this_thread::yield();
   std::vector<float> out(std::size_t(WarmUp::m) * WarmUp::n);
-  for (int t = 0; t < 4; ++t) {
+  for (int t = 0; t < 12; ++t) {  // transposes (t % 4) x {fp32, bf16 -> fp32, bf16 -> bf16}
     GemmCall g;
-    g.a = w.a.data(), g.b = w.b.data(), g.out = out.data(), g.m = WarmUp::m, g.n = WarmUp::n, g.k = WarmUp::k;
+    g.bf16_in = t >= 4, g.bf16_out = t >= 8;
+    g.a = g.bf16_in ? static_cast<const void *>(w.a16.data()) : w.a.data();
+    g.b = g.bf16_in ? static_cast<const void *>(w.b16.data()) : w.b.data();
+    g.out = out.data(), g.m = WarmUp::m, g.n = WarmUp::n, g.k = WarmUp::k;
     g.trans_a = t & 1, g.trans_b = t & 2;
     gemm_band(g, 0, g.m);
   }
@@ -269,6 +305,8 @@ void gemm_warm_up() {
     WarmUp w;
     w.a.assign(std::size_t(WarmUp::m) * WarmUp::k, 1.f);
     w.b.assign(std::size_t(WarmUp::k) * WarmUp::n, 1.f);
+    w.a16.assign(w.a.size(), float_to_bf16(1.f));
+    w.b16.assign(w.b.size(), float_to_bf16(1.f));
     halide_do_par_for(nullptr, warm_up_thread, 0, gemm_threads, reinterpret_cast<uint8_t *>(&w));
     return true;
   }();

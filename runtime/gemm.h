@@ -34,8 +34,8 @@ std::size_t address_alignment(const void *p);
 // gemm_alignment-byte aligned.
 void require_gemm_alignment(const GemmCall &g);
 
-// One GEMM in host memory: fp32 by sequential MKL in row bands on Halide's threads (bf16
-// operands, only in the OpenCL test build: a plain loop).
+// One GEMM in host memory: sequential MKL (sgemm, or gemm_bf16bf16f32 for bf16 operands) in
+// row bands on Halide's threads.
 void host_gemm(const GemmCall &g);
 // The threads the row bands run on (Halide's count; set by gemm_warm_up).
 int gemm_thread_count();
