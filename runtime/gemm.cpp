@@ -66,15 +66,18 @@ namespace {
 // the Halide stages around the GEMMs run).
 int gemm_threads = 1;  // set by gemm_warm_up: Halide's thread count, the number of bands
 
-// fp32: rows [first, first + count) of out = op(a) op(b) (+ bias) (+ out), one cblas_sgemm: out
-// starts as the bias (or out + bias) and MKL adds the product to it.
+// An fp32 output block [rows, cols] (row stride ld) with an fp32 bias (columns from bias) starts
+// as the bias, or out + bias when accumulating; MKL then adds the product to it (beta 1).
+void start_from_bias(float *out, std::size_t ld, int rows, int cols, const float *bias, bool accumulate) {
+  for (int i = 0; i < rows; ++i)
+    for (int j = 0; j < cols; ++j) out[i * ld + j] = (accumulate ? out[i * ld + j] : 0.f) + bias[j];
+}
+
+// fp32: rows [first, first + count) of out = op(a) op(b) (+ bias) (+ out), one cblas_sgemm.
 void sgemm_band(const GemmCall &g, int first, int count) {
   const float *bias = static_cast<const float *>(g.bias);
   float *out = static_cast<float *>(g.out) + std::size_t(first) * g.n;
-  if (bias)
-    for (int i = 0; i < count; ++i)
-      for (int j = 0; j < g.n; ++j)
-        out[std::size_t(i) * g.n + j] = (g.accumulate ? out[std::size_t(i) * g.n + j] : 0.f) + bias[j];
+  if (bias) start_from_bias(out, g.n, count, g.n, bias, g.accumulate);
   const float *a = static_cast<const float *>(g.a) + (g.trans_a ? first : std::size_t(first) * g.k);
   cblas_sgemm(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans, g.trans_b ? CblasTrans : CblasNoTrans, count, g.n,
               g.k, 1.f, a, g.trans_a ? g.m : g.k, static_cast<const float *>(g.b), g.trans_b ? g.k : g.n,
@@ -103,15 +106,9 @@ void bf16_gemm_band(const GemmCall &g, int first, int count) {
       const int rows = std::min(panel_rows, first + count - i), cols = std::min(panel_cols, g.n - j);
       float *c = g.bf16_out ? workspace : static_cast<float *>(g.out) + std::size_t(i) * g.n + j;
       const int ldc = g.bf16_out ? cols : g.n;
-      float beta = 0.f;
-      if (!g.bf16_out && (g.bias || g.accumulate)) {  // fp32 out: starts as (out +) bias, as sgemm_band's
-        for (int r = 0; r < rows; ++r)
-          for (int col = 0; col < cols; ++col) {
-            float &o = c[std::size_t(r) * ldc + col];
-            o = (g.accumulate ? o : 0.f) + (g.bias ? static_cast<const float *>(g.bias)[j + col] : 0.f);
-          }
-        beta = 1.f;
-      }
+      if (!g.bf16_out && g.bias)
+        start_from_bias(c, ldc, rows, cols, static_cast<const float *>(g.bias) + j, g.accumulate);
+      const float beta = !g.bf16_out && (g.bias || g.accumulate) ? 1.f : 0.f;  // fp32 out: MKL adds to it
       for (int p = 0; p < g.k; p += panel_depth) {
         const MKL_BF16 *ap = g.trans_a ? a + std::size_t(p) * lda + i : a + std::size_t(i) * lda + p;
         const MKL_BF16 *bp = g.trans_b ? b + std::size_t(j) * ldb + p : b + std::size_t(p) * ldb + j;
