@@ -131,7 +131,7 @@ bench: build
 
 # remat against PyTorch eager and torch.compile on this CPU, side by side (bench/cpu.py; writes
 # bench/results/cpu.json and cpu.png). PyTorch goes into $(VENV) first (bench-py-pkgs).
-bench-cpu: build bench-py-pkgs
+bench-cpu: build bench-py-pkgs $(BPE_DATA)/tokenizer.json
 	$(VENV)/bin/python bench/gemm.py
 	$(VENV)/bin/python bench/cpu.py $(BENCH_ARGS)
 

@@ -133,7 +133,8 @@ void bench(const ModelInfo &info, int rounds) {
   for (const Row &row : rows) {
     fmt::print("budget {}% plan, kernel calls per block:\n", row.percent);
     const Plan &plan = engines.at(row.budget_name)->engine->plan;
-    for (const Unit &u : units_of(m)) fmt::print("  s{}.b{}: {}\n", u.stage, u.block, block_calls(plan, u));
+    for (const Unit &u : units_of(m, head_fused(m, plan.policies)))
+      fmt::print("  s{}.b{}: {}\n", u.stage, u.block, block_calls(plan, u));
   }
   fmt::print("\n");
 }

@@ -5,9 +5,11 @@ Per model, one remat run writes the initial weights and first batch (--save-init
 and gives the reference first-step loss. Then, per policy, the systems run alternately, each in
 its own process with the same steps: remat (build/bin/train-<model> --json), PyTorch eager and
 torch.compile (bench/torch_cpu.py, which checks its first-step loss against remat's before
-timing). Reported: median step time after the warm-up steps, tokens/s (gpt, llama) or samples/s (mlp),
+timing). Reported: median step time after the warm-up steps, tokens/s (token models) or samples/s (mlp),
 peak RSS of each process (os.wait4's ru_maxrss), the ratios against remat and against the same
-system's `none`. Writes bench/results/cpu.json and bench/results/cpu.png.
+system's `none`. gpt_bpe (the BPE example, vocabulary 4096) adds remat-only `+unfused_head` rows: a
+`fused head` line per policy compares remat's fused LM head with the whole one (step time, planned
+peak, the logits' bytes). Writes bench/results/cpu.json and bench/results/cpu.png.
 A failing run is a failed row with its reason; the exit code is 1 if a remat or eager run failed.
 """
 import argparse
@@ -29,9 +31,14 @@ MODELS = {  # the examples' shapes (examples/*/*.cppm); the MLP at batch 256
     "llama": dict(batch=32, rows_per_sample=64, unit="tokens/s",
                   policies=["none", "full", "selective", "every_n_layers=2", "sqrt_n"]),
     "mlp": dict(batch=256, rows_per_sample=1, unit="samples/s", policies=["none", "full", "selective"]),
+    # the BPE example's LM head (vocabulary 4096): remat's fused head against +unfused_head (remat only)
+    "gpt_bpe": dict(batch=32, rows_per_sample=64, vocab=4096, unit="tokens/s", binary="train-gpt-bpe",
+                    data=os.path.join("data", "fortunes-bpe"),
+                    policies=["none", "none+unfused_head", "selective", "selective+unfused_head", "full",
+                              "full+unfused_head"]),
 }
 SYSTEMS = ["remat", "pytorch", "torch.compile"]
-POLICY = re.compile(r"none|full|selective|sqrt_n|every_n_layers=[1-9]\d*")
+POLICY = re.compile(r"(none|full|selective|sqrt_n|every_n_layers=[1-9]\d*)(\+unfused_head)?")
 
 
 def fail(message):
@@ -114,10 +121,12 @@ def measure(system, model, policy, precision, cmd, args):
 
 def bench_model(model, policies, precisions, args, workdir):
     m = MODELS[model]
-    binary = os.path.join(args.build, "bin", f"train-{model}")
+    binary = os.path.join(args.build, "bin", m.get("binary", f"train-{model}"))
     if not os.access(binary, os.X_OK):
         fail(f"{binary} not found (run make build)")
     common = ["--json", "--eval-samples", "0", "--batch-size", str(m["batch"])]
+    if "data" in m:
+        common += ["--data-dir", os.path.join(args.build, m["data"])]
     init = os.path.join(workdir, f"{model}.safetensors")
     rc, out, err, _, _ = run([binary, *common, "--max-steps", "1", "--checkpoint-policy", "none", "--dropout", "0",
                            "--save-initial", init])
@@ -137,7 +146,7 @@ def bench_model(model, policies, precisions, args, workdir):
                           *dropout, *bf16],
                 "pytorch": torch_cmd, "torch.compile": [*torch_cmd, "--compile"]}
         for system in SYSTEMS:
-            if system == "torch.compile" and args.no_compile:
+            if (system == "torch.compile" and args.no_compile) or (system != "remat" and "unfused_head" in policy):
                 continue
             t0 = time.time()
             row = measure(system, model, policy, precision, cmds[system], args)
@@ -192,12 +201,12 @@ def print_table(rows, cpu, references, args):
           "x remat: step / remat's step; x none: step / the same system's none;\n"
           "train MiB: remat's measured arena peak, PyTorch's peak RSS minus its RSS after import torch; "
           "others: cores other processes kept busy during the run")
-    print(f"{'model':<5} {'prec':<4} {'policy':<16} {'system':<13} {'step ms':>9} {'min ms':>8} {'tokens/s':>9} "
+    print(f"{'model':<7} {'prec':<4} {'policy':<22} {'system':<13} {'step ms':>9} {'min ms':>8} {'tokens/s':>9} "
           f"{'samples/s':>9} {'x remat':>7} {'x none':>7} {'peak RSS MiB':>12} {'train MiB':>9} {'others':>6}")
     last = None
     for r in rows:
         group = (r["model"], r["precision"], r["policy"])
-        line = f"{r['model']:<5} {r['precision']:<4} {r['policy']:<16}" if group != last else " " * 27
+        line = f"{r['model']:<7} {r['precision']:<4} {r['policy']:<22}" if group != last else " " * 35
         last = group
         line += f" {r['system']:<13}"
         if r["status"] == "ok":
@@ -215,6 +224,7 @@ def print_table(rows, cpu, references, args):
         if eager:
             print(f"first-step loss, {model}: remat {loss:.7f}, PyTorch {eager[0]:.7f} "
                   f"(|diff| {abs(loss - eager[0]):.1e}, limit 1e-4)")
+    print_head(rows)
     print_rounds(rows)
     for r in rows:
         if r["status"] != "ok":
@@ -223,6 +233,25 @@ def print_table(rows, cpu, references, args):
     if shared:
         print(f"warning: {len(shared)} of {len(rows)} runs shared the CPU with other processes (up to "
               f"{max(shared):.2f} cores busy elsewhere): their times are not this machine's; rerun it idle")
+
+
+def print_head(rows):
+    """remat's fused LM head against the same plan with +unfused_head: step time and planned peak."""
+    ok = {(r["model"], r["precision"], r["policy"]): r for r in rows if r["system"] == "remat" and r["status"] == "ok"}
+    for (model, precision, policy), whole in ok.items():
+        if "vocab" not in MODELS[model]:
+            continue
+        fused = ok.get((model, precision, policy.replace("+unfused_head", "")))
+        if not policy.endswith("+unfused_head") or not fused or "planned_peak_bytes" not in fused:
+            continue
+        m = MODELS[model]
+        logits = m["batch"] * m["rows_per_sample"] * m["vocab"] * (2 if precision == "bf16" else 4)
+        saved = whole["planned_peak_bytes"] - fused["planned_peak_bytes"]
+        print(f"fused head, {model} {precision} {fused['policy']}: {fused['step_ms_median']:.1f} ms/step vs "
+              f"{whole['step_ms_median']:.1f} unfused (x {fused['step_ms_median'] / whole['step_ms_median']:.2f}); "
+              f"planned peak {fused['planned_peak_bytes'] / 1048576:.1f} MiB vs "
+              f"{whole['planned_peak_bytes'] / 1048576:.1f} ({saved / 1048576:.1f} MiB less; the logits are "
+              f"{logits / 1048576:.1f} MiB)")
 
 
 def print_rounds(rows):
@@ -281,7 +310,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=4, help="first steps left out of the median")
     ap.add_argument("--rounds", type=int, default=2,
                     help="rounds over every (policy, system), alternating; each row pools its rounds' timed steps")
-    ap.add_argument("--models", default="gpt,llama,mlp", help="comma-separated: gpt, llama, mlp")
+    ap.add_argument("--models", default="gpt,llama,mlp,gpt_bpe", help="comma-separated: gpt, llama, mlp, gpt_bpe")
     ap.add_argument("--policies", help="comma-separated (default: gpt and llama none,full,selective,"
                                        "every_n_layers=2,sqrt_n; mlp none,full,selective)")
     ap.add_argument("--precisions", help="comma-separated: fp32, bf16 (default: fp32, and bf16 where the CPU has "
@@ -296,7 +325,8 @@ def main():
         fail(f"--models {args.models}: choose from {', '.join(MODELS)}")
     policies = args.policies.split(",") if args.policies else None
     if policies and not all(POLICY.fullmatch(p) for p in policies):
-        fail(f"--policies {args.policies}: each one of none, full, selective, every_n_layers=N, sqrt_n")
+        fail(f"--policies {args.policies}: each one of none, full, selective, every_n_layers=N, sqrt_n "
+             "(+unfused_head: remat only)")
     if args.rounds < 1:
         fail(f"--rounds {args.rounds}: need at least 1")
     if args.warmup < 0 or args.steps <= args.warmup:

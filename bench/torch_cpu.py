@@ -44,6 +44,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_seq
 
 PROG = "torch_cpu.py"
 GPT = dict(V=128, T=64, L=6, H=4, C=128)             # examples/gpt/gpt.cppm
+GPT_BPE = dict(V=4096, T=64, L=4, H=4, C=128)        # examples/gpt_bpe/gpt_bpe.cppm
 LLAMA = dict(V=128, T=64, L=6, H=4, KV=2, C=128, Hd=352)  # examples/llama/llama.cppm
 MLP = dict(W=28 * 28, C=256, Hd=512, L=16, K=10)     # examples/mlp/mlp.cppm
 
@@ -179,8 +180,8 @@ class RematModel(nn.Module):
 
 
 class GPTModel(RematModel):
-    def __init__(self, p=0.0):
-        V, T, L, H, C = (GPT[k] for k in "VTLHC")
+    def __init__(self, p=0.0, dims=GPT):
+        V, T, L, H, C = (dims[k] for k in "VTLHC")
         super().__init__([Embedding(V, T, C), Free("dropout")], [GPTBlock(C, H, p) for _ in range(L)],
                          [nn.LayerNorm(C, eps=1e-5), nn.Linear(C, V), Free("softmax_cross_entropy")])
         self.p = p
@@ -210,7 +211,7 @@ class MLPModel(RematModel):
         return self.stages[0].blocks[0].layers[0](x)
 
 
-MODELS = {"gpt": GPTModel, "llama": LlamaModel, "mlp": MLPModel}
+MODELS = {"gpt": GPTModel, "gpt_bpe": lambda p=0.0: GPTModel(p, GPT_BPE), "llama": LlamaModel, "mlp": MLPModel}
 BATCH = ("inputs", "labels")  # what --save-initial writes beside the parameters
 
 

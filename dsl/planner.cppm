@@ -45,14 +45,21 @@ constexpr Plan plan_of(const Model &m, const StagePolicies &policies, const Stra
   return plan;
 }
 
+// Policy p for every stage, with the head of `as` (fused or not).
+constexpr StagePolicies same_head(const Policy &p, const StagePolicies &as) {
+  StagePolicies out(p);
+  out.unfused_head = as.unfused_head;
+  return out;
+}
+
 // The plan of least peak: least_memory's strategy, unless the arena's placement (first fit, which
 // can leave holes of a few KiB) makes one of the fixed policies' smaller.
 constexpr Plan smallest_plan(const Model &m, const StagePolicies &policies, int batch, Precision precision,
                              Gemms gemms) {
-  Plan best =
-      plan_of(m, policies, least_memory(chain_of(m, batch, precision, gemms)).strategy, batch, precision, gemms);
+  Plan best = plan_of(m, policies, least_memory(chain_of(m, batch, precision, gemms, {}, policies)).strategy, batch,
+                      precision, gemms);
   for (const Policy &p : {full, none, sqrt_n}) {
-    Plan other = plan_of(m, policies, lower(m, p), batch, precision, gemms);
+    Plan other = plan_of(m, policies, lower(m, same_head(p, policies)), batch, precision, gemms);
     if (other.peak_bytes < best.peak_bytes) best = std::move(other);
   }
   return best;
@@ -69,8 +76,9 @@ constexpr Planned plan_for(const Model &m, const StagePolicies &policies, int ba
   const Policy *budget = budget_of(m, policies);
   if (!budget) return {build(lower(m, policies)), {}};
   long long bytes = budget->budget_bytes;
-  if (budget->budget_percent > 0) bytes = (long long)build(lower(m, none)).peak_bytes * budget->budget_percent / 100;
-  const Chain chain = chain_of(m, batch, precision, gemms, costs);
+  if (budget->budget_percent > 0)
+    bytes = (long long)build(lower(m, same_head(none, policies))).peak_bytes * budget->budget_percent / 100;
+  const Chain chain = chain_of(m, batch, precision, gemms, costs, policies);
   Plan smallest = smallest_plan(m, policies, batch, precision, gemms);
   // below the smallest plan that keeps its checkpoints on the device only offloading can fit
   if ((long long)smallest.peak_bytes > bytes && !chain.offloadable())

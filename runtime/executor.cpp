@@ -179,6 +179,7 @@ long Arena::guard_damage() {
 struct Executor::Bound {
   const Kernel *kernel;
   float no_weight_decay = 0;  // AdamW over parameters that are not decayed
+  bool accumulates = true;    // a backward that adds to the gradients whatever the micro-batch does
   double seconds = 0;         // with REMAT_PROFILE set: time spent in this call
   long calls = 0;
   double flops = 0;       // the step's kernel_flops, per call
@@ -330,6 +331,7 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
                                                b->kernel->name, a, arg.name, expected.name));
         b->argv[a] = which == Scalar::rng_block                          ? &b->rng_block
                      : which == Scalar::weight_decay && !st.weight_decay ? &b->no_weight_decay
+                     : which == Scalar::accumulate && st.accumulates     ? &b->accumulates
                                                                          : scalar_field(scalars, which);
         continue;
       }

@@ -138,6 +138,8 @@ BOOST_AUTO_TEST_CASE(bad_flags_are_one_line_errors) {
   expect_one_line_error("--offload --max-steps 1", "nothing to offload");
   expect_one_line_error("--device cuda --offload --checkpoint-policy none", "keeps no checkpoints");
   expect_one_line_error("--checkpoint-policy full+sqrt_n", "at most one recompute schedule");
+  expect_one_line_error("--checkpoint-policy unfused_head+bogus", "unknown policy bogus");
+  expect_one_line_error("--checkpoint-policy full+unfused_heads", "unknown policy unfused_heads");
   expect_one_line_error("--checkpoint-policy s0:full", "s0:full names no repeat stage");
   expect_one_line_error("--checkpoint-policy s1:full,s9:none", "s9:none names no repeat stage");
   expect_one_line_error("--memory-budget 1KiB", "the smallest plan of this model needs");
@@ -192,6 +194,15 @@ BOOST_AUTO_TEST_CASE(memory_budgets_train_with_nones_gradients) {
 // The plan report of a budget plan: each block's kernel calls, the predicted step time; --sweep
 // prints the budget table and writes it as JSON; --calibrate stores a cost table that a later run
 // reads.
+// +unfused_head composes with any policy, per stage too (the MLP has no LM head: the plan is the same).
+BOOST_AUTO_TEST_CASE(unfused_head_is_a_policy_part) {
+  for (const std::string policy : {"full+unfused_head", "unfused_head+full", "s1:full+unfused_head"}) {
+    const Result r = train("--plan-report --checkpoint-policy " + policy);
+    BOOST_TEST_REQUIRE(r.exit_code == 0, r.err);
+    BOOST_TEST(r.out.find("plan under policy full+unfused_head ") != std::string::npos, r.out);
+  }
+}
+
 BOOST_AUTO_TEST_CASE(plan_report_shows_decisions_and_sweep) {
   const std::string table = (scratch_dir() / "costs.json").string();
   const Result r = train("--plan-report --sweep --memory-budget 95% --cost-table " + table);

@@ -200,8 +200,9 @@ struct Builder {
 
   // Backward of one block: consumes dy, produces dx (unless it is the model's first stage).
   // `kept`: what its forward saved, in the order of the signature's saved arguments.
-  constexpr int backward(std::vector<Step> &out, const Unit &u, int x, int dy, const std::vector<int> &kept,
-                         Keep keep) {
+  // `dx_into`: a tensor for dx (else a new one).
+  constexpr int backward(std::vector<Step> &out, const Unit &u, int x, int dy, const std::vector<int> &kept, Keep keep,
+                         int dx_into = -1) {
     Step st = step(u.stage, backward_variant(keep), u.block, u.rng);
     st.recompute = keep != Keep::all;
     int dx = -1, n_saved = 0;
@@ -212,7 +213,7 @@ struct Builder {
       case ArgRole::parameter: return parameter_of(u, a.tensor.key);
       // written, and read back when accumulating (in place)
       case ArgRole::gradient: return parameter_of(u, a.tensor.key);
-      case ArgRole::input_grad: return dx = live(st, local(st, Role::gradient, a));
+      case ArgRole::input_grad: return dx = dx_into >= 0 ? dx_into : live(st, local(st, Role::gradient, a));
       case ArgRole::saved: {
         const auto it = std::ranges::find_if(kept, [&](int t) { return plan.tensors[t].key.local() == a.tensor.key; });
         if (it == kept.end()) return -1;
@@ -232,14 +233,25 @@ struct Builder {
     return dx;
   }
 
-  // The loss kernel on the logits x: writes the logits' gradient (a new tensor) and the metrics.
-  constexpr Step loss_step(int x, int labels, bool keep_dlogits) {
+  // Rows `r` of tensor t (a root whose last extent is the rows), as a view.
+  constexpr int rows_of(int t, const RowRange &r) {
+    Tensor v = plan.tensors[t];
+    const std::size_t row_bytes = v.bytes() / std::size_t(v.extent[v.dims - 1]);
+    v.extent[v.dims - 1] = r.rows;
+    v.view_of = t;
+    v.offset = std::size_t(r.first) * row_bytes;
+    return add(v);
+  }
+
+  // The loss kernel on the logits x (of `chunk`'s rows, or all): writes the logits' gradient (a new
+  // tensor) and the metrics.
+  constexpr Step loss_step(int x, int labels, bool keep_dlogits, const RowRange *chunk = nullptr) {
     Step st = step(-1, Variant::loss, 0, 0);
     bind(st, [&](const KernelArg &a) {
       switch (a.role) {
       case ArgRole::block_input: return x;
-      case ArgRole::labels: return labels;
-      case ArgRole::metric: return plan.at(a.tensor.key).index;
+      case ArgRole::labels: return chunk ? rows_of(labels, *chunk) : labels;
+      case ArgRole::metric: return chunk ? rows_of(plan.at(a.tensor.key).index, *chunk) : plan.at(a.tensor.key).index;
       case ArgRole::input_grad: {
         TensorKey k = a.tensor.key;
         k.phase = phase;
@@ -251,6 +263,32 @@ struct Builder {
     });
     st.free.insert(st.free.begin(), x);
     return st;
+  }
+
+  // The fused head (head_stage) on its input x, chunk by chunk (head_chunks): its forward, the loss
+  // and, in training, its backward, which writes the chunk's rows of x's gradient (returned, -1
+  // in evaluation) and adds to the parameter gradients that the chunks before it wrote. Frees x.
+  constexpr int head(std::vector<Step> &out, int x, bool training) {
+    Unit u{head_stage(m), 0, -1, int(units.size()) * 64};
+    const long long all_rows = n_rows;
+    const int dx = training ? local(u.stage, 0, Role::gradient, rows(key::input_grad(), m.stages[u.stage].in())) : -1;
+    const int first_rng = u.rng;
+    const std::vector<RowRange> chunks = head_chunks(m, batch, precision);
+    for (std::size_t c = 0; c < chunks.size(); ++c) {
+      const RowRange &r = chunks[c];
+      n_rows = r.rows;             // of the chunk's tensors
+      u.rng = first_rng + int(c);  // its dropout masks
+      std::vector<int> kept;
+      const int logits = forward(out, u, rows_of(x, r), training ? Keep::all : Keep::nothing, Role::internal, &kept);
+      if (training && r.first == 0) out.back().alloc.push_back(dx);
+      out.push_back(loss_step(logits, labels, training, &r));
+      if (!training) continue;
+      backward(out, u, rows_of(x, r), out.back().alloc[0], kept, Keep::all, rows_of(dx, r));
+      out.back().accumulates = r.first > 0;
+    }
+    n_rows = all_rows;
+    out.back().free.push_back(x);
+    return dx;
   }
 
   // Offload of checkpoints and named internals (partition :offload).
@@ -292,6 +330,7 @@ struct Builder {
     auto &train = plan.train;
     switch (d.op) {
     case Decision::Op::loss:
+      if (head_fused(m, policies)) return head(train, x, true);
       train.push_back(loss_step(x, labels, true));
       return train.back().alloc[0];  // the logits' gradient
     case Decision::Op::recompute: {
@@ -345,7 +384,7 @@ struct Builder {
     labels = add({key::of(Slot::labels), Role::data, 1, {n_rows, 0}});
     for (Slot metric : {Slot::row_loss, Slot::row_correct, Slot::row_max, Slot::row_lse})
       add({key::of(metric), Role::metrics, 1, {n_rows, 0}});
-    units = units_of(m);
+    units = units_of(m, head_fused(m, policies));
   }
   constexpr std::size_t persistent_bytes() const {
     std::size_t n = 0;
@@ -399,7 +438,10 @@ struct Builder {
       free_activation(plan.eval.back(), x);
       x = y;
     }
-    plan.eval.push_back(loss_step(x, labels, false));
+    if (head_fused(m, policies))
+      head(plan.eval, x, false);
+    else
+      plan.eval.push_back(loss_step(x, labels, false));
 
     transfers.schedule(plan);
     place();

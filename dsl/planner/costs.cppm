@@ -59,23 +59,61 @@ struct Chain {
   }
 };
 
-constexpr Chain chain_of(const Model &m, int batch, Precision precision, Gemms gemms, const CostModel &costs = {}) {
-  detail::Builder b{m, StagePolicies{}, Strategy{}, batch, precision, gemms};
+// The loss unit of a fused head (head_stage): dx is the head input's gradient, forward_temp[0] the
+// most bytes one chunk holds at once (its largest), forward_time[0] the head's two kernels' (the
+// caller adds the loss kernel's).
+template <class Kernel>
+constexpr Link head_link(const Model &m, const detail::Builder &b, Kernel &&kernel) {
+  Link l;
+  const int s = head_stage(m);
+  long long chunk = 0;
+  for (const RowRange &r : head_chunks(m, b.batch, b.precision)) chunk = std::max(chunk, r.rows);
+  long long y = 0, saved = 0, forward_temp = 0, dlogits = 0, backward_temp = 0;
+  l.forward_time[0] = kernel(
+      s, Variant::forward_save,
+      [&](ArgRole r, long long n) {
+        if (r == ArgRole::block_output) y += n;
+        if (r == ArgRole::saved) saved += n;
+        if (r == ArgRole::scratch || r == ArgRole::workspace) forward_temp += n;
+      },
+      chunk);
+  kernel(
+      -1, Variant::loss,
+      [&](ArgRole r, long long n) {
+        if (r == ArgRole::input_grad) dlogits += n;
+      },
+      chunk);
+  l.forward_time[0] += kernel(
+      s, Variant::backward_saved,
+      [&](ArgRole r, long long n) {
+        if (r == ArgRole::scratch || r == ArgRole::workspace) backward_temp += n;
+      },
+      chunk);
+  // the head input's gradient, whole: each chunk's backward writes its rows
+  const LocalTensor dx = rows(key::input_grad(), m.stages[s].in());
+  l.dx = (long long)align_up(std::size_t(dx.elements(b.n_rows) * element_bytes(dx, b.precision)));
+  l.forward_temp[0] = saved + std::max({y + forward_temp, y + dlogits, dlogits + backward_temp});
+  return l;
+}
+
+constexpr Chain chain_of(const Model &m, int batch, Precision precision, Gemms gemms, const CostModel &costs = {},
+                         const StagePolicies &policies = {}) {
+  detail::Builder b{m, policies, Strategy{}, batch, precision, gemms};
   b.setup();
   Chain c;
   c.persistent = (long long)b.persistent_bytes();
   const long long rows = b.n_rows;
-  auto bytes = [&](const KernelArg &a) {
-    return (long long)align_up(std::size_t(a.tensor.elements(rows) * element_bytes(a.element)));
+  auto bytes = [&](const KernelArg &a, long long n_rows) {
+    return (long long)align_up(std::size_t(a.tensor.elements(n_rows) * element_bytes(a.element)));
   };
-  // Adds the kernel's tensors of `role` to *to; returns its estimated or measured seconds.
-  auto kernel = [&](int stage, Variant v, auto &&count) {
+  // Counts the kernel's tensors by role (at `n_rows` rows); returns its estimated or measured seconds.
+  auto kernel = [&](int stage, Variant v, auto &&count, long long n_rows = 0) {
     const std::vector<KernelArg> sig = signature(m, stage, v, precision, gemms);
     double moved = 0;
     for (const KernelArg &a : sig)
       if (!a.is_scalar()) {
-        moved += double(bytes(a));
-        count(a.role, bytes(a));
+        moved += double(bytes(a, rows));
+        count(a.role, bytes(a, n_rows ? n_rows : rows));
       }
     const double flops = stage >= 0 ? kernel_flops(m.stages[stage], v, rows, gemms) : 0;
     return costs.seconds(kernel_key(stage, v, precision), flops, moved);
@@ -102,12 +140,12 @@ constexpr Chain chain_of(const Model &m, int batch, Precision precision, Gemms g
     }
     c.links.push_back(l);
   }
-  Link loss;
-  loss.x = c.links.back().y;
-  loss.forward_time[0] = kernel(-1, Variant::loss, [&](ArgRole r, long long n) {
-    if (r == ArgRole::input_grad) loss.dx = n;
+  c.links.push_back(head_fused(m, policies) ? head_link(m, b, kernel) : Link{});
+  Link &loss = c.links.back();
+  loss.x = c.links[c.links.size() - 2].y;
+  loss.forward_time[0] += kernel(-1, Variant::loss, [&](ArgRole r, long long n) {
+    if (r == ArgRole::input_grad && !head_fused(m, policies)) loss.dx = n;
   });
-  c.links.push_back(loss);
   return c;
 }
 

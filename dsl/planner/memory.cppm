@@ -15,7 +15,11 @@ export namespace remat {
 // input of s and the gradient of t's output are counted): one place for the memory model that
 // evaluate, least_memory and fastest_within share.
 constexpr long long gradient_after(const Chain &c, int t) { return t < c.n() ? c.links[t + 1].dx : 0; }
-constexpr long long loss_peak(const Chain &c) { return c.links[c.n()].x + c.links[c.n()].dx; }
+// the loss; a fused head's chunks hold forward_temp[0] more at most
+constexpr long long loss_peak(const Chain &c) {
+  const Link &l = c.links[c.n()];
+  return l.x + l.dx + l.forward_temp[0];
+}
 constexpr long long recompute_peak(const Chain &c, int s, int t) {
   const Link &l = c.links[s];
   return l.x + gradient_after(c, t) + l.dx + l.backward_temp[2];

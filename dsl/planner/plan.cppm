@@ -79,6 +79,7 @@ struct Step {
   int rng_block = 0;         // dropout counter key of this block (unique per block of the model)
   bool recompute = false;    // runs forward work a second time
   bool weight_decay = true;  // adamw: whether this range of parameters is decayed
+  bool accumulates = false;  // backward: adds to the parameter gradients even when the micro-batch does not
   double flops = 0;          // kernel_flops of this call
   // The kernel's arguments in its signature's order: its scalars (values the executor supplies),
   // then its buffers (those it reads, then those it writes).
@@ -95,8 +96,6 @@ struct Step {
   std::vector<int> await_out, await_in, offload;
   std::vector<std::pair<int, int>> fetch;
 };
-
-inline constexpr std::size_t arena_alignment = 64;
 
 struct Plan {
   Policy policy{};           // the policy asked for (a per-stage choice: its first repeat stage's)

@@ -48,9 +48,11 @@ constexpr std::vector<Segment> segments(Policy p, int n_blocks) {
 }
 
 // The policy of each stage (index = stage; loose stages ignore theirs). A single Policy converts
-// to one for every stage: the trainer's --checkpoint-policy P.
+// to one for every stage: the trainer's --checkpoint-policy P. `unfused_head` (the policy part
+// "+unfused_head") runs a chunkable head whole, as one forward, loss and backward (head_stage).
 struct StagePolicies {
   std::array<Policy, max_stages> stage{};
+  bool unfused_head = false;
   constexpr StagePolicies() = default;
   constexpr StagePolicies(const Policy &p) {  // NOLINT: implicit on purpose
     for (Policy &s : stage) s = p;
@@ -90,12 +92,15 @@ constexpr Message policies_name(const Model &m, const StagePolicies &ps) {
       else
         same = same && ps.stage[s] == ps.stage[first];
     }
-  if (first < 0) return policy_name(ps.stage[0]);
-  if (same) return policy_name(ps.stage[first]);
   Message out;
-  for (int s = 0; s < m.n_stages; ++s)
-    if (m.stages[s].checkpointable)
-      out.append(out.size() ? "," : "").append("s").append(s).append(":").append(policy_name(ps.stage[s]));
+  if (first < 0 || same) {
+    out = policy_name(ps.stage[first < 0 ? 0 : first]);
+  } else {
+    for (int s = 0; s < m.n_stages; ++s)
+      if (m.stages[s].checkpointable)
+        out.append(out.size() ? "," : "").append("s").append(s).append(":").append(policy_name(ps.stage[s]));
+  }
+  if (ps.unfused_head) out.append("+unfused_head");
   return out;
 }
 

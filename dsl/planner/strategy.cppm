@@ -1,6 +1,7 @@
 // Partition remat.planner:strategy: how the chain of blocks runs (rotor's operations): a Decision per
 // sub-problem, the units of the chain, and the lowering of the fixed policies to a strategy.
 module;
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -49,10 +50,55 @@ struct Strategy {
 struct Unit {
   int stage, block, index, rng;
 };
-constexpr std::vector<Unit> units_of(const Model &m) {
+// ---------------------------------------------------------------------------------------------
+// The head: the model's last stage, when it can run in chunks of rows that never hold its whole
+// output (the [rows, classes] logits) nor the logits' gradient. Each chunk runs its forward, the
+// loss and its backward (which adds its parameters' gradients to the earlier chunks') before the
+// next; the chain then ends with the head in place of the bare loss (unit n). A loose stage after
+// another whose classes outnumber its input features (an LM head). Chunk c draws its dropout masks
+// as block rng_block + c (the head's rng_block, its unit's, is the model's last).
+// ---------------------------------------------------------------------------------------------
+constexpr int head_stage(const Model &m) {
+  const int s = m.n_stages - 1;
+  return s < 1 || m.stages[s].checkpointable || m.classes() <= m.stages[s].in() ? -1 : s;
+}
+constexpr bool head_fused(const Model &m, const StagePolicies &ps) { return head_stage(m) >= 0 && !ps.unfused_head; }
+
+// Every arena tensor (and every view of one) starts at a multiple of this many bytes.
+inline constexpr std::size_t arena_alignment = 64;
+
+// The head's chunks: whole samples (attention and positions stay within a chunk), about
+// head_chunk_rows rows each, each chunk's rows of the head input, its gradient, the labels and the
+// metrics starting on an arena_alignment boundary; a remainder under min_kernel_rows joins the
+// chunk before it. They depend on the model, batch and precision only, so the parameter gradients
+// sum in the same order under every policy.
+inline constexpr long long head_chunk_rows = 256;
+struct RowRange {
+  long long first, rows;
+};
+constexpr std::vector<RowRange> head_chunks(const Model &m, int batch, Precision precision) {
+  const long long per_sample = m.rows_per_sample(), rows = batch * per_sample;
+  const LocalTensor x = remat::rows(key::block_input(), m.stages[m.n_stages - 1].in());
+  const long long sample_bytes = per_sample * x.extent[0] * element_bytes(x, precision);
+  long long step = 1;  // samples per chunk are a multiple of it
+  while ((step * sample_bytes) % arena_alignment != 0 || (step * per_sample * 4) % arena_alignment != 0) ++step;
+  const long long samples = std::max(step, head_chunk_rows / per_sample / step * step);
+  std::vector<RowRange> out;
+  for (long long first = 0; first < rows; first += samples * per_sample) {
+    const long long n = std::min(samples * per_sample, rows - first);
+    if (!out.empty() && n < min_kernel_rows)
+      out.back().rows += n;
+    else
+      out.push_back({first, n});
+  }
+  return out;
+}
+
+// The chain's units: every block of every stage, but the head when it runs fused.
+constexpr std::vector<Unit> units_of(const Model &m, bool fused) {
   std::vector<Unit> units;
   int index = 0;  // counts the blocks of repeat stages (-1 for the others)
-  for (int s = 0; s < m.n_stages; ++s)
+  for (int s = 0; s < (fused ? head_stage(m) : m.n_stages); ++s)
     for (int b = 0; b < m.stages[s].repeat; ++b)
       units.push_back({s, b, m.stages[s].checkpointable ? index++ : -1, int(units.size()) * 64});
   return units;
@@ -69,7 +115,7 @@ constexpr bool has_kernel(const Model &m, int stage, Variant v) {
 // is a checkpoint and whose other blocks are rebuilt (keeping everything) before their backward;
 // blocks outside segments keep their internals (selectively under a selective policy).
 constexpr Strategy lower(const Model &m, const StagePolicies &ps) {
-  const std::vector<Unit> units = units_of(m);
+  const std::vector<Unit> units = units_of(m, head_fused(m, ps));
   const int n = int(units.size());
   Strategy st(n);
   st.at(n, n).op = Decision::Op::loss;

@@ -107,7 +107,8 @@ void add_policy_options(CLI::App &app, Options &o, const ModelInfo &info) {
          "--checkpoint-policy", o.checkpoint_policy,
          fmt::format(
              "none | full | every_n_layers=N | sqrt_n | selective, composed with + (every_n_layers=2+selective); "
-             "per repeat stage s<i>:POLICY,... (default: the model's, {})",
+             "per repeat stage s<i>:POLICY,...; +unfused_head runs an LM head whole instead of in row chunks "
+             "(default: the model's, {})",
              policies_name(info.model, annotated(info.model, info.default_policy)).view()))
       ->group(group);
   flag(app, "--gradient-checkpointing,--gradient_checkpointing", o.gradient_checkpointing,
@@ -498,7 +499,7 @@ Policy parse_policy(std::string_view text) {
     } else {
       throw InputError(
           fmt::format("--checkpoint-policy {}: unknown policy {} (use none, full, every_n_layers=N, sqrt_n, "
-                      "selective or offload, composed with +)",
+                      "selective, offload or unfused_head, composed with +)",
                       text, part));
     }
     if (const std::string_view why = composition_error(out, p); !why.empty())
@@ -510,9 +511,31 @@ Policy parse_policy(std::string_view text) {
   return out;
 }
 
-StagePolicies parse_stage_policies(const Model &model, std::string_view text, StagePolicies base) {
+namespace {
+// Takes the part "unfused_head" (composed with + anywhere, for the whole model) out of `text`.
+bool take_unfused_head(std::string &text) {
+  constexpr std::string_view part = "unfused_head";
+  for (std::size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) {
+    const std::size_t end = at + part.size();
+    const bool starts = at == 0 || text[at - 1] == '+',
+               ends = end == text.size() || text[end] == '+' || text[end] == ',';
+    if (!starts || !ends) continue;
+    text.erase(at == 0 ? at : at - 1, part.size() + 1 - (at == 0 && end == text.size() ? 1 : 0));
+    if (text.empty()) text = "none";
+    return true;
+  }
+  return false;
+}
+}  // namespace
+
+StagePolicies parse_stage_policies(const Model &model, std::string_view flag, StagePolicies base) {
+  std::string without_head(flag);
+  const bool unfused = take_unfused_head(without_head);
+  base.unfused_head = base.unfused_head || unfused;
+  const std::string_view text = without_head;
   if (text.find(':') == std::string_view::npos) {
     StagePolicies every(parse_policy(text));
+    every.unfused_head = base.unfused_head;
     // a stage's selective set (and what it offloads) is fixed in its kernels: the annotation's
     for (int s = 0; s < model.n_stages; ++s) every.stage[s].selection = model.stages[s].policy.selection;
     return every;

@@ -80,7 +80,9 @@ std::vector<std::int32_t> generate(const ModelInfo &info, Device device, Precisi
   const Model &model = info.model;
   const int T = model.input.block_size, V = model.classes();
   const int samples = (min_kernel_rows + T - 1) / T;  // the sequence is sample 0; the rest pad the batch
-  Engine engine(make_plan(model, none, samples, precision, gemms_of(device, precision)), info.name,
+  StagePolicies whole_head(none);  // the logits of the last position are read: the head runs unchunked
+  whole_head.unfused_head = true;
+  Engine engine(make_plan(model, whole_head, samples, precision, gemms_of(device, precision)), info.name,
                 device == Device::cuda ? info.cuda_kernels : info.kernels, {.device = device, .canary = false});
   Executor &ex = engine.executor;
   trained.download(trained.plan.params());

@@ -5,6 +5,7 @@ module;
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <ostream>
@@ -17,23 +18,50 @@ import remat;
 
 namespace remat::runtime {
 
+namespace {
+// The fused head's line: its chunks, and the peak the same plan has with the head run whole.
+void print_head(std::FILE *out, const Model &model, const Plan &plan, const CostModel &costs) {
+  const int s = head_stage(model);
+  const std::vector<RowRange> chunks = head_chunks(model, plan.batch, plan.precision);
+  long long most = 0;
+  for (const RowRange &r : chunks) most = std::max(most, r.rows);
+  StagePolicies unfused = plan.policies;
+  unfused.unfused_head = true;
+  const Planned whole = plan_for(model, unfused, plan.batch, plan.precision, plan.gemms, costs);
+  const std::size_t logits = std::size_t(plan.rows) * model.classes() * (plan.precision == Precision::bf16 ? 2 : 4);
+  fmt::print(out, "s{}.b0    fused head: {} chunks of up to {} rows, each: forward_save, loss, backward_saved\n", s,
+             chunks.size(), most);
+  if (whole.ok())
+    fmt::print(out,
+               "         the [{}, {}] logits ({}) and their gradient are never whole: planned peak {} B, {} B with "
+               "the head unfused (+unfused_head), {} B less\n",
+               plan.rows, model.classes(), mib(logits), plan.peak_bytes, whole.plan.peak_bytes,
+               (long long)whole.plan.peak_bytes - (long long)plan.peak_bytes);
+}
+}  // namespace
+
 void print_plan_report(std::FILE *out, const Model &model, const Plan &plan, const CostModel &costs,
                        std::string_view costs_from) {
   fmt::print(out, "plan under policy {} ({}, batch {}, {} rows)\n", plan.policy_label.view(),
              precision_name(plan.precision), plan.batch, plan.rows);
   // each block's kernel calls in schedule order; * marks a call that recomputes forward work
   fmt::print(out, "{:<8} {}\n", "block", "kernel calls in schedule order (* recomputes forward work)");
-  for (const Unit &u : units_of(model)) fmt::print(out, "s{}.b{:<4} {}\n", u.stage, u.block, block_calls(plan, u));
+  for (const Unit &u : units_of(model, head_fused(model, plan.policies)))
+    fmt::print(out, "s{}.b{:<4} {}\n", u.stage, u.block, block_calls(plan, u));
+  if (head_fused(model, plan.policies)) print_head(out, model, plan, costs);
   fmt::print(out, "saved for backward:\n");
   fmt::print(out, "{:<8} {:<22} {:>16} {:>12}  {}\n", "block", "tensor", "shape", "bytes", "why");
   std::size_t total = 0;
   std::set<int> fetched;  // restored copies of offloaded tensors
   for (const Step &st : plan.train)
     for (auto [host, into] : st.fetch) fetched.insert(into);
+  std::set<TensorKey> listed;  // a fused head's chunks keep the same tensors: listed once, per chunk
+  const int head = head_fused(model, plan.policies) ? head_stage(model) : -1;
   for (const Step &st : plan.train)
     for (int t : st.alloc) {
       const Tensor &x = plan.tensors[t];
       if (x.role != Role::internal && x.role != Role::block_input) continue;
+      if (x.key.stage == head && !listed.insert(x.key).second) continue;
       // saved = lives past the kernel that wrote it until a backward kernel reads it
       bool read_by_backward = false;
       for (const Step &later : plan.train)
@@ -59,6 +87,7 @@ void print_plan_report(std::FILE *out, const Model &model, const Plan &plan, con
                             op_name(blk.layers[x.read_by].op), x.read_by);
       }
       if (fetched.contains(t)) why += "; waits in pinned host memory between forward and backward (offload)";
+      if (x.key.stage == head) why += "; a fused head's chunk: one chunk's rows at a time";
       const std::string shape =
           x.dims == 1 ? fmt::format("[{}]", x.extent[0]) : fmt::format("[{}, {}]", x.extent[1], x.extent[0]);
       fmt::print(out, "s{}.b{:<4} {:<22} {:>16} {:>12}  {}\n", x.key.stage, x.key.block, name_of(x.key.local()).view(),
@@ -73,7 +102,7 @@ void print_plan_report(std::FILE *out, const Model &model, const Plan &plan, con
                                                                          Variant::backward_saved, plan.rows, plan.gemms)
                                                : st.flops;
   }
-  const Chain chain = chain_of(model, plan.batch, plan.precision, plan.gemms, costs);
+  const Chain chain = chain_of(model, plan.batch, plan.precision, plan.gemms, costs, plan.policies);
   const Outcome predicted = evaluate(chain, plan.strategy, 0, chain.n());
   fmt::print(
       out,
