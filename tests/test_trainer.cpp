@@ -196,11 +196,16 @@ BOOST_AUTO_TEST_CASE(memory_budgets_train_with_nones_gradients) {
 // reads.
 // +unfused_head composes with any policy, per stage too (the MLP has no LM head: the plan is the same).
 BOOST_AUTO_TEST_CASE(unfused_head_is_a_policy_part) {
-  for (const std::string policy : {"full+unfused_head", "unfused_head+full", "s1:full+unfused_head"}) {
+  for (const std::string policy :
+       {"full+unfused_head", "unfused_head+full", "s1:full+unfused_head", "unfused_head+full+unfused_head"}) {
     const Result r = train("--plan-report --checkpoint-policy " + policy);
     BOOST_TEST_REQUIRE(r.exit_code == 0, r.err);
     BOOST_TEST(r.out.find("plan under policy full+unfused_head ") != std::string::npos, r.out);
   }
+  // alone, it keeps the model's policy (the MLP's is full)
+  const Result alone = train("--plan-report --checkpoint-policy unfused_head");
+  BOOST_TEST_REQUIRE(alone.exit_code == 0, alone.err);
+  BOOST_TEST(alone.out.find("plan under policy full+unfused_head (") != std::string::npos, alone.out);
 }
 
 BOOST_AUTO_TEST_CASE(plan_report_shows_decisions_and_sweep) {

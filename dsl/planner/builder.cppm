@@ -276,8 +276,8 @@ struct Builder {
     const std::vector<RowRange> chunks = head_chunks(m, batch, precision);
     for (std::size_t c = 0; c < chunks.size(); ++c) {
       const RowRange &r = chunks[c];
-      n_rows = r.rows;             // of the chunk's tensors
-      u.rng = first_rng + int(c);  // its dropout masks
+      n_rows = r.rows;                  // of the chunk's tensors
+      u.rng = first_rng + 64 * int(c);  // its dropout masks: a block's (layer k draws rng + k)
       std::vector<int> kept;
       const int logits = forward(out, u, rows_of(x, r), training ? Keep::all : Keep::nothing, Role::internal, &kept);
       if (training && r.first == 0) out.back().alloc.push_back(dx);

@@ -56,7 +56,7 @@ struct Unit {
 // loss and its backward (which adds its parameters' gradients to the earlier chunks') before the
 // next; the chain then ends with the head in place of the bare loss (unit n). A loose stage after
 // another whose classes outnumber its input features (an LM head). Chunk c draws its dropout masks
-// as block rng_block + c (the head's rng_block, its unit's, is the model's last).
+// as a block of its own, rng_block + 64 c (units are 64 apart; the head's rng_block is the last).
 // ---------------------------------------------------------------------------------------------
 constexpr int head_stage(const Model &m) {
   const int s = m.n_stages - 1;

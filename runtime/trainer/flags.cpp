@@ -512,19 +512,25 @@ Policy parse_policy(std::string_view text) {
 }
 
 namespace {
-// Takes the part "unfused_head" (composed with + anywhere, for the whole model) out of `text`.
+// Takes every part "unfused_head" (composed with + anywhere, for the whole model) out of `text`.
 bool take_unfused_head(std::string &text) {
   constexpr std::string_view part = "unfused_head";
-  for (std::size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) {
+  bool taken = false;
+  std::size_t at = 0;
+  while ((at = text.find(part, at)) != std::string::npos) {
     const std::size_t end = at + part.size();
     const bool starts = at == 0 || text[at - 1] == '+',
                ends = end == text.size() || text[end] == '+' || text[end] == ',';
-    if (!starts || !ends) continue;
-    text.erase(at == 0 ? at : at - 1, part.size() + 1 - (at == 0 && end == text.size() ? 1 : 0));
-    if (text.empty()) text = "none";
-    return true;
+    if (!starts || !ends) {
+      ++at;
+      continue;
+    }
+    const std::size_t from = at == 0 ? 0 : at - 1;  // with the + before it, or else the separator after it
+    text.erase(from, end - from + (at == 0 && end < text.size() ? 1 : 0));
+    taken = true;
+    at = from;
   }
-  return false;
+  return taken;
 }
 }  // namespace
 
@@ -532,6 +538,7 @@ StagePolicies parse_stage_policies(const Model &model, std::string_view flag, St
   std::string without_head(flag);
   const bool unfused = take_unfused_head(without_head);
   base.unfused_head = base.unfused_head || unfused;
+  if (without_head.empty()) return base;  // only +unfused_head: the policies stay
   const std::string_view text = without_head;
   if (text.find(':') == std::string_view::npos) {
     StagePolicies every(parse_policy(text));
