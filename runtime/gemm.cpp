@@ -68,7 +68,9 @@ int gemm_threads = 1;  // set by gemm_warm_up: Halide's thread count, the number
 
 // An fp32 output block [rows, cols] (row stride ld) with an fp32 bias (columns from bias) starts
 // as the bias, or out + bias when accumulating; MKL then adds the product to it (beta 1).
-void start_from_bias(float *out, std::size_t ld, int rows, int cols, const float *bias, bool accumulate) {
+__attribute__((target_clones("avx512f", "avx2", "default"))) void start_from_bias(float *out, std::size_t ld, int rows,
+                                                                                  int cols, const float *bias,
+                                                                                  bool accumulate) {
   for (int i = 0; i < rows; ++i)
     for (int j = 0; j < cols; ++j) out[i * ld + j] = (accumulate ? out[i * ld + j] : 0.f) + bias[j];
 }
@@ -97,6 +99,19 @@ std::vector<float> &bf16_out_workspace() {
   return workspace;
 }
 
+// A bf16 output row: out = (out +) (product + bias), rounded once. Compiled for AVX-512 and AVX2
+// too, picked by the running CPU (the same operations per element in every clone: the same bits).
+__attribute__((target_clones("avx512bw", "avx2", "default"))) void round_row(std::uint16_t *out, const float *product,
+                                                                             const std::uint16_t *bias, bool accumulate,
+                                                                             int cols) {
+  for (int col = 0; col < cols; ++col) {
+    float v = product[col];
+    if (bias) v = v + bf16_to_float(bias[col]);
+    if (accumulate) v = bf16_to_float(out[col]) + v;
+    out[col] = float_to_bf16(v);
+  }
+}
+
 void bf16_gemm_band(const GemmCall &g, int first, int count) {
   const auto *a = static_cast<const MKL_BF16 *>(g.a), *b = static_cast<const MKL_BF16 *>(g.b);
   const int lda = g.trans_a ? g.m : g.k, ldb = g.trans_b ? g.k : g.n;
@@ -117,16 +132,10 @@ void bf16_gemm_band(const GemmCall &g, int first, int count) {
                                ap, lda, bp, ldb, p ? 1.f : beta, c, ldc);
       }
       if (!g.bf16_out) continue;
-      // bf16 out: (out +) (product + bias), rounded once
       const auto *bias = static_cast<const std::uint16_t *>(g.bias);
       for (int r = 0; r < rows; ++r)
-        for (int col = 0; col < cols; ++col) {
-          std::uint16_t &o = static_cast<std::uint16_t *>(g.out)[std::size_t(i + r) * g.n + j + col];
-          float v = c[std::size_t(r) * ldc + col];
-          if (bias) v = v + bf16_to_float(bias[j + col]);
-          if (g.accumulate) v = bf16_to_float(o) + v;
-          o = float_to_bf16(v);
-        }
+        round_row(static_cast<std::uint16_t *>(g.out) + std::size_t(i + r) * g.n + j, c + std::size_t(r) * ldc,
+                  bias ? bias + j : nullptr, g.accumulate, cols);
     }
 }
 
