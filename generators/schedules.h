@@ -169,10 +169,18 @@ public:
       }
       ce.sum_exp.compute_at(ce.row_lse, bi);
     } else {
-      ce.row_max.compute_root().parallel(v.b, 16, TailStrategy::GuardWithIf);
-      ce.row_max.update().parallel(v.b, 16, TailStrategy::GuardWithIf);
-      ce.row_lse.compute_root().parallel(v.b, 16, TailStrategy::GuardWithIf);
-      ce.sum_exp.compute_at(ce.row_lse, v.b);
+      // The reductions over classes vectorized across rows: each row still sums its classes in
+      // order (the same bits as one row at a time), a vector of rows per class.
+      const RVar r = ce.row_max.rvars(0)[0];
+      ce.row_max.compute_root().split(v.b, bo, bi, vec, TailStrategy::GuardWithIf).parallel(bo).vectorize(bi);
+      ce.row_max.update()
+          .split(v.b, bo, bi, vec, TailStrategy::GuardWithIf)
+          .reorder(bi, r, bo)
+          .parallel(bo)
+          .vectorize(bi);
+      ce.row_lse.compute_root().split(v.b, bo, bi, vec, TailStrategy::GuardWithIf).parallel(bo).vectorize(bi);
+      ce.sum_exp.compute_at(ce.row_lse, bo).vectorize(v.b, vec, TailStrategy::GuardWithIf);
+      ce.sum_exp.update().reorder(v.b, ce.sum_exp.rvars(0)[0]).vectorize(v.b, vec, TailStrategy::GuardWithIf);
       for (Func f : {ce.row_loss, ce.row_correct}) f.compute_root().parallel(v.b, 16, TailStrategy::GuardWithIf);
     }
     pointwise(ce.dlogits);

@@ -48,6 +48,11 @@ struct Link {
   std::array<double, 3> forward_time{}, backward_time{};  // loss: forward_time[0]
   std::array<bool, 3> can{};  // keep all, keep selective, recompute: whether the kernels exist
   double offload_time = -1;   // seconds to copy its input out and back (< 0: not offloaded)
+  // the loss unit only: its steps, and the bytes its last step holds above x and dx (a fused head:
+  // three steps per chunk, the last chunk's backward last; an offloaded checkpoint's fetch
+  // overlaps that step)
+  int steps = 1;
+  long long last_temp = 0;
 };
 struct Chain {
   std::vector<Link> links;   // the units, then the loss
@@ -60,39 +65,52 @@ struct Chain {
 };
 
 // The loss unit of a fused head (head_stage): dx is the head input's gradient, forward_temp[0] the
-// most bytes one chunk holds at once (its largest), forward_time[0] the head's two kernels' (the
-// caller adds the loss kernel's).
+// most bytes one chunk holds at once (its largest), last_temp what the last chunk's backward holds,
+// forward_time[0] the head's two kernels' over every chunk (the caller adds one loss kernel's).
 template <class Kernel>
 constexpr Link head_link(const Model &m, const detail::Builder &b, Kernel &&kernel) {
   Link l;
   const int s = head_stage(m);
-  long long chunk = 0;
-  for (const RowRange &r : head_chunks(m, b.batch, b.precision)) chunk = std::max(chunk, r.rows);
-  long long y = 0, saved = 0, forward_temp = 0, dlogits = 0, backward_temp = 0;
-  l.forward_time[0] = kernel(
-      s, Variant::forward_save,
-      [&](ArgRole r, long long n) {
-        if (r == ArgRole::block_output) y += n;
-        if (r == ArgRole::saved) saved += n;
-        if (r == ArgRole::scratch || r == ArgRole::workspace) forward_temp += n;
-      },
-      chunk);
-  kernel(
-      -1, Variant::loss,
-      [&](ArgRole r, long long n) {
-        if (r == ArgRole::input_grad) dlogits += n;
-      },
-      chunk);
-  l.forward_time[0] += kernel(
-      s, Variant::backward_saved,
-      [&](ArgRole r, long long n) {
-        if (r == ArgRole::scratch || r == ArgRole::workspace) backward_temp += n;
-      },
-      chunk);
+  const std::vector<RowRange> chunks = head_chunks(m, b.batch, b.precision);
+  struct ChunkCost {
+    long long y = 0, saved = 0, forward_temp = 0, dlogits = 0, backward_temp = 0;
+    double seconds = 0;
+  };
+  auto chunk_cost = [&](long long rows) {
+    ChunkCost c;
+    c.seconds = kernel(
+        s, Variant::forward_save,
+        [&](ArgRole r, long long n) {
+          if (r == ArgRole::block_output) c.y += n;
+          if (r == ArgRole::saved) c.saved += n;
+          if (r == ArgRole::scratch || r == ArgRole::workspace) c.forward_temp += n;
+        },
+        rows);
+    kernel(
+        -1, Variant::loss,
+        [&](ArgRole r, long long n) {
+          if (r == ArgRole::input_grad) c.dlogits += n;
+        },
+        rows);
+    c.seconds += kernel(
+        s, Variant::backward_saved,
+        [&](ArgRole r, long long n) {
+          if (r == ArgRole::scratch || r == ArgRole::workspace) c.backward_temp += n;
+        },
+        rows);
+    return c;
+  };
+  long long largest = 0;
+  for (const RowRange &r : chunks) largest = std::max(largest, r.rows);
+  const ChunkCost big = chunk_cost(largest), last = chunk_cost(chunks.back().rows);
   // the head input's gradient, whole: each chunk's backward writes its rows
   const LocalTensor dx = rows(key::input_grad(), m.stages[s].in());
   l.dx = (long long)align_up(std::size_t(dx.elements(b.n_rows) * element_bytes(dx, b.precision)));
-  l.forward_temp[0] = saved + std::max({y + forward_temp, y + dlogits, dlogits + backward_temp});
+  l.forward_temp[0] =
+      big.saved + std::max({big.y + big.forward_temp, big.y + big.dlogits, big.dlogits + big.backward_temp});
+  l.forward_time[0] = big.seconds * double(chunks.size() - 1) + last.seconds;
+  l.steps = 3 * int(chunks.size());
+  l.last_temp = last.saved + last.dlogits + last.backward_temp;
   return l;
 }
 

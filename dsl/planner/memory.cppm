@@ -20,6 +20,11 @@ constexpr long long loss_peak(const Chain &c) {
   const Link &l = c.links[c.n()];
   return l.x + l.dx + l.forward_temp[0];
 }
+// ... and its last step's (a fused head's last chunk's backward; the unfused loss has one step)
+constexpr long long loss_last(const Chain &c) {
+  const Link &l = c.links[c.n()];
+  return l.steps > 1 ? l.x + l.dx + l.last_temp : loss_peak(c);
+}
 constexpr long long recompute_peak(const Chain &c, int s, int t) {
   const Link &l = c.links[s];
   return l.x + gradient_after(c, t) + l.dx + l.backward_temp[2];
@@ -34,7 +39,7 @@ constexpr long long keep_peak(const Chain &c, int s, int t, int k) {
 // the last step of a sub-problem whose first unit s ends with backward k (keep all, keep selective,
 // recompute) or, for s == n, with the loss: what an offloaded checkpoint's fetch overlaps
 constexpr long long last_peak(const Chain &c, int s, int k) {
-  if (s == c.n()) return loss_peak(c);
+  if (s == c.n()) return loss_last(c);
   const Link &l = c.links[s];
   return k == 2 ? recompute_peak(c, s, s) : l.x + l.saved[k] + c.links[s + 1].dx + l.dx + l.backward_temp[k];
 }
@@ -64,7 +69,7 @@ constexpr Outcome evaluate(const Chain &c, const Strategy &st, int s, int t) {
   const Link &l = c.links[s];
   const Decision &d = st.at(s, t);
   switch (d.op) {
-  case Decision::Op::loss: return {loss_peak(c), l.forward_time[0], loss_peak(c), 1};
+  case Decision::Op::loss: return {loss_peak(c), l.forward_time[0], loss_last(c), std::min(l.steps, 3)};
   case Decision::Op::recompute: return {recompute_peak(c, s, t), l.backward_time[2], recompute_peak(c, s, t), 1};
   case Decision::Op::keep: {
     const int k = int(d.keep);

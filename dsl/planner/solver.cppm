@@ -173,7 +173,8 @@ private:
   constexpr double best_after_offload(int s, int v, int t, long long m, int &k_out) const {
     double found = inf;
     for (int k = 0; k < 3; ++k) {
-      const int steps = v < t ? 3 : v == n || k == 2 ? 1 : 2;  // (v, v): the loss, a recompute or keep's two
+      // (v, v): the loss's (a fused head's three per chunk), a recompute or keep's two
+      const int steps = v < t ? 3 : v == n ? units.links[n].steps : k == 2 ? 1 : 2;
       if (!offload_helps(s, v, steps) || last_peak(units, v, k) + units.links[s].x > m) continue;
       if (at(v, t, m, k).seconds < found) {
         found = at(v, t, m, k).seconds;

@@ -72,7 +72,7 @@ inline constexpr std::size_t arena_alignment = 64;
 // metrics starting on an arena_alignment boundary; a remainder under min_kernel_rows joins the
 // chunk before it. They depend on the model, batch and precision only, so the parameter gradients
 // sum in the same order under every policy.
-inline constexpr long long head_chunk_rows = 256;
+inline constexpr long long head_chunk_rows = 512;
 struct RowRange {
   long long first, rows;
 };

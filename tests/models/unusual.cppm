@@ -4,7 +4,7 @@
 // one right after it (two stacks; segments stay inside each), ReLU, a block that ends in dropout
 // without a LayerNorm first, a loose attention whose q/k/v tensor is also a residual's skip (its
 // gradient has two terms: the CPU kernels then take the row form), a head of 40 classes from 36
-// features (an LM head, which runs fused: in two chunks at the tests' 48 samples).
+// features (an LM head, which runs fused: in two chunks at the tests' 96 samples).
 export module unusual;
 import remat.language;
 
