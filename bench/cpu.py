@@ -9,7 +9,8 @@ timing). Reported: median step time after the warm-up steps, tokens/s (token mod
 peak RSS of each process (os.wait4's ru_maxrss), the ratios against remat and against the same
 system's `none`. gpt_bpe (the BPE example, vocabulary 4096) adds remat-only `+unfused_head` rows: a
 `fused head` line per policy compares remat's fused LM head with the whole one (step time, planned
-peak, the logits' bytes). Writes bench/results/cpu.json and bench/results/cpu.png.
+peak, the logits' bytes); a `bf16` line per (model, policy) gives remat's bf16 step over its fp32 step and PyTorch
+autocast's bf16 step over remat's. Writes bench/results/cpu.json and bench/results/cpu.png.
 A failing run is a failed row with its reason; the exit code is 1 if a remat or eager run failed.
 """
 import argparse
@@ -225,6 +226,7 @@ def print_table(rows, cpu, references, args):
             print(f"first-step loss, {model}: remat {loss:.7f}, PyTorch {eager[0]:.7f} "
                   f"(|diff| {abs(loss - eager[0]):.1e}, limit 1e-4)")
     print_head(rows)
+    print_precision(rows)
     print_rounds(rows)
     for r in rows:
         if r["status"] != "ok":
@@ -252,6 +254,22 @@ def print_head(rows):
               f"planned peak {fused['planned_peak_bytes'] / 1048576:.1f} MiB vs "
               f"{whole['planned_peak_bytes'] / 1048576:.1f} ({saved / 1048576:.1f} MiB less; the logits are "
               f"{logits / 1048576:.1f} MiB)")
+
+
+def print_precision(rows):
+    """Per (model, policy) with both precisions: remat's bf16 step / its fp32 step (goal <= 0.6 on a CPU with bf16
+    arithmetic) and PyTorch autocast's bf16 step / remat's (goal >= 1.3)."""
+    ok = {(r["model"], r["precision"], r["policy"], r["system"]): r["step_ms_median"] for r in rows
+          if r["status"] == "ok"}
+    for (model, precision, policy, system), bf16 in ok.items():
+        fp32 = ok.get((model, "fp32", policy, "remat"))
+        if precision != "bf16" or system != "remat" or not fp32:
+            continue
+        line = f"bf16, {model} {policy}: remat bf16 / remat fp32 {bf16 / fp32:.2f} (goal <= 0.6)"
+        torch_bf16 = ok.get((model, "bf16", policy, "pytorch"))
+        if torch_bf16:
+            line += f", PyTorch bf16 / remat bf16 {torch_bf16 / bf16:.2f} (goal >= 1.3)"
+        print(line)
 
 
 def print_rounds(rows):
