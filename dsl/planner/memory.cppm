@@ -20,10 +20,11 @@ constexpr long long loss_peak(const Chain &c) {
   const Link &l = c.links[c.n()];
   return l.x + l.dx + l.forward_temp[0];
 }
-// ... and its last step's (a fused head's last chunk's backward; the unfused loss has one step)
+// ... and its last step's (a fused head's last chunk's backward; the unfused loss has one step,
+// whose forward_temp[0] and last_temp are both 0)
 constexpr long long loss_last(const Chain &c) {
   const Link &l = c.links[c.n()];
-  return l.steps > 1 ? l.x + l.dx + l.last_temp : loss_peak(c);
+  return l.x + l.dx + l.last_temp;
 }
 constexpr long long recompute_peak(const Chain &c, int s, int t) {
   const Link &l = c.links[s];
