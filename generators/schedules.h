@@ -36,6 +36,10 @@ public:
   // never run past a static extent (tile sizes divide it), and a dynamic row count (the batch)
   // uses overlapping last tiles (ShiftInwards), which needs rows >= min_batch.
   static constexpr int min_batch = 8;
+  // Rows per parallel task of row-wise loops (pointwise Funcs, per-row statistics): Halide's
+  // thread pool hands out a parallel loop's iterations one at a time under one mutex, so a task
+  // must be worth a lock hand-off between cores (2048 rows: 64 tasks).
+  static constexpr int rows_per_task = 32;
   // `computed`: an operand a(k, b) that is not in memory (e.g. a LayerNorm output); it is
   // computed once per row tile, which then runs through every column tile.
   void matmul(MatMul &m, int rows /* -1: the batch */, int cols, std::optional<Func> computed = {}) {
@@ -78,7 +82,7 @@ public:
     f.compute_root()
         .split(v.c, co, ci, vec, TailStrategy::GuardWithIf)
         .vectorize(ci)
-        .parallel(v.b, 8, TailStrategy::GuardWithIf);
+        .parallel(v.b, rows_per_task, TailStrategy::GuardWithIf);
   }
   void transpose(Func f) {
     Var co("co"), ci("ci"), bo("bo"), bi("bi");
@@ -102,16 +106,16 @@ public:
     // loop per row, so the bits do not depend on the vector width); the partial sums of a task
     // on its stack (constant size also for a last, shorter task)
     const Var bo("bo"), bi("bi");
-    const int rows_per_task = 2 * vec;
-    f.compute_root().split(v.b, bo, bi, rows_per_task, TailStrategy::GuardWithIf).parallel(bo).vectorize(bi, vec);
+    const int task_rows = 2 * vec;
+    f.compute_root().split(v.b, bo, bi, task_rows, TailStrategy::GuardWithIf).parallel(bo).vectorize(bi, vec);
     if (f.has_update_definition())
       f.update()
-          .split(v.b, bo, bi, rows_per_task, TailStrategy::GuardWithIf)
+          .split(v.b, bo, bi, task_rows, TailStrategy::GuardWithIf)
           .reorder(bi, f.rvars(0)[0], bo)
           .parallel(bo)
           .vectorize(bi, vec);
     for (Func &p : partial) {
-      p.compute_at(f, bo).bound_storage(v.b, rows_per_task).vectorize(v.b, vec, TailStrategy::GuardWithIf);
+      p.compute_at(f, bo).bound_storage(v.b, task_rows).vectorize(v.b, vec, TailStrategy::GuardWithIf);
       p.update().reorder(v.b, p.rvars(0)[0]).vectorize(v.b, vec, TailStrategy::GuardWithIf);
     }
   }
@@ -181,11 +185,12 @@ public:
       ce.row_lse.compute_root().split(v.b, bo, bi, vec, TailStrategy::GuardWithIf).parallel(bo).vectorize(bi);
       ce.sum_exp.compute_at(ce.row_lse, bo).vectorize(v.b, vec, TailStrategy::GuardWithIf);
       ce.sum_exp.update().reorder(v.b, ce.sum_exp.rvars(0)[0]).vectorize(v.b, vec, TailStrategy::GuardWithIf);
-      for (Func f : {ce.row_loss, ce.row_correct}) f.compute_root().parallel(v.b, 16, TailStrategy::GuardWithIf);
+      for (Func f : {ce.row_loss, ce.row_correct})
+        f.compute_root().parallel(v.b, rows_per_task, TailStrategy::GuardWithIf);
     }
     pointwise(ce.dlogits);
   }
-  // A flat 1-D elementwise Func (AdamW, parameter copies).
+  // A flat 1-D elementwise Func (AdamW, parameter copies), in tasks of 1024 vectors.
   void flat(Func upd) {
     Var co("co"), ci("ci");
     if (gpu) {
@@ -193,7 +198,7 @@ public:
       return;
     }
     upd.compute_root()
-        .split(v.c, co, ci, vec * 64, TailStrategy::GuardWithIf)
+        .split(v.c, co, ci, vec * 1024, TailStrategy::GuardWithIf)
         .parallel(co)
         .vectorize(ci, vec, TailStrategy::GuardWithIf);
   }

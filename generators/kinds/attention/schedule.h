@@ -70,8 +70,8 @@ public:
       delta.update().reorder(delta.rvars(0)[0], h, v.b).gpu_tile(v.b, bo, bi, 64, TailStrategy::GuardWithIf);
       return;
     }
-    delta.compute_root().parallel(v.b);
-    delta.update().parallel(v.b);
+    delta.compute_root().parallel(v.b, Scheduler::rows_per_task, TailStrategy::GuardWithIf);
+    delta.update().parallel(v.b, Scheduler::rows_per_task, TailStrategy::GuardWithIf);
     sched.dot(delta);
   }
   // The attention input gradient dqkv(c, b), consumed by `consumer` (the tensor's gradient).
