@@ -223,9 +223,11 @@ enum class Precision : std::uint8_t { fp32, bf16 };
 constexpr std::string_view precision_name(Precision p) { return p == Precision::bf16 ? "bf16" : "fp32"; }
 // The element type of a tensor in a kernel (bf16 values are stored as their 16 bits).
 enum class Element : std::uint8_t { f32, bf16, i32, u64, boolean };
+// Activations (layer outputs, the logits, their gradients) are the only tensors in the precision.
+constexpr Element activation_element(Precision p) { return p == Precision::bf16 ? Element::bf16 : Element::f32; }
 constexpr Element element_of(const LocalTensor &lt, Precision p) {
   if (lt.kind == LocalTensor::Kind::index) return Element::i32;
-  return p == Precision::bf16 && lt.kind == LocalTensor::Kind::activation ? Element::bf16 : Element::f32;
+  return lt.kind == LocalTensor::Kind::activation ? activation_element(p) : Element::f32;
 }
 constexpr int element_bytes(Element e) {
   switch (e) {

@@ -28,7 +28,8 @@ void print_head(std::FILE *out, const Model &model, const Plan &plan, const Cost
   StagePolicies unfused = plan.policies;
   unfused.unfused_head = true;
   const Planned whole = plan_for(model, unfused, plan.batch, plan.precision, plan.gemms, costs);
-  const std::size_t logits = std::size_t(plan.rows) * model.classes() * (plan.precision == Precision::bf16 ? 2 : 4);
+  const std::size_t logits =
+      std::size_t(plan.rows) * model.classes() * element_bytes(activation_element(plan.precision));
   fmt::print(out, "s{}.b0    fused head: {} chunks of up to {} rows, each: forward_save, loss, backward_saved\n", s,
              chunks.size(), most);
   if (whole.ok())
