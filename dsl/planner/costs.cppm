@@ -100,15 +100,17 @@ constexpr Link head_link(const Model &m, const detail::Builder &b, Kernel &&kern
         rows);
     return c;
   };
-  long long largest = 0;
-  for (const RowRange &r : chunks) largest = std::max(largest, r.rows);
-  const ChunkCost big = chunk_cost(largest), last = chunk_cost(chunks.back().rows);
+  // every chunk but the last has the first's rows; the last is shorter, or longer when a remainder
+  // joined it
+  const ChunkCost first = chunk_cost(chunks.front().rows);
+  const ChunkCost last = chunks.size() > 1 ? chunk_cost(chunks.back().rows) : first;
+  const ChunkCost &big = chunks.back().rows > chunks.front().rows ? last : first;
   // the head input's gradient, whole: each chunk's backward writes its rows
   const LocalTensor dx = rows(key::input_grad(), m.stages[s].in());
   l.dx = (long long)align_up(std::size_t(dx.elements(b.n_rows) * element_bytes(dx, b.precision)));
   l.forward_temp[0] =
       big.saved + std::max({big.y + big.forward_temp, big.y + big.dlogits, big.dlogits + big.backward_temp});
-  l.forward_time[0] = big.seconds * double(chunks.size() - 1) + last.seconds;
+  l.forward_time[0] = first.seconds * double(chunks.size() - 1) + last.seconds;
   l.steps = 3 * int(chunks.size());
   l.last_temp = last.saved + last.dlogits + last.backward_temp;
   return l;
