@@ -151,6 +151,9 @@ struct Kind {
   bool gemm = false;                     // y = x w (+ b): GEMM weight copies, starts an epilogue chain
   bool chain_link = false;   // elementwise on its source, continues an epilogue chain (dropout, residual sum)
   bool draws_masks = false;  // reads the dropout counters (seed, step, block)
+  // Element (c, b) of its output depends on element (c, b) of its input alone, and so does its
+  // input's gradient on its output's: backward may write the one over the other (in place).
+  bool elementwise = false;
   bool repeatable = true;
   Module module = Module::none;
   TensorRules params{};     // parameters, their gradients g<k>_<suffix>

@@ -395,6 +395,22 @@ constexpr std::array<bool, max_block_layers> rebuilt_by_backward(const Block &b,
   return needed;
 }
 
+// Backward writes the gradient of output j over the gradient of its one reader k when k is
+// elementwise: each element of dh<j> comes from the same element of dh<k>, which nothing reads
+// after. The reader whose gradient's memory dh<j> takes (-1: none).
+constexpr int gradient_written_over(const Block &b, int j) {
+  if (!is_internal(b, j) || consumers(b, j) != 1) return -1;
+  for (int k = j + 1; k < b.n_layers; ++k)
+    if (b.produces(k) && b.source(k) == j)
+      return kind(b.layers[k].op).elementwise && is_internal(b, k) && b.layers[k].out == b.layers[j].out ? k : -1;
+  return -1;  // read by a residual's skip alone
+}
+// The layer whose gradient's memory dh<j> uses: j, or the end of a chain of such readers.
+constexpr int gradient_memory(const Block &b, int j) {
+  for (int k = gradient_written_over(b, j); k >= 0; k = gradient_written_over(b, k)) j = k;
+  return j;
+}
+
 constexpr KernelTensors backward_tensors(const Block &b, Keep keep, bool needs_input_grad, Gemms g = Gemms::halide,
                                          Precision p = Precision::fp32) {
   KernelTensors t;
@@ -539,6 +555,7 @@ enum class ArgRole : std::uint8_t {
   saved,         // written by a forward and kept for the backward, which reads it
   scratch,       // an internal written and dropped within the call (a rebuilt one in backward)
   workspace,     // the kernel's own short-lived buffers (gradients inside the block, copies)
+  in_place,      // a gradient inside the block written over another's (gradient_memory): its tensor
   parameter,     // a parameter; AdamW writes it in place
   gradient,      // a parameter's gradient: written by backward (read back as <name>_prev when
                  // accumulating), read by AdamW
@@ -687,7 +704,10 @@ constexpr std::vector<KernelArg> signature(const Model &m, int stage, Variant v,
       buffer(t, ArgRole::saved, backward ? Access::read : Access::write,
              t.kind == LocalTensor::Kind::statistic ? t.layer() : reader_of(b, t.layer()));
     for (const LocalTensor &t : kt.scratch) buffer(t, ArgRole::scratch, Access::write);
-    for (const LocalTensor &t : kt.workspace) buffer(t, ArgRole::workspace, Access::write);
+    for (const LocalTensor &t : kt.workspace) {
+      const bool in_place = t.key.slot == Slot::layer_grad && gradient_memory(b, t.layer()) != t.layer();
+      buffer(t, in_place ? ArgRole::in_place : ArgRole::workspace, Access::write);
+    }
   }
   for (const auto *list : {&reads, &writes})
     for (const KernelArg &a : *list) out.push_back(a);

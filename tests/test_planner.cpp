@@ -870,6 +870,45 @@ BOOST_AUTO_TEST_CASE(library_gemm_plans_replay_without_overlap) {
   BOOST_TEST(!forward_writes_layer_norm_output(make_plan(gpt::model, full, 4)));
 }
 
+// Backward writes a gradient inside a block over that of its one reader when the reader is
+// elementwise (GELU, ReLU, squared ReLU, dropout), chains of them included: the two arguments are
+// one tensor in every backward step, and no other two arguments of a step ever are.
+BOOST_AUTO_TEST_CASE(elementwise_readers_gradients_are_overwritten_in_place) {
+  // gpt: ln 1, qkv 2, attention 3, proj 4, dropout 5, )residual 6, ln 8, fc 9, gelu 10, fc 11, dropout 12
+  const Block &t = gpt::model.stages[1];
+  const std::map<int, int> gpt_memory = {{1, 1}, {2, 2},  {3, 3},   {4, 5},   {5, 5},  {6, 6},
+                                         {8, 8}, {9, 10}, {10, 10}, {11, 12}, {12, 12}};
+  for (auto [j, k] : gpt_memory) BOOST_TEST(gradient_memory(t, j) == k, "dh" << j);
+  // zoo_gated's second stage: ln 1, fc 2, relu2 3, dropout 4, fc 5, dropout 6, )residual 7
+  const Block &z = zoo_gated::model.stages[2];
+  const std::map<int, int> zoo_memory = {{1, 1}, {2, 4}, {3, 4}, {4, 4}, {5, 6}, {6, 6}};
+  for (auto [j, k] : zoo_memory) BOOST_TEST(gradient_memory(z, j) == k, "zoo dh" << j);
+  for (Precision precision : {Precision::fp32, Precision::bf16})
+    for (Policy p : all_policies)
+      for (const Model *m : {&gpt::model, &zoo_gated::model}) {
+        const Plan plan = make_plan(*m, p, 4, precision, Gemms::library);
+        BOOST_TEST_CONTEXT(label(plan)) {
+          int shared = 0;
+          for (const Step &st : plan.train)
+            for (std::size_t a = 0; a < st.args.size(); ++a)
+              for (std::size_t b = a + 1; b < st.args.size(); ++b) {
+                const Arg &x = st.args[a], &y = st.args[b];
+                const bool pair = x.key.slot == Slot::layer_grad && y.key.slot == Slot::layer_grad &&
+                                  gradient_memory(m->stages[st.stage], x.key.layer) ==
+                                      gradient_memory(m->stages[st.stage], y.key.layer);
+                const bool same = x.tensor == y.tensor;
+                // read and written in place: one key, or a gradient and what it accumulates onto
+                const bool one_key = x.key == y.key || x.key.slot == Slot::gradient_prev;
+                if (same && pair) ++shared;
+                if (same && !pair && !one_key)
+                  BOOST_TEST(false, name_of(x.key).view() << " and " << name_of(y.key).view() << " share a tensor");
+                if (pair) BOOST_TEST(same, name_of(x.key).view() << " and " << name_of(y.key).view());
+              }
+          BOOST_TEST(shared > 0);
+        }
+      }
+}
+
 // No plan ever holds a [B, H, T, T] tensor: every activation is [R] or [R, w] with w one of the
 // model's widths (H T is none of them).
 BOOST_AUTO_TEST_CASE(gpt_never_stores_attention_matrices) {
@@ -1344,7 +1383,7 @@ BOOST_AUTO_TEST_CASE(fused_head_never_holds_the_whole_logits) {
       const std::size_t logits = std::size_t(fused.rows * gpt_bpe::vocab * (pr == Precision::bf16 ? 2 : 4));
       BOOST_TEST_CONTEXT(label(fused)) {
         BOOST_TEST(check_plan(fused) == "");
-        BOOST_TEST(fused.peak_bytes + (p == full ? logits * 3 / 4 : logits) <= unfused.peak_bytes);
+        BOOST_TEST(fused.peak_bytes + logits <= unfused.peak_bytes);
       }
     }
 }

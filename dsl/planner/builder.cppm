@@ -206,6 +206,18 @@ struct Builder {
     Step st = step(u.stage, backward_variant(keep), u.block, u.rng);
     st.recompute = keep != Keep::all;
     int dx = -1, n_saved = 0;
+    // a gradient inside the block and those written over it (gradient_memory) are one tensor,
+    // made by whichever binds first
+    std::vector<std::pair<TensorKey, int>> gradients;
+    auto gradient = [&](const KernelArg &a) {
+      const Block &b = m.stages[u.stage];
+      const int j = gradient_memory(b, a.tensor.layer());
+      const TensorKey k = key::layer_grad(b, j);
+      for (const auto &[key, t] : gradients)
+        if (key == k) return t;
+      gradients.push_back({k, live(st, local(st.stage, st.block, Role::scratch, rows(k, b.layers[j].out)), true)});
+      return gradients.back().second;
+    };
     bind(st, [&](const KernelArg &a) {
       switch (a.role) {
       case ArgRole::block_input: return x;
@@ -223,7 +235,9 @@ struct Builder {
         return t;
       }
       case ArgRole::scratch: return live(st, local(st, Role::recomputed, a), true);
-      case ArgRole::workspace: return live(st, local(st, Role::scratch, a), true);
+      case ArgRole::workspace:
+        return a.tensor.key.slot == Slot::layer_grad ? gradient(a) : live(st, local(st, Role::scratch, a), true);
+      case ArgRole::in_place: return gradient(a);
       default: return -1;
       }
     });

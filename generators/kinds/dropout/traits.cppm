@@ -6,7 +6,8 @@ import :core;
 
 export namespace remat {
 namespace kinds {
-inline constexpr Kind dropout{.name = "dropout", .infer = keeps_width, .chain_link = true, .draws_masks = true};
+inline constexpr Kind dropout{
+    .name = "dropout", .infer = keeps_width, .chain_link = true, .draws_masks = true, .elementwise = true};
 }  // namespace kinds
 
 // Inverted dropout; the probability is a run-time value (--dropout).

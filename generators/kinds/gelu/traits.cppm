@@ -10,6 +10,7 @@ inline constexpr Kind gelu{.name = "gelu",
                            .reads_input = true,
                            .buffered = true,
                            .recomputed_by_selective = true,
+                           .elementwise = true,
                            .module = Module::activation};
 }  // namespace kinds
 

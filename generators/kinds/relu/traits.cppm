@@ -4,7 +4,8 @@ import :core;
 
 export namespace remat {
 namespace kinds {
-inline constexpr Kind relu{.name = "relu", .infer = keeps_width, .reads_input = true, .module = Module::activation};
+inline constexpr Kind relu{
+    .name = "relu", .infer = keeps_width, .reads_input = true, .elementwise = true, .module = Module::activation};
 }  // namespace kinds
 
 constexpr Layer relu() { return {Op::relu}; }

@@ -11,6 +11,7 @@ inline constexpr Kind relu2{.name = "relu2",
                             .reads_input = true,
                             .buffered = true,
                             .recomputed_by_selective = true,
+                            .elementwise = true,
                             .module = Module::activation};
 }  // namespace kinds
 
