@@ -4,7 +4,7 @@ VENV  := .venv
 BUILD := build
 DEBS  := clang-19 clang-tools-19 clang-format-19 universal-ctags ninja-build libboost-test-dev librange-v3-dev libcli11-dev \
          nlohmann-json3-dev libfmt-dev zlib1g-dev dataset-fashion-mnist fortunes python3-venv python3-dev \
-         pocl-opencl-icd ocl-icd-libopencl1 libclang-rt-19-dev
+         pocl-opencl-icd ocl-icd-libopencl1 libclang-rt-19-dev openmpi-bin libopenmpi-dev
 PY_PKGS := halide==21.0.0 cmake>=3.28 mkl-static==2026.2.0 mkl-include==2026.2.0
 TRAIN_ARGS ?=
 # make bench-cpu and make test: PyTorch and what bench/cpu.py, scripts/plot.py and the memory

@@ -79,6 +79,7 @@ enum class Slot : std::uint8_t {
   adam_m,
   adam_v,
   inputs,
+  exchange,  // data-parallel training: what a rank receives of another's gradient, to add
 };
 
 // The phase a plan tensor belongs to: a training micro-batch, or evaluation (forward and loss).
@@ -188,6 +189,7 @@ constexpr Name name_of(const TensorKey &k) {
   case Slot::adam_m: return n.append("adam_m");
   case Slot::adam_v: return n.append("adam_v");
   case Slot::inputs: return n.append("inputs");
+  case Slot::exchange: return n.append("gradient_exchange");
   }
   return n;
 }
@@ -577,6 +579,7 @@ enum class Scalar : std::uint8_t {
   rng_block,
   drop_threshold,
   drop_scale,
+  first_row,
 };
 struct ScalarInfo {
   Scalar scalar;
@@ -598,6 +601,9 @@ inline constexpr ScalarInfo scalars[] = {
     {Scalar::rng_block, "rng_block", Element::i32},  // per kernel call, from the plan
     {Scalar::drop_threshold, "drop_threshold", Element::u64},
     {Scalar::drop_scale, "drop_scale", Element::f32},
+    // dropout: the call's first row within the optimizer step's global batch (over micro-batches
+    // and ranks), so that every row of the global batch draws its own mask, whoever runs it
+    {Scalar::first_row, "first_row", Element::i32},
 };
 static_assert(
     [] {
@@ -681,7 +687,8 @@ constexpr std::vector<KernelArg> signature(const Model &m, int stage, Variant v,
     for (int k = 0; k < b.n_layers; ++k) masks = masks || kind(b.layers[k].op).draws_masks;
     if (backward && !ps.empty()) scalar(Scalar::accumulate);
     if (masks)
-      for (Scalar s : {Scalar::seed, Scalar::step, Scalar::rng_block, Scalar::drop_threshold, Scalar::drop_scale})
+      for (Scalar s : {Scalar::seed, Scalar::step, Scalar::rng_block, Scalar::drop_threshold, Scalar::drop_scale,
+                       Scalar::first_row})
         scalar(s);
     const LocalTensor x = m.token_input() && stage == 0 ? flat(key::block_input(), LocalTensor::Kind::index)
                                                         : rows(key::block_input(), b.in());

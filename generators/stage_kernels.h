@@ -250,7 +250,8 @@ public:
     for (int k = 0; k < blk.n_layers; ++k)
       if (kind(blk.layers[k].op).draws_masks) {
         drop = gen::Dropout(args.scalar(Scalar::seed), args.scalar(Scalar::step), args.scalar(Scalar::rng_block),
-                            args.scalar(Scalar::drop_threshold), args.scalar(Scalar::drop_scale));
+                            args.scalar(Scalar::drop_threshold), args.scalar(Scalar::drop_scale),
+                            args.scalar(Scalar::first_row));
         break;
       }
   }

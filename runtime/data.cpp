@@ -113,6 +113,8 @@ public:
       : train(load_idx(o.dir + "/train-images-idx3-ubyte.gz", o.dir + "/train-labels-idx1-ubyte.gz", model.classes())),
         test(load_idx(o.dir + "/t10k-images-idx3-ubyte.gz", o.dir + "/t10k-labels-idx1-ubyte.gz", model.classes())),
         batch(o.batch),
+        rank(std::size_t(o.rank)),
+        ranks(std::size_t(o.ranks)),
         rng(o.seed ^ 0x5eedf00dull) {
     for (const Dataset *ds : {&train, &test})
       if (ds->width != model.input.width)
@@ -129,13 +131,13 @@ public:
   }
   long train_samples() const override { return train.rows; }
   long eval_samples() const override { return test.rows; }
-  void next_train_batch(Executor &ex) override {
-    if (cursor + batch > order.size()) {  // next epoch
+  void next_train_batch(Executor &ex) override {  // this rank's share of the global batch
+    if (cursor + batch * ranks > order.size()) {  // next epoch
       std::shuffle(order.begin(), order.end(), rng);
       cursor = 0;
     }
-    copy(train, [&](std::size_t r) { return order[cursor + r]; }, ex);
-    cursor += batch;
+    copy(train, [&](std::size_t r) { return order[cursor + rank * batch + r]; }, ex);
+    cursor += batch * ranks;
   }
   void load_eval_batch(Executor &ex, long first) override {
     copy(test, [&](std::size_t r) { return first + long(r) < test.rows ? int(first + r) : 0; }, ex);
@@ -187,7 +189,7 @@ private:
   }
   Dataset train, test;
   std::vector<float> images;  // one batch, before it goes to the arena
-  std::size_t batch;
+  std::size_t batch, rank, ranks;
   std::mt19937_64 rng;
   std::vector<int> order;
   std::size_t cursor = 0;
@@ -201,9 +203,13 @@ class TokenWindows : public DataSource {
 public:
   long train_samples() const override { return long(train.size()) / T; }
   long eval_samples() const override { return long(val.size() - 1) / T; }
+  // the global batch's window starts, drawn in order; this rank's share of them
   void next_train_batch(Executor &ex) override {
     std::uniform_int_distribution<std::size_t> start(0, train.size() - T - 1);
-    fill(ex, [&](std::size_t) { return start(rng); }, train);
+    if (ex.tensor<std::int32_t>(ex.plan.inputs()).size() != batch * T)
+      throw std::logic_error("a token source's batch is not its plan's");
+    for (std::size_t &s : starts) s = start(rng);
+    fill(ex, [&](std::size_t s) { return starts[rank * batch + s]; }, train);
   }
   void load_eval_batch(Executor &ex, long first) override {
     fill(ex, [&](std::size_t s) { return std::size_t(first + long(s) < eval_samples() ? first + s : 0) * T; }, val);
@@ -224,10 +230,18 @@ public:
 
 protected:
   // Both splits must hold one window and its next token.
-  TokenWindows(std::vector<Token> train_tokens, std::vector<Token> val_tokens, const Model &model, std::uint64_t seed)
-      : train(std::move(train_tokens)), val(std::move(val_tokens)), T(model.input.block_size), rng(seed ^ 0x7e87ull) {}
+  TokenWindows(std::vector<Token> train_tokens, std::vector<Token> val_tokens, const Model &model, const DataOptions &o)
+      : train(std::move(train_tokens)),
+        val(std::move(val_tokens)),
+        T(model.input.block_size),
+        batch(std::size_t(o.batch)),
+        rank(std::size_t(o.rank)),
+        starts(batch * std::size_t(o.ranks)),
+        rng(o.seed ^ 0x7e87ull) {}
   std::vector<Token> train, val;
   int T;
+  std::size_t batch, rank;
+  std::vector<std::size_t> starts;  // of the global batch's windows (allocated once: a step allocates nothing)
 
 private:
   template <class Start>
@@ -257,7 +271,7 @@ public:
 
 private:
   TextCorpus(Corpus corpus, const Model &model, const DataOptions &o)
-      : TokenWindows(std::move(corpus.train), std::move(corpus.val), model, o.seed), files(corpus.files) {
+      : TokenWindows(std::move(corpus.train), std::move(corpus.val), model, o), files(corpus.files) {
     if (val.size() < std::size_t(T) + 1 || train.size() < std::size_t(T) + 1)
       throw InputError(
           fmt::format("{}: {} characters are too few for sequences of {}", o.dir, train.size() + val.size(), T));
@@ -274,7 +288,7 @@ class TokenFiles final : public TokenWindows<std::uint16_t> {
   };
 
 public:
-  TokenFiles(const Model &model, const DataOptions &o) : TokenFiles(model, o.seed, load(model, o)) {}
+  TokenFiles(const Model &model, const DataOptions &o) : TokenFiles(model, o, load(model, o)) {}
   std::string describe() const override {
     return fmt::format("tokens: {} training tokens ({}), {} validation tokens ({}), vocabulary {}", train.size(),
                        train_path, val.size(), val_path, vocab);
@@ -282,8 +296,8 @@ public:
   std::vector<std::int32_t> sample_prompt() const override { return {val.front()}; }  // the validation split's first
 
 private:
-  TokenFiles(const Model &model, std::uint64_t seed, Splits s)
-      : TokenWindows(std::move(s.train), std::move(s.val), model, seed),
+  TokenFiles(const Model &model, const DataOptions &o, Splits s)
+      : TokenWindows(std::move(s.train), std::move(s.val), model, o),
         train_path(std::move(s.train_path)),
         val_path(std::move(s.val_path)),
         vocab(model.input.vocab) {}

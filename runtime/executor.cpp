@@ -40,12 +40,10 @@ void reset_step_heap() {
   remat_heap_bytes = 0;
 }
 
+CountedHeap::CountedHeap() { remat_heap_counting = true; }
+CountedHeap::~CountedHeap() { remat_heap_counting = false; }
+
 namespace {
-// Counts heap allocations (every thread) while alive: a phase, less the checks' own bookkeeping.
-struct CountingHeap {
-  CountingHeap() { remat_heap_counting = true; }
-  ~CountingHeap() { remat_heap_counting = false; }
-};
 struct PausedCounting {
   PausedCounting() { remat_heap_counting = false; }
   ~PausedCounting() { remat_heap_counting = true; }
@@ -213,6 +211,7 @@ void *scalar_field(Scalars &s, Scalar which) {
   case Scalar::step: return &s.step;
   case Scalar::drop_threshold: return &s.drop_threshold;
   case Scalar::drop_scale: return &s.drop_scale;
+  case Scalar::first_row: return &s.first_row;
   case Scalar::rng_block: break;  // per call: the executor's
   }
   return nullptr;
@@ -449,7 +448,7 @@ void Executor::run(Phase phase) {
   if (check_free)
     for (int t = 0; t < int(plan.tensors.size()); ++t)
       if (plan.tensors[t].view_of < 0 && persistent(plan.tensors[t].role)) live.push_back(t);
-  CountingHeap counting;  // any heap allocation from here on, but for the checks' own
+  CountedHeap counting;  // any heap allocation from here on, but for the checks' own
   for (std::size_t i = 0; i < calls.size(); ++i) {
     auto &b = calls[i];
     const Step &st = steps[i];
@@ -482,6 +481,7 @@ void Executor::run(Phase phase) {
       check_after(*b, st, check_free ? &live : nullptr, untouched);
       if (observe) observe(phase, i, true);
     }
+    if (finished && phase == Phase::train) finished(i);
     if (timed) {
       if (arena.device() == Device::cuda) arena.synchronize();
       b->seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -51,6 +51,9 @@ struct Scalars {
   std::uint64_t seed = 0, drop_threshold = 0;
   std::int32_t step = 0;
   float drop_scale = 1.f;
+  // Dropout's row counter starts here: the micro-batch's first row within the step's global batch
+  // ((micro-batch x ranks + rank) x rows), so N ranks draw the masks of one process.
+  std::int32_t first_row = 0;
   void set_dropout(double p);  // p in [0, 1)
 };
 
@@ -62,12 +65,19 @@ HalideHeap halide_heap();
 void reset_halide_heap_peak();
 
 // Every heap allocation (malloc, calloc, realloc, aligned allocations, operator new: any thread)
-// made while the executor runs a phase, counted since the last reset (runtime/heap_hooks.cpp).
+// made while the executor runs a phase, or while a CountedHeap lives (the trainer's gradient
+// all-reduce), counted since the last reset (runtime/heap_hooks.cpp).
 struct StepHeap {
   std::size_t allocations = 0, bytes = 0;
 };
 StepHeap step_heap();
 void reset_step_heap();
+struct CountedHeap {
+  CountedHeap();
+  ~CountedHeap();
+  CountedHeap(const CountedHeap &) = delete;
+  CountedHeap &operator=(const CountedHeap &) = delete;
+};
 
 // The variant of the CPU kernels this CPU runs: "avx512" where it has AVX-512 (the Skylake-server
 // set), "avx2" otherwise or when REMAT_CPU_VARIANT=avx2 forces the baseline.
@@ -179,6 +189,10 @@ public:
   // died), with the index of the step in the phase's list of the plan. Not counted as heap use of
   // the step (the trainer's --memory-timeline records a step through it).
   std::function<void(Phase phase, std::size_t step, bool done)> observe;
+  // While set, called after each kernel call of the train phase with its step's index, as part of
+  // the step (its heap use counted): data-parallel training hands the gradients a step finished
+  // to its communication thread.
+  std::function<void(std::size_t step)> finished;
 
   const Plan &plan;
 

@@ -56,11 +56,72 @@ public:
   virtual std::vector<std::int32_t> sample_prompt() const { return {}; }
 };
 
+// Data-parallel training (runtime/trainer/ranks.cpp): the ranks of an `mpirun` launch (Open
+// MPI), or one rank without it. Every rank runs the same plan on its share of each global batch;
+// the sums are MPI_Allreduce's, the same on every rank.
+class Ranks {
+public:
+  static Ranks &world();  // MPI_Init on first use under mpirun, MPI_Finalize at exit
+  int rank = 0, size = 1;
+  int local_size = 1;  // ranks on this machine (they share its cores)
+  // A step's loss and correct predictions, summed over the ranks in rank order (each rank's pair
+  // travels the ring: MPI's own small all-reduce allocates at every call).
+  void sum(double &loss, long &correct) const;
+  // In place, over the ranks, with no memory but `exchange` (ceil(size / ranks) floats or more,
+  // planned in the arena): a ring all-reduce (MPI_Sendrecv to the next rank, from the one before)
+  // that sums chunk c of v as v_c + v_c+1 + ... + v_c-1 around the ring, then passes the sums on,
+  // so every rank holds the same bits.
+  void ring_sum(std::span<float> v, std::span<float> exchange) const;
+  // Open MPI keeps a message that arrives before its receive is posted (ranks run the ring out of
+  // step) in memory its allocator grows on demand and then keeps: grown here, at start-up, by
+  // messages of every size up to 16 KiB arriving early, so that no step allocates.
+  void expect_early_messages() const;
+  std::size_t most(std::size_t v) const;  // the largest over the ranks
+  // An InputError on every rank naming the first rank whose `value` differs from rank 0's.
+  void check_same(std::string_view what, const std::string &value) const;
+  Ranks(const Ranks &) = delete;
+  Ranks &operator=(const Ranks &) = delete;
+
+private:
+  Ranks();
+  ~Ranks();
+  bool initialized = false;
+  struct Sums {
+    double loss;
+    long correct;
+  };
+  mutable std::vector<Sums> sums;  // each rank's, allocated at start-up
+};
+
+// The parameter gradients summed over the ranks while backward goes on: each is handed to a
+// communication thread (MPI_Allreduce in place, in the arena: the buckets take no memory of their
+// own) as soon as the last train step that writes it has run; a bucket is what one step finishes.
+class GradientReducer {
+public:
+  GradientReducer(const Ranks &ranks, Executor &ex);
+  ~GradientReducer();
+  void start();  // before the train phase of a step's last micro-batch
+  struct Times {
+    double busy_ms = 0;  // the communication thread in MPI_Allreduce
+    double wait_ms = 0;  // finish() waiting for it after backward: what was not hidden
+  };
+  Times finish();  // after that phase: every bucket summed
+  GradientReducer(const GradientReducer &) = delete;
+  GradientReducer &operator=(const GradientReducer &) = delete;
+
+private:
+  struct State;
+  std::unique_ptr<State> state;
+};
+
+// A data source reads samples [rank x batch, (rank + 1) x batch) of each global batch of
+// ranks x batch samples: the same samples, in the same order, as one process with the global batch.
 struct DataOptions {
   std::string dir;
   int batch = 0;
   std::uint64_t seed = 0;
   std::string train_file, val_file;  // token files (empty: <dir>/train.bin, <dir>/val.bin)
+  int rank = 0, ranks = 1;
 };
 std::unique_ptr<DataSource> fashion_mnist(const Model &model, const DataOptions &o);
 std::unique_ptr<DataSource> text_corpus(const Model &model, const DataOptions &o);
@@ -245,6 +306,7 @@ struct Summary {
   double loss_first = 0, loss_last = 0;
   std::optional<Evaluation> eval;
   std::vector<double> step_ms;
+  std::vector<GradientReducer::Times> allreduce;  // per step, with ranks
   double train_seconds = 0;
   std::size_t measured_peak = 0, activation_bytes_none = 0;
   std::string grad_digest, param_digest;

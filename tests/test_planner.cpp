@@ -73,7 +73,7 @@ std::string label(const Plan &p) {
 // Tensors that hold values from outside the schedule (roots and their views).
 bool is_persistent(Role r) {
   return r == Role::params || r == Role::grads || r == Role::adam_m || r == Role::adam_v || r == Role::data ||
-         r == Role::metrics;
+         r == Role::metrics || r == Role::exchange;
 }
 
 enum class PlanPhase { train, optimize, eval };
@@ -907,6 +907,26 @@ BOOST_AUTO_TEST_CASE(elementwise_readers_gradients_are_overwritten_in_place) {
           BOOST_TEST(shared > 0);
         }
       }
+}
+
+// Data-parallel plans hold the gradient exchange's receive buffer: 1 / ranks of the largest
+// parameter (rounded up), persistent; one rank's plan has none.
+BOOST_AUTO_TEST_CASE(data_parallel_plans_hold_the_exchange_buffer) {
+  for (const Model *m : {&gpt::model, &zoo_gated::model}) {
+    long long largest = 0;
+    for (int s = 0; s < m->n_stages; ++s)
+      for (const LocalTensor &lt : params(m->stages[s])) largest = std::max(largest, lt.elements(0));
+    for (int ranks : {1, 2, 3}) {
+      StagePolicies policies(full);
+      policies.ranks = ranks;
+      const Plan plan = make_plan(*m, policies, 4, Precision::fp32, Gemms::library);
+      BOOST_TEST(check_plan(plan) == "");
+      std::size_t exchange = 0;
+      for (const Tensor &t : plan.tensors)
+        if (t.role == Role::exchange) exchange += t.bytes();
+      BOOST_TEST(exchange == (ranks == 1 ? 0u : std::size_t((largest + ranks - 1) / ranks * 4)), "ranks " << ranks);
+    }
+  }
 }
 
 // No plan ever holds a [B, H, T, T] tensor: every activation is [R] or [R, w] with w one of the

@@ -398,6 +398,13 @@ struct Builder {
     labels = add({key::of(Slot::labels), Role::data, 1, {n_rows, 0}});
     for (Slot metric : {Slot::row_loss, Slot::row_correct, Slot::row_max, Slot::row_lse})
       add({key::of(metric), Role::metrics, 1, {n_rows, 0}});
+    // data-parallel: a ring all-reduce of each parameter gradient receives 1 / ranks of it at a time
+    if (policies.ranks > 1) {
+      long long largest = 0;
+      for (int s = 0; s < m.n_stages; ++s)
+        for (const LocalTensor &lt : params(m.stages[s])) largest = std::max(largest, lt.elements(n_rows));
+      add({key::of(Slot::exchange), Role::exchange, 1, {(largest + policies.ranks - 1) / policies.ranks, 0}});
+    }
     units = units_of(m, head_fused(m, policies));
   }
   constexpr std::size_t persistent_bytes() const {
@@ -468,8 +475,9 @@ struct Builder {
       std::size_t act = 0, act_peak = 0;
       for (int t = 0; t < int(plan.tensors.size()); ++t) {
         const Role r = plan.tensors[t].role;
-        if (plan.tensors[t].view_of < 0 && (r == Role::params || r == Role::grads || r == Role::adam_m ||
-                                            r == Role::adam_v || r == Role::data || r == Role::metrics))
+        if (plan.tensors[t].view_of < 0 &&
+            (r == Role::params || r == Role::grads || r == Role::adam_m || r == Role::adam_v || r == Role::data ||
+             r == Role::metrics || r == Role::exchange))
           pl.alloc(t);
       }
       for (const Step &st : steps) {

@@ -25,13 +25,14 @@ enum class Role : std::uint8_t {
   gradient,     // gradient flowing between blocks
   scratch,      // short-lived workspace of one backward kernel
   metrics,      // per-row loss and correctness, persistent
+  exchange,     // data-parallel: the receive buffer of the gradient all-reduce, persistent
 };
 
 // Tensors that hold values from outside the schedule (parameters, optimizer state, the batch,
 // the metrics): live through every step; all others live from their alloc to their free.
 constexpr bool persistent(Role r) {
   return r == Role::params || r == Role::grads || r == Role::adam_m || r == Role::adam_v || r == Role::data ||
-         r == Role::metrics;
+         r == Role::metrics || r == Role::exchange;
 }
 
 constexpr bool is_activation(Role r) { return r == Role::block_input || r == Role::internal || r == Role::recomputed; }

@@ -53,6 +53,7 @@ constexpr std::vector<Segment> segments(Policy p, int n_blocks) {
 struct StagePolicies {
   std::array<Policy, max_stages> stage{};
   bool unfused_head = false;
+  int ranks = 1;  // data-parallel ranks (each runs this plan): > 1 adds the gradient exchange's buffer
   constexpr StagePolicies() = default;
   constexpr StagePolicies(const Policy &p) {  // NOLINT: implicit on purpose
     for (Policy &s : stage) s = p;

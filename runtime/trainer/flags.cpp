@@ -468,7 +468,7 @@ ParsedFlags parse_flags(int argc, char **argv, const ModelInfo &info, const std:
 }
 
 DataOptions data_options(const Options &o, int batch) {
-  return {o.data_dir, batch, o.seed, o.train_file, o.validation_file};
+  return {o.data_dir, batch, o.seed, o.train_file, o.validation_file, Ranks::world().rank, Ranks::world().size};
 }
 
 Policy parse_policy(std::string_view text) {

@@ -7,6 +7,7 @@ module;
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <chrono>
 #include <climits>
@@ -137,6 +138,12 @@ void print_sample(std::FILE *progress, const ModelInfo &info, const Run &run, Ex
     fmt::print(progress, "sample:\n{}\n", std::string(ids.begin(), ids.end()));
 }
 
+// Where ranks other than 0 write their progress: nowhere.
+std::FILE *null_stream() {
+  static std::FILE *null = std::fopen("/dev/null", "w");
+  return null;
+}
+
 // "1:05", "2:03:07"
 std::string clock_text(double seconds) {
   const long s = std::lround(std::max(0.0, seconds));
@@ -159,12 +166,18 @@ public:
         run(run),
         plan(run.plan),
         program(program),
-        progress(o.json ? stderr : stdout),
+        progress(ranks.rank > 0 ? null_stream()
+                 : o.json       ? stderr
+                                : stdout),
         data(data_source(info, data_options(o, run.batch))),
         steps_per_epoch(checked_steps_per_epoch(*data, run)),
         max_steps(checked_max_steps(o, steps_per_epoch)),
-        timeline(o.memory_timeline.empty() ? nullptr : std::make_unique<MemoryTimeline>(o.memory_timeline, program)),
-        metrics(o.logging_dir.empty() ? nullptr : std::make_unique<MetricsLog>(o.logging_dir, metrics_setup())),
+        // rank 0's files
+        timeline(o.memory_timeline.empty() || ranks.rank > 0
+                     ? nullptr
+                     : std::make_unique<MemoryTimeline>(o.memory_timeline, program)),
+        metrics(o.logging_dir.empty() || ranks.rank > 0 ? nullptr
+                                                        : std::make_unique<MetricsLog>(o.logging_dir, metrics_setup())),
         engine(run.plan, info.name, run.device == Device::cuda ? info.cuda_kernels : info.kernels,
                {.device = run.device}),
         ex(engine.executor),
@@ -173,34 +186,40 @@ public:
     std::signal(SIGTERM, request_termination);  // the run stops after its step, with a snapshot
     live = ::isatty(::fileno(progress)) == 1;
     eval_samples = o.eval_samples < 0 ? data->eval_samples() : o.eval_samples;
-    // everything that shapes the sequence of steps; a resume must use the same
+    // everything that shapes the sequence of steps; a resume must use the same (with the batch of
+    // all ranks together: any number of ranks resumes a snapshot of the same global batch)
     run_flags = fmt::format(
         "--max-steps {} --batch-size {} --gradient-accumulation-steps {} --learning-rate {} --warmup-steps {} "
         "--lr-scheduler-type {} --weight-decay {} --dropout {}{}",
-        summary.max_steps, run.batch, run.micro, o.learning_rate, o.warmup_steps, o.lr_scheduler_type, o.weight_decay,
-        o.dropout, o.bf16 ? " --bf16" : "");
+        summary.max_steps, run.batch * ranks.size, run.micro, o.learning_rate, o.warmup_steps, o.lr_scheduler_type,
+        o.weight_decay, o.dropout, o.bf16 ? " --bf16" : "");
+    ranks.check_same("builds or flags",
+                     fmt::format("remat {}, model {} ({}), policy {}, --batch-size {} per rank, {}", remat_version(),
+                                 info.name, definition_digest(info.model), run.policy_label, run.batch, run_flags));
+    if (ranks.size > 1) reducer = std::make_unique<GradientReducer>(ranks, ex);
     engine.init_params(o.seed);
     initial_max_abs = max_abs_param();
     if (!o.init_from.empty()) init_from();
-    if (!o.output_dir.empty()) check_output_dir(o.output_dir, snapshot_bytes(plan));
+    if (!o.output_dir.empty() && ranks.rank == 0) check_output_dir(o.output_dir, snapshot_bytes(plan));
     if (!o.resume_from_snapshot.empty()) resume();
     reset_halide_heap_peak();
     reset_step_heap();
     scalars.seed = o.seed;
     scalars.set_dropout(o.dropout);
-    scalars.grad_scale = float(1.0 / (double(plan.rows) * run.micro));
+    scalars.grad_scale = float(1.0 / (double(plan.rows) * run.micro * ranks.size));  // the global batch's mean
     scalars.weight_decay = float(o.weight_decay);
   }
 
   Summary train() {
     const Plan none_plan = make_plan(info.model, none, run.batch, run.precision, gemms_of(run.device, run.precision));
     summary.activation_bytes_none = none_plan.activation_bytes;
-    fmt::print(progress,
-               "{}: {}\n{}: policy {}, {}, batch {} x {}, {} steps, {} parameters, arena {} (activations {}; {} under "
-               "none)\n",
-               program, data->describe(), program, run.policy_label, precision_name(run.precision), run.batch,
-               run.micro, summary.max_steps, plan.param_count, mib(plan.peak_bytes), mib(plan.activation_bytes),
-               mib(none_plan.activation_bytes));
+    fmt::print(
+        progress,
+        "{}: {}\n{}: policy {}, {}, batch {} x {}{}, {} steps, {} parameters, arena {} (activations {}; {} under "
+        "none)\n",
+        program, data->describe(), program, run.policy_label, precision_name(run.precision), run.batch, run.micro,
+        ranks.size > 1 ? fmt::format(" x {} ranks (arena per rank)", ranks.size) : "", summary.max_steps,
+        plan.param_count, mib(plan.peak_bytes), mib(plan.activation_bytes), mib(none_plan.activation_bytes));
     std::fflush(progress);
     started = std::chrono::steady_clock::now();
     for (long step = summary.first_step; step <= summary.max_steps; ++step) {
@@ -208,7 +227,7 @@ public:
       summary.last_step = step;
       const std::string stop = step < summary.max_steps ? stop_reason(step) : "";
       const bool save_now = step == summary.max_steps || (o.save_steps > 0 && step % o.save_steps == 0);
-      if (!o.output_dir.empty() && (save_now || !stop.empty())) save(step);
+      if (!o.output_dir.empty() && (save_now || !stop.empty()) && ranks.rank == 0) save(step);
       std::optional<Evaluation> e;
       if (o.eval_steps > 0 && step % o.eval_steps == 0 && step < summary.max_steps && eval_samples > 0) {
         e = evaluate(*data, ex, scalars, plan, eval_samples, o.dropout);
@@ -236,9 +255,9 @@ public:
       const long steps = summary.last_step - summary.first_step + 1;
       if (ended) metrics->step(last, summary.eval);
       metrics->finish(summary.last_step, epoch(summary.last_step), loss_total / steps, seconds_since(started), steps,
-                      steps * run.batch * run.micro);
+                      steps * run.batch * run.micro * ranks.size);
     }
-    if (ended) print_sample(progress, info, run, ex, *data, o.seed);
+    if (ended && ranks.rank == 0) print_sample(progress, info, run, ex, *data, o.seed);
     return finish();
   }
 
@@ -269,17 +288,29 @@ private:
     scalars.step = std::int32_t(step);
     for (int m = 0; m < run.micro; ++m) {
       data->next_train_batch(ex);
-      if (first && m == 0 && !o.save_initial.empty()) {  // not timed
+      if (first && m == 0 && !o.save_initial.empty() && ranks.rank == 0) {  // not timed; rank 0's share
         save_initial(o.save_initial, info.model, plan, ex, initial_metadata());
         t0 = std::chrono::steady_clock::now();
       }
       scalars.accumulate = m > 0;
+      scalars.first_row = std::int32_t((long(m) * ranks.size + ranks.rank) * plan.rows);
+      const bool reduce = reducer && m + 1 == run.micro;  // the gradients are final in this one
+      if (reduce) reducer->start();
       ex.run(Executor::Phase::train);
+      if (reduce) summary.allreduce.push_back(reducer->finish());
       ex.download(plan.row_loss());
       ex.download(plan.row_correct());
       for (float l : ex.tensor<float>(plan.row_loss())) loss_sum += l;
       for (std::int32_t c : ex.tensor<std::int32_t>(plan.row_correct())) correct += c;
-      if (!std::isfinite(loss_sum) || !finite(plan.grads())) return nonfinite(step, m, loss_sum);
+      // with ranks, each decides on the sums (the same everywhere), after the last micro-batch
+      if (ranks.size == 1 && (!std::isfinite(loss_sum) || !finite(plan.grads()))) return nonfinite(step, m, loss_sum);
+    }
+    if (ranks.size > 1) {  // the global batch's (the gradients were summed during backward: GradientReducer)
+      {
+        CountedHeap counted;  // what MPI allocates is the step's too
+        ranks.sum(loss_sum, correct);
+      }
+      if (!std::isfinite(loss_sum) || !finite(plan.grads())) return nonfinite(step, run.micro - 1, loss_sum);
     }
     if (first) {
       ex.download(plan.grads());
@@ -295,16 +326,16 @@ private:
     if (first) {
       const MeasuredPeak measured{engine.arena.high_water(), halide_heap().peak,
                                   run.device == Device::cpu ? step_heap().bytes : 0};
-      summary.measured_peak = measured.total();
+      summary.measured_peak = ranks.most(measured.total());  // every rank runs the same plan
       if (timeline) timeline->finish(measured);
     }
     const double ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
     summary.step_ms.push_back(ms);
     summary.train_seconds += ms / 1000;
-    const double loss = loss_sum / (double(plan.rows) * run.micro);
+    const long rows = long(plan.rows) * run.micro * ranks.size;  // of the global batch
+    const double loss = loss_sum / double(rows);
     if (first) summary.loss_first = loss;
     summary.loss_last = loss;
-    const long rows = long(plan.rows) * run.micro;
     last = {step, epoch(step), loss, lr, double(correct) / double(rows), ms, double(rows) / (ms / 1000)};
     loss_total += loss;
     window_loss += loss;
@@ -389,7 +420,8 @@ private:
                  "step {:>5}/{} | epoch {:5.2f} | loss {:.4f} | train acc {:5.1f}% | lr {:.2e} | {:.0f} samples/s | "
                  "elapsed {} | left {}\n",
                  step, summary.max_steps, window.epoch, window.loss, 100 * window.train_accuracy, lr,
-                 double(done) * run.batch * run.micro / summary.train_seconds, clock_text(elapsed), clock_text(left));
+                 double(done) * run.batch * run.micro * ranks.size / summary.train_seconds, clock_text(elapsed),
+                 clock_text(left));
       std::fflush(progress);
       if (metrics) metrics->logged(window);
       window_loss = window_ms = 0;
@@ -404,11 +436,11 @@ private:
     if (live_shown && now - live_at < std::chrono::milliseconds(100)) return;
     live_at = now;
     const bool tokens = info.model.rows_per_sample() > 1;
-    std::string line =
-        fmt::format("step {}/{} | loss {:.4f} | {:.0f} {}/s | memory {} planned, {} measured | elapsed {} | left {}",
-                    step, summary.max_steps, last.loss, double(done) * plan.rows * run.micro / summary.train_seconds,
-                    tokens ? "tokens" : "samples", mib(plan.peak_bytes), mib(summary.measured_peak),
-                    clock_text(elapsed), clock_text(left));
+    std::string line = fmt::format(
+        "step {}/{} | loss {:.4f} | {:.0f} {}/s | memory {} planned, {} measured | elapsed {} | left {}", step,
+        summary.max_steps, last.loss, double(done) * plan.rows * run.micro * ranks.size / summary.train_seconds,
+        tokens ? "tokens" : "samples", mib(plan.peak_bytes), mib(summary.measured_peak), clock_text(elapsed),
+        clock_text(left));
     if (const int columns = terminal_columns(progress); columns > 1 && int(line.size()) >= columns)
       line.resize(columns - 1);
     fmt::print(progress, "\r\033[K{}", line);
@@ -500,10 +532,15 @@ private:
   }
 
   static long checked_steps_per_epoch(const DataSource &data, const Run &run) {
-    const long per_step = long(run.batch) * run.micro;
+    const int n = Ranks::world().size;
+    const long per_step = long(run.batch) * run.micro * n;
+    if (per_step * long(run.plan.rows / run.batch) > INT32_MAX)
+      throw InputError(fmt::format("{} rows per optimizer step: at most {} (the dropout row counter is 32-bit)",
+                                   per_step * long(run.plan.rows / run.batch), INT32_MAX));
     if (per_step > data.train_samples())
-      throw InputError(fmt::format("--batch-size {} x --gradient-accumulation-steps {} exceeds the {} training samples",
-                                   run.batch, run.micro, data.train_samples()));
+      throw InputError(
+          fmt::format("--batch-size {} x --gradient-accumulation-steps {}{} exceeds the {} training samples", run.batch,
+                      run.micro, n > 1 ? fmt::format(" x {} ranks", n) : "", data.train_samples()));
     return data.train_samples() / per_step;
   }
   static long checked_max_steps(const Options &o, long steps_per_epoch) {
@@ -513,6 +550,7 @@ private:
     return steps;
   }
 
+  const Ranks &ranks = Ranks::world();
   const Options &o;
   const ModelInfo &info;
   const Run &run;
@@ -527,6 +565,7 @@ private:
   Engine engine;
   Executor &ex;
   Scalars &scalars;
+  std::unique_ptr<GradientReducer> reducer;  // with ranks
   long eval_samples = 0;
   std::string run_flags;
   float initial_max_abs = 0;  // of the parameters as initialized (the guard's reference)

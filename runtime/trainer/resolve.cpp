@@ -88,7 +88,10 @@ Run resolve(const Options &o, const ModelInfo &info, const std::string &program)
   const Model &model = info.model;
   Run run;
   run.device = o.device == "cuda" ? Device::cuda : Device::cpu;
+  if (run.device == Device::cuda && Ranks::world().size > 1)
+    throw InputError("--device cuda with more than one rank: NCCL is not built yet (CPU ranks only)");
   run.policies = resolve_policies(o, info, run.device);
+  run.policies.ranks = Ranks::world().size;
   run.batch = o.batch_size ? o.batch_size : info.defaults.batch;
   run.micro = o.gradient_accumulation_steps;
   if (long(run.batch) * model.rows_per_sample() < min_kernel_rows)

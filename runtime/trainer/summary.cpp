@@ -20,16 +20,31 @@ void print_summary(const Options &o, const ModelInfo &info, const Run &run, cons
   std::vector<double> sorted = s.step_ms;
   std::ranges::sort(sorted);
   const double median = sorted.empty() ? 0 : sorted[sorted.size() / 2];  // every step skipped: none
-  const double samples_per_s = double(s.step_ms.size()) * run.batch * run.micro / s.train_seconds;
+  const int ranks = Ranks::world().size;
+  const double samples_per_s = double(s.step_ms.size()) * run.batch * run.micro * ranks / s.train_seconds;
   const double rows_per_s = samples_per_s * info.model.rows_per_sample();
-  fmt::print(o.json ? stderr : stdout,
-             "memory: planned peak {} B, measured peak {} B ({}); activations {} under {} vs {} under none ({:.1f}%)\n"
-             "speed: {:.0f} samples/s ({:.0f} rows/s), median step {:.1f} ms, {} kernel launches per micro-batch ({} "
-             "recompute)\n",
-             plan.peak_bytes, s.measured_peak, s.measured_peak == plan.peak_bytes ? "equal" : "DIFFERENT",
-             mib(plan.activation_bytes), run.policy_label, mib(s.activation_bytes_none),
-             100.0 * plan.activation_bytes / s.activation_bytes_none, samples_per_s, rows_per_s, median,
-             plan.total_launches, plan.recompute_launches);
+  fmt::print(
+      o.json ? stderr : stdout,
+      "memory: planned peak {} B, measured peak {} B{} ({}); activations {} under {} vs {} under none ({:.1f}%)\n"
+      "speed: {:.0f} samples/s ({:.0f} rows/s), median step {:.1f} ms, {} kernel launches per micro-batch ({} "
+      "recompute)\n",
+      plan.peak_bytes, s.measured_peak, ranks > 1 ? fmt::format(" (the largest of {} ranks)", ranks) : "",
+      s.measured_peak == plan.peak_bytes ? "equal" : "DIFFERENT", mib(plan.activation_bytes), run.policy_label,
+      mib(s.activation_bytes_none), 100.0 * plan.activation_bytes / s.activation_bytes_none, samples_per_s, rows_per_s,
+      median, plan.total_launches, plan.recompute_launches);
+  // data-parallel: the gradient all-reduce on the communication thread, and how much of it the
+  // main thread waited for after backward
+  double allreduce_ms = 0, waited_ms = 0;
+  for (const GradientReducer::Times &t : s.allreduce) {
+    allreduce_ms += t.busy_ms;
+    waited_ms += t.wait_ms;
+  }
+  const double hidden = allreduce_ms > 0 ? std::max(0.0, 1 - waited_ms / allreduce_ms) : 0;
+  if (!s.allreduce.empty())
+    fmt::print(o.json ? stderr : stdout,
+               "all-reduce: {:.1f} ms per step on the communication thread, {:.1f} ms waited after backward ({:.0f}% "
+               "hidden)\n",
+               allreduce_ms / double(s.allreduce.size()), waited_ms / double(s.allreduce.size()), 100 * hidden);
   if (!o.json) return;
   auto optional = [&](auto f) { return s.eval ? nlohmann::json(f(*s.eval)) : nlohmann::json(); };
   const nlohmann::json j = {
@@ -38,7 +53,8 @@ void print_summary(const Options &o, const ModelInfo &info, const Run &run, cons
       {"device", o.device},
       {"precision", std::string(precision_name(run.precision))},
       {"offload_bytes", plan.offload_bytes},
-      {"batch_size", run.batch},
+      {"batch_size", run.batch},  // per rank
+      {"ranks", Ranks::world().size},
       {"gradient_accumulation_steps", run.micro},
       {"dropout", o.dropout},
       {"steps", s.last_step},
@@ -50,6 +66,9 @@ void print_summary(const Options &o, const ModelInfo &info, const Run &run, cons
       {"samples_per_s", samples_per_s},
       {"tokens_per_s", rows_per_s},
       {"step_ms_median", median},
+      {"allreduce_ms_mean", s.allreduce.empty() ? 0 : allreduce_ms / double(s.allreduce.size())},
+      {"allreduce_wait_ms_mean", s.allreduce.empty() ? 0 : waited_ms / double(s.allreduce.size())},
+      {"allreduce_hidden", hidden},
       {"step_ms", s.step_ms},
       {"planned_peak_bytes", plan.peak_bytes},
       {"measured_peak_bytes", s.measured_peak},

@@ -135,6 +135,7 @@ std::string_view role_name(Role r) {
   case Role::gradient: return "gradient between blocks";
   case Role::scratch: return "backward workspace";
   case Role::metrics: return "per-row metrics";
+  case Role::exchange: return "gradient exchange (data-parallel)";
   }
   return "?";
 }

@@ -378,7 +378,7 @@ private:
       return;
     }
     keep = Halide::Func(part(name, "keep"));
-    keep(t, s, h, n) = dropout_factor(L, drop, attention_element(s, h, n * T + t, H));
+    keep(t, s, h, n) = dropout_factor(L, drop, attention_element(s, h, drop.row(n * T + t), H));
     kept = Halide::Func(part(name, "kept"));
     kept(t, s, h, n) = prob(t, s, h, n) * keep(t, s, h, n);
   }
@@ -413,7 +413,7 @@ private:
     c.prob(s, h, v.b) = exp(c.score(s, h, v.b) - lse(h, query));
     if (drop.enabled) {
       c.keep = Func(part(name, "keep"));
-      c.keep(s, h, v.b) = dropout_factor(L, drop, attention_element(key_position, h, query, H));
+      c.keep(s, h, v.b) = dropout_factor(L, drop, attention_element(key_position, h, drop.row(query), H));
       c.kept = Func(part(name, "kept"));
       c.kept(s, h, v.b) = c.prob(s, h, v.b) * c.keep(s, h, v.b);
     } else {
@@ -440,7 +440,7 @@ private:
       return;
     }
     keep = Halide::Func(part(name, "keep"));
-    keep(s, h, v.b) = dropout_factor(L, d, attention_element(s, h, v.b, H));
+    keep(s, h, v.b) = dropout_factor(L, d, attention_element(s, h, d.row(v.b), H));
     kept = Halide::Func(part(name, "kept"));
     kept(s, h, v.b) = prob(s, h, v.b) * keep(s, h, v.b);
   }

@@ -68,6 +68,7 @@ inline Halide::Expr keep_mask(Halide::Expr seed, Halide::Expr step, Halide::Expr
 // and multiply by exactly 1).
 struct Dropout {
   Halide::Expr seed, step, block, threshold, scale;
+  Halide::Expr first_row;  // added to a row before its element index (undefined: 0)
   bool enabled = false;
   Dropout() = default;
   Dropout(Halide::Expr seed, Halide::Expr step, Halide::Expr block, double p)
@@ -77,8 +78,11 @@ struct Dropout {
         threshold(Halide::Expr(drop_threshold(p))),
         scale(Halide::Expr(p == 0 ? 1.0 : 1 / (1 - p))),
         enabled(p != 0) {}
-  Dropout(Halide::Expr seed, Halide::Expr step, Halide::Expr block, Halide::Expr threshold, Halide::Expr scale)
-      : seed(seed), step(step), block(block), threshold(threshold), scale(scale), enabled(true) {}
+  Dropout(Halide::Expr seed, Halide::Expr step, Halide::Expr block, Halide::Expr threshold, Halide::Expr scale,
+          Halide::Expr first_row = {})
+      : seed(seed), step(step), block(block), threshold(threshold), scale(scale), first_row(first_row), enabled(true) {}
+  // Row b of the call as a row of the step's global batch (the masks' element counter).
+  Halide::Expr row(Halide::Expr b) const { return first_row.defined() ? b + first_row : b; }
   Dropout at(Halide::Expr site) const {  // the same configuration for another site
     Dropout d = *this;
     d.block = site;
@@ -100,7 +104,7 @@ inline Halide::Expr dropout_factor(const Layers &L, const Dropout &d, Halide::Ex
 // y = x * keep / (1 - p)
 inline Halide::Func dropout(const Layers &L, const std::string &name, Halide::Func x, int width, const Dropout &d) {
   Halide::Func y(name);
-  y(L.v.c, L.v.b) = d.enabled ? x(L.v.c, L.v.b) * dropout_factor(L, d, activation_element(L.v.c, L.v.b, width))
+  y(L.v.c, L.v.b) = d.enabled ? x(L.v.c, L.v.b) * dropout_factor(L, d, activation_element(L.v.c, d.row(L.v.b), width))
                               : Halide::Expr(x(L.v.c, L.v.b));
   return y;
 }

@@ -15,7 +15,7 @@ struct KindRules<Op::dropout> {
   static Built forward(StageKernels &k, int j, const std::string &name) {
     const gen::Dropout d = k.dropout_at(j);
     return k.chain_link(j, name, [&k, d, w = k.blk.layers[j].out](Expr e) {
-      return d.enabled ? e * gen::dropout_factor(k.L, d, gen::activation_element(k.v.c, k.v.b, w)) : e;
+      return d.enabled ? e * gen::dropout_factor(k.L, d, gen::activation_element(k.v.c, d.row(k.v.b), w)) : e;
     });
   }
   static void backward(StageKernels &k, int j, Func, Func d) {
