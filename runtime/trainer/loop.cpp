@@ -53,8 +53,10 @@ double learning_rate(const Options &o, long step, long max_steps) {  // step cou
   return o.learning_rate * 0.5 * (1.0 + std::cos(M_PI * std::min(1.0, progress)));
 }
 
-// Forward-discard over `samples` evaluation samples (dropout off).
+// Forward-discard over `samples` evaluation samples (dropout off); with ranks, each takes every
+// ranks-th batch of them and the sums are the ranks' together.
 Evaluation evaluate(DataSource &data, Executor &ex, Scalars &scalars, const Plan &plan, long samples, double dropout) {
+  const Ranks &ranks = Ranks::world();
   Evaluation e;
   e.samples = std::min(samples, data.eval_samples());
   if (e.samples == 0) throw InputError("the evaluation split is empty (pass --eval-samples 0 to skip evaluation)");
@@ -62,7 +64,7 @@ Evaluation evaluate(DataSource &data, Executor &ex, Scalars &scalars, const Plan
   double loss_sum = 0;
   long correct = 0;
   scalars.set_dropout(0);
-  for (long first = 0; first < e.samples; first += plan.batch) {
+  for (long first = long(ranks.rank) * plan.batch; first < e.samples; first += long(plan.batch) * ranks.size) {
     data.load_eval_batch(ex, first);
     ex.run(Executor::Phase::eval);
     ex.download(plan.row_loss());
@@ -75,6 +77,7 @@ Evaluation evaluate(DataSource &data, Executor &ex, Scalars &scalars, const Plan
       correct += c[r];
     }
   }
+  ranks.sum(loss_sum, correct);
   scalars.set_dropout(dropout);
   e.loss = loss_sum / double(e.samples * rows_per_sample);
   e.accuracy = double(correct) / double(e.samples * rows_per_sample);
