@@ -4,8 +4,9 @@ Halide thread and the global batch, against `mpirun --oversubscribe -np N` ranks
 thread each (cores / ranks) and the global batch split over them. Per configuration and round,
 remat's median step; the scaling efficiency (one process's step / the ranks' step: 1.0 is
 perfect); the all-reduce time on the ranks' communication thread per step and the fraction of it
-hidden behind backward; each run's planned and measured peak per rank. Rounds alternate the
-configurations. `--shard-optimizer` (ZeRO-1) is not built yet: its rows are left out.
+hidden behind backward; each run's planned and measured peak per rank, the ranks' also with
+--shard-optimizer (ZeRO-1: each rank keeps the AdamW moments of its shard only). Rounds alternate
+the configurations.
 
     .venv/bin/python bench/ranks.py [--models gpt,mlp] [--policies none,full] [--steps 20] [--rounds 2]
 """
@@ -54,29 +55,34 @@ def main():
         for policy in a.policies.split(","):
             glob = BATCH[model]
             common = [model, "--checkpoint-policy", policy, "--max-steps", str(a.steps)]
-            one_ms, many_ms, reduce_ms, hidden, peaks = [], [], [], [], []
+            one_ms, many_ms, sharded_ms, reduce_ms, hidden, peaks = [], [], [], [], [], []
             for _ in range(a.rounds):
                 one = run(common + ["--batch-size", str(glob)], 1)
                 many = run(common + ["--batch-size", str(glob // a.ranks)], a.ranks)
+                sharded = run(common + ["--batch-size", str(glob // a.ranks), "--shard-optimizer"], a.ranks)
+                sharded_ms.append(statistics.median(sharded["step_ms"][a.warmup:]))
                 one_ms.append(statistics.median(one["step_ms"][a.warmup:]))
                 many_ms.append(statistics.median(many["step_ms"][a.warmup:]))
                 reduce_ms.append(many["allreduce_ms_mean"])
                 hidden.append(many["allreduce_hidden"])
                 peaks.append((one["planned_peak_bytes"], one["measured_peak_bytes"], many["planned_peak_bytes"],
-                              many["measured_peak_bytes"]))
+                              many["measured_peak_bytes"], sharded["planned_peak_bytes"],
+                              sharded["measured_peak_bytes"]))
             row = {"model": model, "policy": policy, "global_batch": glob, "ranks": a.ranks,
                    "one_process_ms": statistics.median(one_ms), "ranks_ms": statistics.median(many_ms),
+                   "sharded_ms": statistics.median(sharded_ms),
                    "allreduce_ms": statistics.median(reduce_ms), "hidden": statistics.median(hidden),
                    "one_process_ms_rounds": one_ms, "ranks_ms_rounds": many_ms, "peaks": peaks[-1]}
             row["efficiency"] = row["one_process_ms"] / row["ranks_ms"]
             rows.append(row)
-            p1, m1, pn, mn = row["peaks"]
+            p1, m1, pn, mn, ps, ms = row["peaks"]
             print(f"{model:5} {policy:5} global batch {glob}: 1 process {row['one_process_ms']:.1f} ms, "
                   f"{a.ranks} ranks {row['ranks_ms']:.1f} ms (efficiency {row['efficiency']:.2f}; rounds "
                   f"{' '.join(f'{x:.1f}/{y:.1f}' for x, y in zip(one_ms, many_ms))}); all-reduce "
                   f"{row['allreduce_ms']:.1f} ms per step, {100 * row['hidden']:.0f}% hidden; peak per rank planned "
-                  f"{pn} B, measured {mn} B ({'equal' if pn == mn else 'DIFFERENT'}); 1 process {p1} B, "
-                  f"measured {m1} B")
+                  f"{pn} B, measured {mn} B ({'equal' if pn == mn else 'DIFFERENT'}), --shard-optimizer "
+                  f"{row['sharded_ms']:.1f} ms, planned {ps} B, measured {ms} B ({'equal' if ps == ms else 'DIFFERENT'}); "
+                  f"1 process {p1} B, measured {m1} B")
     pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"cpu": cpu, "rows": rows}, f, indent=1)

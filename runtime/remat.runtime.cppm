@@ -221,6 +221,11 @@ struct SnapshotState {
   std::string remat_version;     // of the remat that wrote it (load_snapshot fills it)
 };
 
+// Every parameter's AdamW moments in the flat parameters' layout.
+struct Moments {
+  std::span<const float> m, v;
+};
+
 // What runs one plan: the plan, an arena sized for its training and evaluation peaks (filled
 // with the canary pattern unless asked not to: a kernel reading memory nothing wrote then shows
 // NaN), the kernels' scalars and the executor that walks the plan. The trainer, the sampler, the
@@ -245,7 +250,9 @@ public:
   // A snapshot folder (snapshot.cpp): built as <folder>.tmp, every file fsync'ed, then renamed.
   // load_snapshot() checks every CRC-32, size, name and shape, that it is of this model and that
   // its parameters are finite, before it changes anything.
-  void save_snapshot(const std::string &folder, const SnapshotState &state);
+  // With a sharded optimizer (Plan::shard_slots) the moments are every rank's, in the flat
+  // parameters' layout (the trainer gathers them); load_snapshot keeps this plan's shard.
+  void save_snapshot(const std::string &folder, const SnapshotState &state, const Moments &moments = {});
   SnapshotState load_snapshot(const std::string &folder);
   // --init-from: the parameters from a safetensors file of PyTorch names and layouts
   // (named_parameters; F32, BF16 or F16; a snapshot folder means its model.safetensors), every

@@ -64,14 +64,21 @@ public:
   static Ranks &world();  // MPI_Init on first use under mpirun, MPI_Finalize at exit
   int rank = 0, size = 1;
   int local_size = 1;  // ranks on this machine (they share its cores)
-  // A step's loss and correct predictions, summed over the ranks in rank order (each rank's pair
-  // travels the ring: MPI's own small all-reduce allocates at every call).
-  void sum(double &loss, long &correct) const;
-  // In place, over the ranks, with no memory but `exchange` (ceil(size / ranks) floats or more,
-  // planned in the arena): a ring all-reduce (MPI_Sendrecv to the next rank, from the one before)
-  // that sums chunk c of v as v_c + v_c+1 + ... + v_c-1 around the ring, then passes the sums on,
-  // so every rank holds the same bits.
-  void ring_sum(std::span<float> v, std::span<float> exchange) const;
+  // A step's loss, correct predictions and ranks that found non-finite gradients, summed over the
+  // ranks in rank order (each rank's travels the ring: MPI's own small all-reduce allocates at
+  // every call).
+  struct Sums {
+    double loss = 0;
+    long correct = 0, nonfinite = 0;
+  };
+  void sum(Sums &sums) const;
+  // Ring collectives (MPI_Sendrecv to the next rank, from the one before) in place over chunks of
+  // v: chunk c is [bounds[c], bounds[c + 1]) (ranks + 1 bounds). reduce_scatter: rank r's chunk r
+  // becomes the sum over the ranks, v_r+1 + v_r+2 + ... + v_r around the ring, receiving into
+  // `exchange` (planned in the arena: as long as the longest chunk); all_gather: every chunk c
+  // becomes rank c's. Both together are an all-reduce with the same bits on every rank.
+  void reduce_scatter(std::span<float> v, std::span<const std::size_t> bounds, std::span<float> exchange) const;
+  void all_gather(std::span<float> v, std::span<const std::size_t> bounds) const;
   // Open MPI keeps a message that arrives before its receive is posted (ranks run the ring out of
   // step) in memory its allocator grows on demand and then keeps: grown here, at start-up, by
   // messages of every size up to 16 KiB arriving early, so that no step allocates.
@@ -86,11 +93,7 @@ private:
   Ranks();
   ~Ranks();
   bool initialized = false;
-  struct Sums {
-    double loss;
-    long correct;
-  };
-  mutable std::vector<Sums> sums;  // each rank's, allocated at start-up
+  mutable std::vector<Sums> all_sums;  // each rank's, allocated at start-up
 };
 
 // The parameter gradients summed over the ranks while backward goes on: each is handed to a
@@ -106,6 +109,12 @@ public:
     double wait_ms = 0;  // finish() waiting for it after backward: what was not hidden
   };
   Times finish();  // after that phase: every bucket summed
+  // The gradients this rank holds summed: all of them, or with a sharded optimizer its shard's.
+  std::span<const float> summed_gradients() const;
+  // With a sharded optimizer, after AdamW: every rank's shard of the parameters to every rank.
+  void gather_parameters();
+  // ... and for a snapshot: every rank's moments, whole (m and v get the flat parameters' size).
+  Moments gather_moments(std::vector<float> &m, std::vector<float> &v);
   GradientReducer(const GradientReducer &) = delete;
   GradientReducer &operator=(const GradientReducer &) = delete;
 
@@ -265,7 +274,8 @@ struct Options {
   std::string device = "cpu";
   bool offload = false;
   bool bf16 = false;
-  std::string config;  // --config FILE.json
+  bool shard_optimizer = false;  // ZeRO-1 over the mpirun ranks
+  std::string config;            // --config FILE.json
 };
 // The options, or the exit code when there is nothing to run (--help: 0; a bad flag: 2, said on
 // stderr).

@@ -106,12 +106,19 @@ constexpr const char *model_file = "model.safetensors", *optimizer_file = "optim
 
 std::string shape_text(const std::vector<long long> &shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 
-// A parameter's values in one of the plan's flat buffers (params, adam_m, adam_v share a layout).
-std::span<float> in_buffer(Executor &ex, const Plan &plan, TensorId buffer, const NamedParameter &p) {
+// A parameter's values in a buffer of the flat parameters' layout (params, and adam_m, adam_v unless
+// the optimizer is sharded: Plan::shard_slots).
+template <class T>
+std::span<T> in_flat(std::span<T> flat, const Plan &plan, const NamedParameter &p) {
   const Tensor &t = plan.tensors[p.id.index];
   if (t.view_of != plan.params().index) throw std::logic_error("a parameter outside the plan's parameter buffer");
-  return ex.tensor<float>(buffer).subspan(t.offset / sizeof(float),
-                                          std::size_t(t.extent[0] * (t.dims == 2 ? t.extent[1] : 1)));
+  return flat.subspan(t.offset / sizeof(float), std::size_t(t.extent[0] * (t.dims == 2 ? t.extent[1] : 1)));
+}
+std::span<float> in_buffer(Executor &ex, const Plan &plan, TensorId buffer, const NamedParameter &p) {
+  return in_flat(ex.tensor<float>(buffer), plan, p);
+}
+bool sharded(const Plan &plan) {
+  return plan.shard_end - plan.shard_first < plan.tensors[plan.params().index].extent[0];
 }
 
 // The first parameter holding a NaN or an infinity, or "".
@@ -172,22 +179,21 @@ std::vector<float> floats(const Safetensors &file, const SafetensorsTensor &t) {
   return out;
 }
 
-// `parts` of the plan's flat buffers, each parameter as <name><suffix>, to a safetensors file.
+// `parts`, buffers of the flat parameters' layout, each parameter as <name><suffix>, to a
+// safetensors file.
 struct Part {
-  TensorId buffer;
+  std::span<const float> flat;
   std::string_view suffix;
 };
 void write_buffers(Executor &ex, std::string_view model, const std::string &path, std::initializer_list<Part> parts) {
   const std::vector<NamedParameter> params = named_parameters(ex.plan);
   std::vector<SafetensorsTensor> tensors;
   std::vector<std::vector<float>> values;
-  for (const Part &part : parts) {
-    ex.download(part.buffer);
+  for (const Part &part : parts)
     for (const NamedParameter &p : params) {
       tensors.push_back({.name = p.name + std::string(part.suffix), .dtype = "F32", .shape = p.shape});
-      values.push_back(to_file_layout(p, in_buffer(ex, ex.plan, part.buffer, p)));
+      values.push_back(to_file_layout(p, in_flat(part.flat, ex.plan, p)));
     }
-  }
   std::vector<std::span<const std::byte>> data;
   for (const auto &v : values) data.push_back(std::as_bytes(std::span(v)));
   write_safetensors(path, "snapshot", {{"format", "pt"}, {"model", std::string(model)}}, tensors, data);
@@ -203,12 +209,16 @@ nlohmann::json with_crc(nlohmann::json j) {
 
 namespace {
 // The files of a snapshot into `folder`.
-void write_snapshot_files(Executor &ex, std::string_view model_name, const fs::path &folder,
-                          const SnapshotState &state) {
+void write_snapshot_files(Executor &ex, std::string_view model_name, const fs::path &folder, const SnapshotState &state,
+                          const Moments &moments) {
   const Plan &plan = ex.plan;
-  write_buffers(ex, model_name, (folder / model_file).string(), {{plan.params(), ""}});
-  write_buffers(ex, model_name, (folder / optimizer_file).string(),
-                {{plan.adam_m(), ".exp_avg"}, {plan.adam_v(), ".exp_avg_sq"}});
+  for (TensorId t : {plan.params(), plan.adam_m(), plan.adam_v()}) ex.download(t);
+  if (sharded(plan) && moments.m.empty())
+    throw std::logic_error("a snapshot of a sharded optimizer needs every rank's moments");
+  const std::span<const float> m = moments.m.empty() ? ex.tensor<float>(plan.adam_m()) : moments.m,
+                               v = moments.v.empty() ? ex.tensor<float>(plan.adam_v()) : moments.v;
+  write_buffers(ex, model_name, (folder / model_file).string(), {{ex.tensor<float>(plan.params()), ""}});
+  write_buffers(ex, model_name, (folder / optimizer_file).string(), {{m, ".exp_avg"}, {v, ".exp_avg_sq"}});
   nlohmann::json files = nlohmann::json::object();
   for (const char *f : {model_file, optimizer_file}) {  // read back: what is on disk is what is summed
     const std::vector<std::byte> bytes = read_bytes((folder / f).string());
@@ -230,14 +240,14 @@ void write_snapshot_files(Executor &ex, std::string_view model_name, const fs::p
 }
 }  // namespace
 
-void Engine::save_snapshot(const std::string &folder, const SnapshotState &state) {
+void Engine::save_snapshot(const std::string &folder, const SnapshotState &state, const Moments &moments) {
   const fs::path done(folder), tmp = folder + ".tmp", old = folder + ".old";
   std::error_code ec;
   fs::remove_all(tmp, ec);
   if (!fs::create_directories(tmp, ec) || ec)
     throw InputError(fmt::format("snapshot {}: cannot create the folder ({})", tmp.string(), ec.message()));
   try {
-    write_snapshot_files(executor, model_name, tmp, state);
+    write_snapshot_files(executor, model_name, tmp, state, moments);
     if (fs::exists(done)) fs::rename(done, old);  // a snapshot of the same step (a repeated run) is replaced
     fs::rename(tmp, done);
     fs::remove_all(old);
@@ -319,13 +329,20 @@ SnapshotState Engine::load_snapshot(const std::string &folder) {
     throw InputError(fmt::format("{}: {} lacks a field or has a wrong type ({})", what, state_file, e.what()));
   }
   for (TensorId t : {plan.params(), plan.adam_m(), plan.adam_v()}) std::ranges::fill(executor.tensor<float>(t), 0.f);
+  // the moments whole (a sharded plan keeps its shard of them)
+  const std::size_t slots = std::size_t(plan.tensors[plan.params().index].extent[0]);
+  std::vector<float> m(sharded(plan) ? slots : 0), v(m.size());
+  const std::span<float> all_m = sharded(plan) ? std::span(m) : executor.tensor<float>(plan.adam_m()),
+                         all_v = sharded(plan) ? std::span(v) : executor.tensor<float>(plan.adam_v());
   for (const NamedParameter &p : named_parameters(plan)) {
     from_file_layout(p, floats(model, *model.find(p.name)), in_buffer(executor, plan, plan.params(), p));
-    from_file_layout(p, floats(optimizer, *optimizer.find(p.name + ".exp_avg")),
-                     in_buffer(executor, plan, plan.adam_m(), p));
-    from_file_layout(p, floats(optimizer, *optimizer.find(p.name + ".exp_avg_sq")),
-                     in_buffer(executor, plan, plan.adam_v(), p));
+    from_file_layout(p, floats(optimizer, *optimizer.find(p.name + ".exp_avg")), in_flat(all_m, plan, p));
+    from_file_layout(p, floats(optimizer, *optimizer.find(p.name + ".exp_avg_sq")), in_flat(all_v, plan, p));
   }
+  if (sharded(plan))
+    for (auto [whole, shard] : {std::pair{std::span(m), plan.adam_m()}, std::pair{std::span(v), plan.adam_v()}})
+      std::ranges::copy(whole.subspan(std::size_t(plan.shard_first), std::size_t(plan.shard_end - plan.shard_first)),
+                        executor.tensor<float>(shard).begin());
   if (const std::string bad = first_nonfinite(executor, plan, named_parameters(plan)); !bad.empty())
     throw InputError(
         fmt::format("{}: parameter {} holds NaN or infinite values (the run that wrote it had diverged)", what, bad));

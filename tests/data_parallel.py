@@ -9,10 +9,12 @@ AdamW's division by sqrt(v) magnifies the difference where a gradient is near 0.
 the same masks (each row's counter is its row in the step's global batch, Scalar::first_row).
 
 Checked under none and full, for the GPT with dropout 0.1, with gradient accumulation (2 ranks x
-B x 2 micro-batches against B x 4); a snapshot of 2 ranks at step 5 resumed by 1 rank with the
-same global batch (steps 6-10 as the 1-rank run's); a rank started with other flags: one line
-naming it, exit 2, no step; rank 1 killed (SIGKILL): the job ends within 60 s, mpirun naming
-rank 1. Every run's planned peak per rank equals its measured one.
+B x 2 micro-batches against B x 4), with --shard-optimizer (ZeRO-1: for 2 ranks the same bits as
+unsharded ranks, its snapshot's moments too, and half the moments per rank in the plan report);
+a snapshot of 2 ranks at step 5 (sharded or not) resumed by 1 rank with the same global batch
+(steps 6-10 as the 1-rank run's), and one of 1 rank resumed by 2 sharded ranks; a rank started
+with other flags: one line naming it, exit 2, no step; rank 1 killed (SIGKILL): the job ends
+within 60 s, mpirun naming rank 1. Every run's planned peak per rank equals its measured one.
 
     data_parallel.py TRAIN_MLP TRAIN_GPT SCRATCH_DIR"""
 import json, os, shutil, signal, subprocess, sys, time
@@ -34,6 +36,9 @@ def run(command, case):
     return r
 
 
+results = {}  # case -> (losses, parameters)
+
+
 def train(program, args, case, ranks):
     out = os.path.join(scratch, case)
     command = [program, *args, "--max-steps", "10", "--json", "--logging-dir", out, "--output-dir", out]
@@ -50,7 +55,8 @@ def train(program, args, case, ranks):
     losses = [json.loads(line)["loss"] for line in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in line]
     if summary["eval_loss"] is not None:  # the ranks evaluate every ranks-th batch and sum
         losses.append(summary["eval_loss"])
-    return np.array(losses), load_file(os.path.join(out, "snapshot-10", "model.safetensors"))
+    results[case] = np.array(losses), load_file(os.path.join(out, "snapshot-10", "model.safetensors"))
+    return results[case]
 
 
 def agree(case, one, two, steps=10):
@@ -79,18 +85,55 @@ def compare(program, common, one_args, two_args, case):
 for policy in ["none", "full"]:
     reference = compare(mlp, ["--checkpoint-policy", policy], ["--batch-size", "32"], ["--batch-size", "16"],
                         f"mlp-{policy}")
-# a snapshot of 2 ranks at step 5, resumed by 1 rank with the same global batch
-half = os.path.join(scratch, "resume-2ranks")
-run(MPIRUN + [mlp, "--checkpoint-policy", "full", "--batch-size", "16", "--max-steps", "10", "--save-steps", "5",
-              "--exit-interval", "5", "--eval-samples", "0", "--output-dir", half], "resume: 2 ranks")
-resumed = train(mlp, ["--checkpoint-policy", "full", "--batch-size", "32", "--resume-from-snapshot",
-                      os.path.join(half, "snapshot-5")], "resume-1rank", 1)
+# a snapshot of 2 ranks (sharded or not) at step 5, resumed by 1 rank with the same global batch
+for sharding in ([], ["--shard-optimizer"]):
+    half = os.path.join(scratch, "resume-2ranks" + "".join(sharding))
+    run(MPIRUN + [mlp, "--checkpoint-policy", "full", "--batch-size", "16", "--max-steps", "10", "--save-steps", "5",
+                  "--exit-interval", "5", "--eval-samples", "0", "--output-dir", half, *sharding], "resume: 2 ranks")
+    resumed = train(mlp, ["--checkpoint-policy", "full", "--batch-size", "32", "--resume-from-snapshot",
+                          os.path.join(half, "snapshot-5")], "resume-1rank" + "".join(sharding), 1)
+    if reference is not None and resumed is not None:
+        agree(f"2 ranks{' sharded' if sharding else ''} to step 5, then 1 rank", reference, resumed, steps=5)
+# ... and the other way: 1 rank to step 5, then 2 sharded ranks (each loads its shard of the moments)
+half = os.path.join(scratch, "resume-1rank-first")
+run([mlp, "--checkpoint-policy", "full", "--batch-size", "32", "--max-steps", "10", "--save-steps", "5",
+     "--exit-interval", "5", "--eval-samples", "0", "--output-dir", half], "resume: 1 rank")
+resumed = train(mlp, ["--checkpoint-policy", "full", "--batch-size", "16", "--shard-optimizer",
+                      "--resume-from-snapshot", os.path.join(half, "snapshot-5")], "resume-2ranks-sharded", 2)
 if reference is not None and resumed is not None:
-    agree("2 ranks to step 5, then 1 rank", reference, resumed, steps=5)
+    agree("1 rank to step 5, then 2 sharded ranks", reference, resumed, steps=5)
 compare(gpt, ["--checkpoint-policy", "full", "--dropout", "0.1", "--eval-samples", "100"], ["--batch-size", "16"],
         ["--batch-size", "8"], "gpt-full-dropout-eval")
 compare(mlp, ["--checkpoint-policy", "selective"], ["--batch-size", "16", "--gradient-accumulation-steps", "4"],
         ["--batch-size", "16", "--gradient-accumulation-steps", "2"], "mlp-accumulation")
+
+# --shard-optimizer (ZeRO-1): each rank updates its shard, then the parameters are gathered. For 2
+# ranks the sums are the same additions as the unsharded ranks' (g0 + g1), and AdamW is
+# elementwise: the same bits as 2 unsharded ranks, and the per-rank moments halve in the plan.
+compare(mlp, ["--checkpoint-policy", "full"], ["--batch-size", "32"], ["--batch-size", "16", "--shard-optimizer"],
+        "mlp-full-sharded")
+compare(gpt, ["--checkpoint-policy", "full", "--dropout", "0.1"], ["--batch-size", "16", "--gradient-accumulation-steps",
+        "2"], ["--batch-size", "8", "--gradient-accumulation-steps", "2", "--shard-optimizer"], "gpt-accumulation-sharded")
+if "mlp-full-sharded-2ranks" in results and "mlp-full-2ranks" in results:
+    (loss_a, params_a), (loss_b, params_b) = results["mlp-full-2ranks"], results["mlp-full-sharded-2ranks"]
+    if not np.array_equal(loss_a, loss_b) or any(not np.array_equal(params_a[k], params_b[k]) for k in params_a):
+        failures.append("--shard-optimizer: 2 ranks' losses or parameters differ from 2 unsharded ranks'")
+
+
+def moments_per_rank(*flags):
+    r = run(MPIRUN + [gpt, "--plan-report", *flags], "plan report " + " ".join(flags))
+    line = [l for l in r.stdout.splitlines() if l.startswith("data-parallel, per rank")]
+    return int(line[0].split("AdamW moments ")[1].split(" B")[0]) if line else None
+
+
+whole, shard = moments_per_rank(), moments_per_rank("--shard-optimizer")
+if whole is None or shard is None or not whole / 2 <= shard <= whole / 2 + 64:
+    failures.append(f"plan report: AdamW moments per rank {shard} B sharded against {whole} B")
+# the sharded ranks' snapshot holds every rank's moments, gathered: the unsharded ranks' file's
+moments = [load_file(os.path.join(scratch, case, "snapshot-10", "optimizer.safetensors"))
+           for case in ("mlp-full-2ranks", "mlp-full-sharded-2ranks")]
+if moments[0].keys() != moments[1].keys() or any(not np.array_equal(moments[0][k], moments[1][k]) for k in moments[0]):
+    failures.append("--shard-optimizer: the snapshot's AdamW moments differ from 2 unsharded ranks'")
 
 # ranks with other flags: one line naming the rank, exit 2, no step
 r = subprocess.run(MPIRUN[:2] + MPIRUN[4:] + ["-np", "1", mlp, "--max-steps", "2", "--batch-size", "16", ":", "-np",

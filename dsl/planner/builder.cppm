@@ -163,6 +163,15 @@ struct Builder {
     }
     plan.param_count = count;
     for (int r : {params_root, grads_root, m_root, v_root}) plan.tensors[r].extent[0] = slots;
+    plan.shard_slots = slots;
+    plan.shard_end = slots;
+    if (policies.shard_optimizer && policies.ranks > 1) {
+      const long long per_rank = (slots + policies.ranks - 1) / policies.ranks;
+      plan.shard_slots = (per_rank + slot_alignment - 1) / slot_alignment * slot_alignment;
+      plan.shard_first = std::min(slots, plan.shard_slots * policies.rank);
+      plan.shard_end = std::min(slots, plan.shard_first + plan.shard_slots);
+      for (int r : {m_root, v_root}) plan.tensors[r].extent[0] = plan.shard_slots;
+    }
   }
 
   constexpr Step step(int stage, Variant v, int block, int rng_block) const {
@@ -389,6 +398,7 @@ struct Builder {
   int inputs = -1;
   // The persistent tensors: parameters, their gradients and moments, the batch, the metrics.
   constexpr void setup() {
+    plan.policies = policies;
     n_rows = (long long)batch * m.rows_per_sample();
     make_params();
     const TensorKey in = key::of(Slot::inputs);
@@ -398,12 +408,17 @@ struct Builder {
     labels = add({key::of(Slot::labels), Role::data, 1, {n_rows, 0}});
     for (Slot metric : {Slot::row_loss, Slot::row_correct, Slot::row_max, Slot::row_lse})
       add({key::of(metric), Role::metrics, 1, {n_rows, 0}});
-    // data-parallel: a ring all-reduce of each parameter gradient receives 1 / ranks of it at a time
+    // data-parallel: the ring all-reduce (or, sharded, reduce-scatter) of each parameter gradient
+    // receives one chunk of it at a time
     if (policies.ranks > 1) {
       long long largest = 0;
-      for (int s = 0; s < m.n_stages; ++s)
-        for (const LocalTensor &lt : params(m.stages[s])) largest = std::max(largest, lt.elements(n_rows));
-      add({key::of(Slot::exchange), Role::exchange, 1, {(largest + policies.ranks - 1) / policies.ranks, 0}});
+      for (const Tensor &t : plan.tensors)
+        if (t.role == Role::grads && t.view_of == grads_root)
+          for (int c = 0; c < policies.ranks; ++c) {
+            const auto [first, end] = gradient_chunk(plan, t, c);
+            largest = std::max(largest, end - first);
+          }
+      add({key::of(Slot::exchange), Role::exchange, 1, {largest, 0}});
     }
     units = units_of(m, head_fused(m, policies));
   }
@@ -428,10 +443,10 @@ struct Builder {
     // no reader: it dies with the step that wrote it
     if (dx >= 0) plan.train.back().free.push_back(dx);
     // ---- optimizer: decayed parameters, then the rest ----
-    for (bool decayed : {true, false}) {
-      const long long begin = decayed ? 0 : decayed_slots;
-      const long long end = decayed ? decayed_slots : plan.tensors[params_root].extent[0];
-      if (begin == end) continue;
+    for (bool decayed : {true, false}) {  // of this plan's shard
+      const long long begin = std::max(plan.shard_first, decayed ? 0 : decayed_slots);
+      const long long end = std::min(plan.shard_end, decayed ? decayed_slots : plan.tensors[params_root].extent[0]);
+      if (begin >= end) continue;
       Step st = step(-1, Variant::adamw, decayed ? 0 : 1, 0);
       st.weight_decay = decayed;
       std::vector<std::pair<Slot, int>> views;  // p, g, m, v over [begin, end); m, v read and written in place
@@ -441,7 +456,8 @@ struct Builder {
                                 {Slot::adamw_v, v_root}}) {
         Tensor view{key::adamw(slot, decayed ? 0 : 1), plan.tensors[root].role, 1, {end - begin, 0}};
         view.view_of = root;
-        view.offset = std::size_t(begin) * 4;
+        const bool moment = slot == Slot::adamw_m || slot == Slot::adamw_v;  // in the shard's buffers
+        view.offset = std::size_t(begin - (moment ? plan.shard_first : 0)) * 4;
         views.push_back({slot, add(view)});
       }
       bind(st, [&](const KernelArg &a) {

@@ -2,9 +2,11 @@
 // calls with their bound arguments, allocations, frees and transfers) and the handles of what a
 // trainer reads and writes.
 module;
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 export module remat.planner:plan;
 import remat.tensors;
@@ -116,7 +118,11 @@ struct Plan {
   std::size_t eval_peak_bytes = 0;
   std::size_t offload_bytes = 0;  // pinned host buffer for offloaded checkpoints
   long long param_count = 0;      // parameters (the flat buffers also hold alignment padding)
-  int recompute_launches = 0;     // kernels per micro-batch that recompute forward work
+  // The flat parameter slots whose AdamW moments this plan keeps and updates: all of them, or with
+  // StagePolicies::shard_optimizer rank r's [r S, (r + 1) S) of ranks x S (S a whole number of
+  // arena_alignment); the moments' buffers hold S slots.
+  long long shard_first = 0, shard_slots = 0, shard_end = 0;
+  int recompute_launches = 0;  // kernels per micro-batch that recompute forward work
   int total_launches = 0;
 
   // The first tensor with this key (a segment replay's rebuilt copies share their original's), or none.
@@ -157,6 +163,15 @@ struct Plan {
     return x.offset + (x.view_of >= 0 ? tensors[x.view_of].offset : 0);
   }
 };
+
+// Data-parallel: the flat gradient slots [first, end) of chunk c (of plan.policies.ranks) of
+// gradient tensor t (a view of the flat gradients) that the ring exchanges: 1 / ranks of it, or
+// with a sharded optimizer its part in rank c's shard (maybe none).
+constexpr std::pair<long long, long long> gradient_chunk(const Plan &plan, const Tensor &t, int c) {
+  const long long first = (long long)t.offset / 4, n = (long long)t.bytes() / 4, ranks = plan.policies.ranks;
+  if (!plan.policies.shard_optimizer) return {first + n * c / ranks, first + n * (c + 1) / ranks};
+  return {std::clamp(plan.shard_slots * c, first, first + n), std::clamp(plan.shard_slots * (c + 1), first, first + n)};
+}
 
 // Arena offsets and sizes are multiples of arena_alignment.
 constexpr std::size_t align_up(std::size_t v) { return (v + arena_alignment - 1) / arena_alignment * arena_alignment; }

@@ -54,6 +54,10 @@ struct StagePolicies {
   std::array<Policy, max_stages> stage{};
   bool unfused_head = false;
   int ranks = 1;  // data-parallel ranks (each runs this plan): > 1 adds the gradient exchange's buffer
+  // ZeRO stage 1 (--shard-optimizer): this rank (of `ranks`) keeps and updates the AdamW moments of
+  // its shard of the flat parameters only (Plan::shard)
+  bool shard_optimizer = false;
+  int rank = 0;
   constexpr StagePolicies() = default;
   constexpr StagePolicies(const Policy &p) {  // NOLINT: implicit on purpose
     for (Policy &s : stage) s = p;

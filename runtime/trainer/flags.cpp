@@ -128,6 +128,10 @@ void add_policy_options(CLI::App &app, Options &o, const ModelInfo &info) {
   flag(app, "--offload", o.offload,
        "keep checkpoints in pinned host memory between forward and backward (--device cuda)")
       ->group(group);
+  flag(app, "--shard-optimizer", o.shard_optimizer,
+       "under mpirun: each rank keeps and updates the AdamW moments of 1 / ranks of the parameters (ZeRO stage 1; "
+       "gradients reduce-scattered, parameters all-gathered)")
+      ->group(group);
   flag(app, "--calibrate", o.calibrate,
        "time every kernel here first and store the costs in the cost table, for the budget planner")
       ->group(group);

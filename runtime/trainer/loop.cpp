@@ -77,7 +77,10 @@ Evaluation evaluate(DataSource &data, Executor &ex, Scalars &scalars, const Plan
       correct += c[r];
     }
   }
-  ranks.sum(loss_sum, correct);
+  Ranks::Sums sums{loss_sum, correct};
+  ranks.sum(sums);
+  loss_sum = sums.loss;
+  correct = sums.correct;
   scalars.set_dropout(dropout);
   e.loss = loss_sum / double(e.samples * rows_per_sample);
   e.accuracy = double(correct) / double(e.samples * rows_per_sample);
@@ -197,8 +200,9 @@ public:
         summary.max_steps, run.batch * ranks.size, run.micro, o.learning_rate, o.warmup_steps, o.lr_scheduler_type,
         o.weight_decay, o.dropout, o.bf16 ? " --bf16" : "");
     ranks.check_same("builds or flags",
-                     fmt::format("remat {}, model {} ({}), policy {}, --batch-size {} per rank, {}", remat_version(),
-                                 info.name, definition_digest(info.model), run.policy_label, run.batch, run_flags));
+                     fmt::format("remat {}, model {} ({}), policy {}, --batch-size {} per rank{}, {}", remat_version(),
+                                 info.name, definition_digest(info.model), run.policy_label, run.batch,
+                                 o.shard_optimizer ? ", --shard-optimizer" : "", run_flags));
     if (ranks.size > 1) reducer = std::make_unique<GradientReducer>(ranks, ex);
     engine.init_params(o.seed);
     initial_max_abs = max_abs_param();
@@ -230,7 +234,7 @@ public:
       summary.last_step = step;
       const std::string stop = step < summary.max_steps ? stop_reason(step) : "";
       const bool save_now = step == summary.max_steps || (o.save_steps > 0 && step % o.save_steps == 0);
-      if (!o.output_dir.empty() && (save_now || !stop.empty()) && ranks.rank == 0) save(step);
+      if (!o.output_dir.empty() && (save_now || !stop.empty())) save(step);
       std::optional<Evaluation> e;
       if (o.eval_steps > 0 && step % o.eval_steps == 0 && step < summary.max_steps && eval_samples > 0) {
         e = evaluate(*data, ex, scalars, plan, eval_samples, o.dropout);
@@ -309,21 +313,29 @@ private:
       if (ranks.size == 1 && (!std::isfinite(loss_sum) || !finite(plan.grads()))) return nonfinite(step, m, loss_sum);
     }
     if (ranks.size > 1) {  // the global batch's (the gradients were summed during backward: GradientReducer)
+      Ranks::Sums sums{loss_sum, correct, all_finite(reducer->summed_gradients()) ? 0 : 1};
       {
         CountedHeap counted;  // what MPI allocates is the step's too
-        ranks.sum(loss_sum, correct);
+        ranks.sum(sums);
       }
-      if (!std::isfinite(loss_sum) || !finite(plan.grads())) return nonfinite(step, run.micro - 1, loss_sum);
+      loss_sum = sums.loss;
+      correct = sums.correct;
+      if (!std::isfinite(loss_sum) || sums.nonfinite > 0) return nonfinite(step, run.micro - 1, loss_sum);
     }
-    if (first) {
+    if (first) {  // (sharded: of this rank's shard, what it holds summed)
       ex.download(plan.grads());
-      summary.grad_digest = digest(std::as_bytes(ex.tensor<float>(plan.grads())));
+      summary.grad_digest =
+          digest(std::as_bytes(reducer ? reducer->summed_gradients() : ex.tensor<float>(plan.grads())));
     }
     lr = learning_rate(o, step, summary.max_steps);
     scalars.lr = float(lr);
     scalars.bias1 = float(1.0 - std::pow(double(scalars.beta1), double(step)));
     scalars.bias2 = float(1.0 - std::pow(double(scalars.beta2), double(step)));
     ex.run(Executor::Phase::optimize);
+    if (reducer) {  // sharded: each rank updated its shard
+      CountedHeap counted;
+      reducer->gather_parameters();
+    }
     engine.arena.synchronize();  // CUDA: the step's time includes its kernels
     const auto t1 = std::chrono::steady_clock::now();
     if (first) {
@@ -503,15 +515,21 @@ private:
   }
   // DIR/snapshot-<step>; then the snapshots beyond --save-total-limit, and what an interrupted save
   // left, are removed.
+  // Rank 0 writes; with a sharded optimizer every rank's moments are gathered first.
   void save(long step) {
+    std::vector<float> m, v;
+    const Moments moments = reducer ? reducer->gather_moments(m, v) : Moments{};
+    if (ranks.rank > 0) return;
     const std::string folder = (std::filesystem::path(o.output_dir) / fmt::format("snapshot-{}", step)).string();
     try {
-      engine.save_snapshot(folder, {.step = step,
-                                    .max_steps = summary.max_steps,
-                                    .seed = o.seed,
-                                    .run = run_flags,
-                                    .data = data->state(),
-                                    .model_definition = definition_digest(info.model)});
+      engine.save_snapshot(folder,
+                           {.step = step,
+                            .max_steps = summary.max_steps,
+                            .seed = o.seed,
+                            .run = run_flags,
+                            .data = data->state(),
+                            .model_definition = definition_digest(info.model)},
+                           moments);
       remove_old_snapshots(o.output_dir, o.save_total_limit > 0 ? o.save_total_limit : INT_MAX);
     } catch (const InputError &e) { throw InputError(fmt::format("--output-dir: {}", e.what())); }
   }

@@ -48,7 +48,7 @@ Ranks::Ranks() {
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   local_size = environment_int("OMPI_COMM_WORLD_LOCAL_SIZE", 1);
   initialized = true;
-  sums.resize(std::size_t(size));
+  all_sums.resize(std::size_t(size));
   // the ranks on this machine share its cores: Halide's threads (and the GEMMs on them) split
   // them, unless HL_NUM_THREADS says otherwise
   if (local_size > 1 && !std::getenv("HL_NUM_THREADS"))
@@ -64,40 +64,45 @@ Ranks &Ranks::world() {
   return ranks;
 }
 
-void Ranks::sum(double &loss, long &correct) const {
+void Ranks::sum(Sums &sums) const {
   if (size == 1) return;
-  sums[std::size_t(rank)] = {loss, correct};
+  all_sums[std::size_t(rank)] = sums;
   const int next = (rank + 1) % size, before = (rank + size - 1) % size;
   for (int s = 0; s < size - 1; ++s)  // pass each rank's on: rank - s out, rank - s - 1 in
-    MPI_Sendrecv(&sums[std::size_t((rank - s + size) % size)], sizeof(Sums), MPI_BYTE, next, 2,
-                 &sums[std::size_t((rank - s - 1 + size) % size)], sizeof(Sums), MPI_BYTE, before, 2, MPI_COMM_WORLD,
-                 MPI_STATUS_IGNORE);
-  loss = 0;
-  correct = 0;
-  for (const Sums &s : sums) {
-    loss += s.loss;
-    correct += s.correct;
+    MPI_Sendrecv(&all_sums[std::size_t((rank - s + size) % size)], sizeof(Sums), MPI_BYTE, next, 2,
+                 &all_sums[std::size_t((rank - s - 1 + size) % size)], sizeof(Sums), MPI_BYTE, before, 2,
+                 MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+  sums = {};
+  for (const Sums &s : all_sums) {
+    sums.loss += s.loss;
+    sums.correct += s.correct;
+    sums.nonfinite += s.nonfinite;
   }
 }
 
-void Ranks::ring_sum(std::span<float> v, std::span<float> exchange) const {
-  const int next = (rank + 1) % size, before = (rank + size - 1) % size;
-  auto chunk = [&](int c) {  // chunk c (mod size) of v
-    c = (c % size + size) % size;
-    const std::size_t first = v.size() * std::size_t(c) / std::size_t(size);
-    return v.subspan(first, v.size() * std::size_t(c + 1) / std::size_t(size) - first);
-  };
-  auto exchange_with_ring = [&](std::span<float> out, std::span<float> in, int tag) {
-    MPI_Sendrecv(out.data(), int(out.size()), MPI_FLOAT, next, tag, in.data(), int(in.size()), MPI_FLOAT, before, tag,
-                 MPI_COMM_WORLD, MPI_STATUS_IGNORE);
-  };
-  for (int s = 0; s < size - 1; ++s) {  // chunk rank - s - 1 arrives from the rank before, summed that far
-    const std::span<float> mine = chunk(rank - s - 1);
-    exchange_with_ring(chunk(rank - s), exchange.first(mine.size()), 0);
+namespace {
+// Chunk c (mod ranks) of v.
+std::span<float> chunk_of(std::span<float> v, std::span<const std::size_t> bounds, int c, int size) {
+  c = (c % size + size) % size;
+  return v.subspan(bounds[std::size_t(c)], bounds[std::size_t(c) + 1] - bounds[std::size_t(c)]);
+}
+void exchange_with_ring(int rank, int size, std::span<float> out, std::span<float> in, int tag) {
+  MPI_Sendrecv(out.data(), int(out.size()), MPI_FLOAT, (rank + 1) % size, tag, in.data(), int(in.size()), MPI_FLOAT,
+               (rank + size - 1) % size, tag, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+}
+}  // namespace
+
+void Ranks::reduce_scatter(std::span<float> v, std::span<const std::size_t> bounds, std::span<float> exchange) const {
+  for (int s = 0; s < size - 1; ++s) {  // chunk rank - s - 2 arrives from the rank before, summed that far
+    const std::span<float> mine = chunk_of(v, bounds, rank - s - 2, size);
+    exchange_with_ring(rank, size, chunk_of(v, bounds, rank - s - 1, size), exchange.first(mine.size()), 0);
     for (std::size_t i = 0; i < mine.size(); ++i) mine[i] += exchange[i];
   }
-  for (int s = 0; s < size - 1; ++s)  // this rank's whole sum is chunk rank + 1: pass the sums round
-    exchange_with_ring(chunk(rank + 1 - s), chunk(rank - s), 1);
+}
+
+void Ranks::all_gather(std::span<float> v, std::span<const std::size_t> bounds) const {
+  for (int s = 0; s < size - 1; ++s)  // chunk rank - s goes on, chunk rank - s - 1 arrives
+    exchange_with_ring(rank, size, chunk_of(v, bounds, rank - s, size), chunk_of(v, bounds, rank - s - 1, size), 1);
 }
 
 void Ranks::expect_early_messages() const {
@@ -146,10 +151,16 @@ void Ranks::check_same(std::string_view what, const std::string &value) const {
 namespace remat::runtime {
 
 struct GradientReducer::State {
+  struct Gradient {
+    std::span<float> values;
+    std::vector<std::size_t> bounds;  // of its chunks (gradient_chunk), from its first slot
+  };
   const Ranks &ranks;
   Executor &ex;
-  std::vector<std::vector<std::span<float>>> buckets;  // by train step: the gradients it finishes
-  std::span<float> exchange;                           // the plan's receive buffer
+  const bool sharded;
+  std::vector<std::vector<Gradient>> buckets;  // by train step: the gradients it finishes
+  std::span<float> exchange;                   // the plan's receive buffer
+  std::vector<std::size_t> shard_bounds;       // of the ranks' shards of the flat parameters
   // the steps whose buckets wait, in order (room for every step: nothing allocated while training)
   std::vector<std::size_t> queue;
   std::size_t queued = 0, reduced = 0;
@@ -159,30 +170,21 @@ struct GradientReducer::State {
   std::condition_variable changed;
   std::thread thread;
 
-  State(const Ranks &ranks, Executor &ex) : ranks(ranks), ex(ex) {
+  State(const Ranks &ranks, Executor &ex) : ranks(ranks), ex(ex), sharded(ex.plan.policies.shard_optimizer) {
+    make_buckets();
     const Plan &plan = ex.plan;
-    std::vector<int> last_writer(plan.tensors.size(), -1);
-    for (std::size_t t = 0; t < plan.tensors.size(); ++t)
-      if (plan.tensors[t].role == Role::exchange) exchange = ex.tensor<float>(TensorId{int(t)});
-    if (exchange.empty()) throw std::logic_error("a data-parallel plan without a gradient exchange buffer");
-    for (std::size_t i = 0; i < plan.train.size(); ++i)
-      for (const Arg &a : plan.train[i].args)
-        if (a.access == Access::write && plan.tensors[std::size_t(a.tensor)].role == Role::grads)
-          last_writer[std::size_t(a.tensor)] = int(i);
-    buckets.resize(plan.train.size());
-    for (std::size_t t = 0; t < plan.tensors.size(); ++t)
-      if (last_writer[t] >= 0) buckets[std::size_t(last_writer[t])].push_back(ex.tensor<float>(TensorId{int(t)}));
+    for (int c = 0; c <= ranks.size; ++c)
+      shard_bounds.push_back(std::size_t(std::min(plan.shard_slots * c, plan.tensors[plan.params().index].extent[0])));
     queue.resize(plan.train.size());
     // MPI sets up what it keeps for these exchanges (request lists, per-thread and per-peer state)
     // at their first use: here, before any step, on the threads that make them (every bucket on
-    // the communication thread; the gradients are not yet initialized)
-    double loss = 0;
-    long correct = 0;
-    ranks.sum(loss, correct);
+    // the communication thread, the parameters' gather here; nothing is initialized yet)
+    Ranks::Sums sums;
+    ranks.sum(sums);
+    if (sharded) gather_parameters();
     thread = std::thread([this] {
       this->ranks.expect_early_messages();
-      for (const auto &bucket : buckets)
-        for (std::span<float> g : bucket) this->ranks.ring_sum(g, exchange);
+      for (std::size_t step = 0; step < buckets.size(); ++step) reduce(step);
       run();
     });
     std::unique_lock lock(mutex);
@@ -196,6 +198,35 @@ struct GradientReducer::State {
     changed.notify_all();
     thread.join();
   }
+  // Each gradient goes to the bucket of the last train step that writes it.
+  void make_buckets() {
+    const Plan &plan = ex.plan;
+    std::vector<int> last_writer(plan.tensors.size(), -1);
+    for (std::size_t t = 0; t < plan.tensors.size(); ++t)
+      if (plan.tensors[t].role == Role::exchange) exchange = ex.tensor<float>(TensorId{int(t)});
+    if (exchange.empty()) throw std::logic_error("a data-parallel plan without a gradient exchange buffer");
+    for (std::size_t i = 0; i < plan.train.size(); ++i)
+      for (const Arg &a : plan.train[i].args)
+        if (a.access == Access::write && plan.tensors[std::size_t(a.tensor)].role == Role::grads)
+          last_writer[std::size_t(a.tensor)] = int(i);
+    buckets.resize(plan.train.size());
+    for (std::size_t t = 0; t < plan.tensors.size(); ++t) {
+      if (last_writer[t] < 0) continue;
+      Gradient g{ex.tensor<float>(TensorId{int(t)}), {}};
+      const long long first = (long long)plan.tensors[t].offset / 4;
+      for (int c = 0; c < ranks.size; ++c)
+        g.bounds.push_back(std::size_t(gradient_chunk(plan, plan.tensors[t], c).first - first));
+      g.bounds.push_back(g.values.size());
+      buckets[std::size_t(last_writer[t])].push_back(std::move(g));
+    }
+  }
+  void reduce(std::size_t step) {  // sharded: each rank needs its shard's sums only
+    for (const Gradient &g : buckets[step]) {
+      ranks.reduce_scatter(g.values, g.bounds, exchange);
+      if (!sharded) ranks.all_gather(g.values, g.bounds);
+    }
+  }
+  void gather_parameters() { ranks.all_gather(ex.tensor<float>(ex.plan.params()), shard_bounds); }
   void run() {  // the communication thread
     std::unique_lock lock(mutex);
     ready = true;
@@ -206,7 +237,7 @@ struct GradientReducer::State {
       const std::size_t step = queue[reduced];
       lock.unlock();
       const auto t0 = std::chrono::steady_clock::now();
-      for (std::span<float> g : buckets[step]) ranks.ring_sum(g, exchange);
+      reduce(step);
       const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
       lock.lock();
       busy_ms += ms;
@@ -240,6 +271,29 @@ GradientReducer::Times GradientReducer::finish() {
   std::unique_lock lock(state->mutex);
   state->changed.wait(lock, [&] { return state->reduced == state->queued; });
   return {state->busy_ms, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()};
+}
+
+std::span<const float> GradientReducer::summed_gradients() const {
+  const Plan &plan = state->ex.plan;
+  const std::span<const float> all = state->ex.tensor<float>(plan.grads());
+  return state->sharded ? all.subspan(std::size_t(plan.shard_first), std::size_t(plan.shard_end - plan.shard_first))
+                        : all;
+}
+
+void GradientReducer::gather_parameters() {
+  if (state->sharded) state->gather_parameters();
+}
+
+Moments GradientReducer::gather_moments(std::vector<float> &m, std::vector<float> &v) {
+  if (!state->sharded) return {};
+  const Plan &plan = state->ex.plan;
+  for (auto [whole, shard] : {std::pair{&m, plan.adam_m()}, std::pair{&v, plan.adam_v()}}) {
+    whole->assign(state->shard_bounds.back(), 0.f);
+    const std::span<const float> mine = state->ex.tensor<float>(shard);
+    std::copy_n(mine.begin(), plan.shard_end - plan.shard_first, whole->begin() + plan.shard_first);
+    state->ranks.all_gather(*whole, state->shard_bounds);
+  }
+  return {m, v};
 }
 
 }  // namespace remat::runtime

@@ -113,6 +113,18 @@ void print_plan_report(std::FILE *out, const Model &model, const Plan &plan, con
   if (plan.offload_bytes > 0)
     fmt::print(out, "offloaded {} tensors to {} B ({}) of pinned host memory\n", fetched.size(), plan.offload_bytes,
                mib(plan.offload_bytes));
+  if (plan.policies.ranks > 1) {  // per rank
+    std::size_t exchange = 0;
+    for (const Tensor &t : plan.tensors)
+      if (t.role == Role::exchange) exchange += t.bytes();
+    const std::size_t moments = 2 * plan.tensors[plan.adam_m().index].bytes();
+    fmt::print(out, "data-parallel, per rank of {}: AdamW moments {} B ({}{}), gradient exchange buffer {} B ({})\n",
+               plan.policies.ranks, moments, mib(moments),
+               plan.policies.shard_optimizer
+                   ? fmt::format(", the shard of slots [{}, {}): --shard-optimizer", plan.shard_first, plan.shard_end)
+                   : ", every parameter's",
+               exchange, mib(exchange));
+  }
   fmt::print(
       out,
       "recompute {:.3f} GFLOP of {:.3f} per micro-batch; predicted forward + loss + backward {:.2f} ms (costs {})\n",

@@ -92,6 +92,8 @@ Run resolve(const Options &o, const ModelInfo &info, const std::string &program)
     throw InputError("--device cuda with more than one rank: NCCL is not built yet (CPU ranks only)");
   run.policies = resolve_policies(o, info, run.device);
   run.policies.ranks = Ranks::world().size;
+  run.policies.rank = Ranks::world().rank;
+  run.policies.shard_optimizer = o.shard_optimizer;
   run.batch = o.batch_size ? o.batch_size : info.defaults.batch;
   run.micro = o.gradient_accumulation_steps;
   if (long(run.batch) * model.rows_per_sample() < min_kernel_rows)
