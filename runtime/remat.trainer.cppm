@@ -84,6 +84,9 @@ public:
   // messages of every size up to 16 KiB arriving early, so that no step allocates.
   void expect_early_messages() const;
   std::size_t most(std::size_t v) const;  // the largest over the ranks
+  // Ends every rank's process with `code` (MPI_Abort: a rank that fails alone must not leave the
+  // others waiting for it in a collective; mpirun names it).
+  [[noreturn]] void abort(int code) const;
   // An InputError on every rank naming the first rank whose `value` differs from rank 0's.
   void check_same(std::string_view what, const std::string &value) const;
   Ranks(const Ranks &) = delete;

@@ -13,7 +13,8 @@ B x 2 micro-batches against B x 4), with --shard-optimizer (ZeRO-1: for 2 ranks 
 unsharded ranks, its snapshot's moments too, and half the moments per rank in the plan report);
 a snapshot of 2 ranks at step 5 (sharded or not) resumed by 1 rank with the same global batch
 (steps 6-10 as the 1-rank run's), and one of 1 rank resumed by 2 sharded ranks; a rank started
-with other flags: one line naming it, exit 2, no step; rank 1 killed (SIGKILL): the job ends
+with other flags: one line naming it, exit 2, no step; a rank failing alone (no data): its line
+and the job's end; rank 1 killed (SIGKILL): the job ends
 within 60 s, mpirun naming rank 1. Every run's planned peak per rank equals its measured one.
 
     data_parallel.py TRAIN_MLP TRAIN_GPT SCRATCH_DIR"""
@@ -144,6 +145,15 @@ if r.returncode == 0 or not named or "step" in r.stdout:
     failures.append(f"other flags on rank 1: exit {r.returncode}, stderr {r.stderr.strip()[-1500:]}")
 
 
+# a rank that fails alone (its data folder is missing) ends the job with its line, not a hang
+try:
+    r = subprocess.run(MPIRUN[:2] + MPIRUN[4:] + ["-np", "1", mlp, "--max-steps", "2", ":", "-np", "1", mlp,
+                                                  "--max-steps", "2", "--data-dir", os.path.join(scratch, "none")],
+                       capture_output=True, text=True, errors="replace", timeout=60)
+    if r.returncode == 0 or "train-mlp (rank 1 of 2): error: " not in r.stderr:
+        failures.append(f"a rank failing alone: exit {r.returncode}, stderr {r.stderr.strip()[-1500:]}")
+except subprocess.TimeoutExpired:
+    failures.append("a rank failing alone: the job was still running 60 s later")
 
 # a rank that dies ends the job, with the rank named, within a bounded time
 def rank_process(rank):

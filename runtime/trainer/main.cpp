@@ -20,10 +20,16 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
   std::signal(SIGXFSZ, SIG_IGN);        // past `ulimit -f` a write fails (EFBIG, reported) instead of killing the run
   const Ranks &ranks = Ranks::world();  // under mpirun: MPI's world, before anything runs
   const ParsedFlags flags = parse_flags(argc, argv, info, program);
+  // under mpirun a failing rank ends the job (MPI_Abort: the others may wait for it); its line says which
+  if (flags.exit_code && *flags.exit_code != 0 && ranks.size > 1) ranks.abort(*flags.exit_code);
   if (flags.exit_code) return *flags.exit_code;
   const Options &o = flags.options;
-  // under mpirun a failing rank ends the job (mpirun stops the others); its line says which
   const std::string who = ranks.size > 1 ? fmt::format("{} (rank {} of {})", program, ranks.rank, ranks.size) : program;
+  auto failed = [&](const char *what, int code) {
+    std::fprintf(stderr, "%s: error: %s\n", who.c_str(), what);
+    if (ranks.size > 1) ranks.abort(code);
+    return code;
+  };
   try {
     const Run run = resolve(o, info, program);
     if (o.plan_report) {
@@ -35,15 +41,10 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
     const Summary summary = train(o, info, run, program);
     if (ranks.rank == 0) print_summary(o, info, run, summary);
     return 0;
-  } catch (const InputError &e) {
-    std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());
-    return 2;
-  } catch (const std::exception &e) {
-    std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());
-    return 1;
+  } catch (const InputError &e) { return failed(e.what(), 2); } catch (const std::exception &e) {
+    return failed(e.what(), 1);
   } catch (const char *e) {  // the planner's constexpr code throws its messages so
-    std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e);
-    return 1;
+    return failed(e, 1);
   }
 }
 

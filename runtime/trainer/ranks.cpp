@@ -10,6 +10,7 @@ module;
 #include <array>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -118,6 +119,13 @@ void Ranks::expect_early_messages() const {
       MPI_Recv(in.data() + std::size_t(k) * largest, bytes, MPI_BYTE, before, 3, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
     MPI_Waitall(early, sent.data(), MPI_STATUSES_IGNORE);
   }
+}
+
+void Ranks::abort(int code) const {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, code);
+  std::exit(code);  // (MPI_Abort does not return)
 }
 
 std::size_t Ranks::most(std::size_t v) const {
