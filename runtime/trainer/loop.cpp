@@ -144,6 +144,15 @@ void print_sample(std::FILE *progress, const ModelInfo &info, const Run &run, Ex
     fmt::print(progress, "sample:\n{}\n", std::string(ids.begin(), ids.end()));
 }
 
+// The kernel calls of a plan's step and its peak: ranks whose plans differ (a memory budget solved
+// with other measured costs) would exchange other gradients at each bucket.
+std::string schedule_digest(const Plan &plan) {
+  std::vector<long long> calls{(long long)plan.peak_bytes};
+  for (const Step &st : plan.train)
+    calls.insert(calls.end(), {st.stage, st.block, (long long)st.variant, (long long)st.args.size()});
+  return fmt::format("{} B {}", plan.peak_bytes, digest(std::as_bytes(std::span(calls))));
+}
+
 // Where ranks other than 0 write their progress: nowhere.
 std::FILE *null_stream() {
   static std::FILE *null = std::fopen("/dev/null", "w");
@@ -200,9 +209,9 @@ public:
         summary.max_steps, run.batch * ranks.size, run.micro, o.learning_rate, o.warmup_steps, o.lr_scheduler_type,
         o.weight_decay, o.dropout, o.bf16 ? " --bf16" : "");
     ranks.check_same("builds or flags",
-                     fmt::format("remat {}, model {} ({}), policy {}, --batch-size {} per rank{}, {}", remat_version(),
-                                 info.name, definition_digest(info.model), run.policy_label, run.batch,
-                                 o.shard_optimizer ? ", --shard-optimizer" : "", run_flags));
+                     fmt::format("remat {}, model {} ({}), policy {}, --batch-size {} per rank{}, {}, plan {}",
+                                 remat_version(), info.name, definition_digest(info.model), run.policy_label, run.batch,
+                                 o.shard_optimizer ? ", --shard-optimizer" : "", run_flags, schedule_digest(plan)));
     if (ranks.size > 1) reducer = std::make_unique<GradientReducer>(ranks, ex);
     engine.init_params(o.seed);
     initial_max_abs = max_abs_param();

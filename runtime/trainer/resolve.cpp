@@ -62,7 +62,7 @@ void resolve_costs(const Options &o, const ModelInfo &info, const std::string &p
     if (run.device == Device::cuda) check_cuda(info, 0);
     std::unique_ptr<DataSource> data = data_source(info, data_options(o, run.batch));
     run.costs = calibrate(info, run.device, run.precision, run.batch, *data);
-    save_costs(cost_table, machine, key, run.costs);
+    if (Ranks::world().rank == 0) save_costs(cost_table, machine, key, run.costs);  // ranks share a machine's table
     run.costs_from = fmt::format("measured now on {} ({}, {})", machine, cost_table, key);
     fmt::print(o.json ? stderr : stdout, "{}: calibrated {} kernels on {}; written to {} as {}\n", program,
                run.costs.measured.size(), machine, cost_table, key);
