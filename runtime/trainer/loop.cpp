@@ -7,7 +7,6 @@ module;
 #include <fmt/ranges.h>
 
 #include <algorithm>
-#include <array>
 #include <bit>
 #include <chrono>
 #include <climits>
