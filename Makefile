@@ -5,7 +5,7 @@ BUILD := build
 DEBS  := clang-19 clang-tools-19 clang-format-19 universal-ctags ninja-build libboost-test-dev librange-v3-dev libcli11-dev \
          nlohmann-json3-dev libfmt-dev zlib1g-dev dataset-fashion-mnist fortunes python3-venv python3-dev \
          pocl-opencl-icd ocl-icd-libopencl1 libclang-rt-19-dev openmpi-bin libopenmpi-dev
-PY_PKGS := halide==21.0.0 cmake>=3.28 mkl-static==2026.2.0 mkl-include==2026.2.0
+PY_PKGS := halide==21.0.0 cmake>=3.28 mkl-static==2026.2.0 mkl-include==2026.2.0 nvidia-nccl-cu13==2.30.7
 TRAIN_ARGS ?=
 # make bench-cpu and make test: PyTorch and what bench/cpu.py, scripts/plot.py and the memory
 # timeline tests need; flags for bench/cpu.py (BENCH_ARGS="--steps 8")
@@ -32,8 +32,9 @@ deps:
 	fi
 	@$(MAKE) --no-print-directory $(VENV)/.installed
 
-# Project-local Python environment with Halide 21 (libHalide, headers, CMake package), CMake and
-# MKL (static libraries and headers: the CPU GEMMs).
+# Project-local Python environment with Halide 21 (libHalide, headers, CMake package), CMake,
+# MKL (static libraries and headers: the CPU GEMMs) and NCCL (nccl.h and libnccl.so.2: data-parallel
+# ranks on GPUs; the version PyTorch pins).
 $(VENV)/.installed: Makefile
 	/usr/bin/python3 -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check $(foreach p,$(PY_PKGS),'$(p)')

@@ -1,6 +1,7 @@
 #include "cuda_device.h"
 
 #include <dlfcn.h>
+#include <fmt/format.h>
 
 #include <stdexcept>
 #include <string>
@@ -36,15 +37,18 @@ namespace {
 
 struct State {
   bool ready = false;
+  int device = 0;
   CUcontext context = nullptr;
-  cudaStream_t compute = nullptr, copy = nullptr;
+  cudaStream_t compute = nullptr, copy = nullptr, collectives = nullptr;
 } state;
 
 void check(cudaError_t err, const char *what) {
   if (err != cudaSuccess) throw std::runtime_error(std::string("CUDA: ") + what + ": " + cudaGetErrorString(err));
 }
 
-cudaStream_t stream(Stream s) { return s == Stream::compute ? state.compute : state.copy; }
+cudaStream_t stream(Stream s) {
+  return s == Stream::compute ? state.compute : s == Stream::copy ? state.copy : state.collectives;
+}
 
 // Halide's hooks: every kernel uses the primary context and the compute stream.
 int acquire_context(void *, void **ctx, bool) {
@@ -71,15 +75,19 @@ DeviceInfo probe() {
     info.error = "no CUDA device";
     return info;
   }
+  if (state.device >= info.count) {
+    info.error = fmt::format("no CUDA device {} (one GPU per rank on a machine)", state.device);
+    return info;
+  }
   cudaDeviceProp prop{};
-  if (cudaError_t err = cudaGetDeviceProperties(&prop, 0); err != cudaSuccess) {
+  if (cudaError_t err = cudaGetDeviceProperties(&prop, state.device); err != cudaSuccess) {
     info.error = std::string("cudaGetDeviceProperties: ") + cudaGetErrorString(err);
     return info;
   }
   info.name = prop.name;
   info.major = prop.major;
   info.minor = prop.minor;
-  if (cudaError_t err = cudaSetDevice(0); err != cudaSuccess) {
+  if (cudaError_t err = cudaSetDevice(state.device); err != cudaSuccess) {
     info.error = std::string("cudaSetDevice: ") + cudaGetErrorString(err);
     return info;
   }
@@ -104,7 +112,7 @@ void init() {
   // containers often have only libcuda.so.1, which the static CUDA runtime opens privately: made
   // global here, the driver's symbols are visible to Halide.
   dlopen_first({"libcuda.so.1"}, "the CUDA driver for Halide's kernels", RTLD_NOW | RTLD_GLOBAL);
-  check(cudaSetDevice(0), "cudaSetDevice");
+  check(cudaSetDevice(state.device), "cudaSetDevice");
   check(cudaFree(nullptr), "initializing the primary context");
   // once, even when init() is tried again after a throw (after the CUDA runtime's own handler)
   static bool release_registered = false;
@@ -118,10 +126,27 @@ void init() {
     throw std::runtime_error("CUDA: no current context after initialization");
   check(cudaStreamCreateWithFlags(&state.compute, cudaStreamNonBlocking), "cudaStreamCreate");
   check(cudaStreamCreateWithFlags(&state.copy, cudaStreamNonBlocking), "cudaStreamCreate");
+  check(cudaStreamCreateWithFlags(&state.collectives, cudaStreamNonBlocking), "cudaStreamCreate");
   halide_set_cuda_acquire_context(acquire_context);
   halide_set_cuda_release_context(release_context);
   halide_set_cuda_get_stream(get_stream);
   state.ready = true;
+}
+
+void select_device(int ordinal) {
+  if (state.ready && ordinal != state.device)
+    throw std::logic_error(
+        fmt::format("CUDA device {} selected after device {} was initialized", ordinal, state.device));
+  state.device = ordinal;
+}
+int selected_device() { return state.device; }
+
+void *native_stream(Stream s) { return stream(s); }
+
+std::size_t device_used_bytes() {
+  std::size_t free_bytes = 0, total_bytes = 0;
+  check(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
+  return total_bytes - free_bytes;
 }
 
 void *device_malloc(std::size_t bytes) {
@@ -145,9 +170,9 @@ void copy_to_host(void *host, const void *device, std::size_t bytes, Stream s) {
 }
 void synchronize(Stream s) { check(cudaStreamSynchronize(stream(s)), "cudaStreamSynchronize"); }
 
-Event event_create() {
+Event event_create(bool timed) {
   cudaEvent_t e = nullptr;
-  check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+  check(cudaEventCreateWithFlags(&e, timed ? cudaEventDefault : cudaEventDisableTiming), "cudaEventCreate");
   return {e};
 }
 void event_destroy(Event e) { cudaEventDestroy(static_cast<cudaEvent_t>(e.handle)); }
@@ -156,6 +181,13 @@ void record(Event e, Stream s) {
 }
 void wait(Stream s, Event e) {
   check(cudaStreamWaitEvent(stream(s), static_cast<cudaEvent_t>(e.handle), 0), "cudaStreamWaitEvent");
+}
+void synchronize(Event e) { check(cudaEventSynchronize(static_cast<cudaEvent_t>(e.handle)), "cudaEventSynchronize"); }
+float elapsed_ms(Event from, Event to) {
+  float ms = 0;
+  check(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(from.handle), static_cast<cudaEvent_t>(to.handle)),
+        "cudaEventElapsedTime");
+  return ms;
 }
 
 // ---- cuBLASLt, loaded with dlopen (the binaries start, and the CPU runs work, without it) ----
@@ -291,7 +323,11 @@ namespace {
 }
 }  // namespace
 DeviceInfo probe() { return {.error = "this build of remat has no CUDA support (the CUDA toolkit was not found)"}; }
+void select_device(int) {}
+int selected_device() { return 0; }
 void init() { unavailable(); }
+void *native_stream(Stream) { unavailable(); }
+std::size_t device_used_bytes() { unavailable(); }
 void *device_malloc(std::size_t) { unavailable(); }
 void device_free(void *) {}
 void *pinned_malloc(std::size_t) { unavailable(); }
@@ -299,10 +335,12 @@ void pinned_free(void *) {}
 void copy_to_device(void *, const void *, std::size_t, Stream) { unavailable(); }
 void copy_to_host(void *, const void *, std::size_t, Stream) { unavailable(); }
 void synchronize(Stream) { unavailable(); }
-Event event_create() { unavailable(); }
+Event event_create(bool) { unavailable(); }
 void event_destroy(Event) {}
 void record(Event, Stream) { unavailable(); }
 void wait(Stream, Event) { unavailable(); }
+void synchronize(Event) { unavailable(); }
+float elapsed_ms(Event, Event) { unavailable(); }
 void gemm(const GemmCall &) { unavailable(); }
 }  // namespace remat::cuda
 

@@ -173,6 +173,11 @@ public:
     auto [offset, bytes] = locate(t, sizeof(T));
     return {reinterpret_cast<T *>(arena.data() + offset), bytes / sizeof(T)};
   }
+  // Where kernels see a tensor of T: the arena's device memory (CUDA) or the host view.
+  template <class T>
+  T *device_tensor(TensorId t) const {
+    return reinterpret_cast<T *>(arena.device_data() + locate(t, sizeof(T)).first);
+  }
   // A floating-point tensor (fp32 or bf16) as floats, read from / written to the host view.
   std::vector<float> values(TensorId t) const;
   void set_values(TensorId t, std::span<const float> values);

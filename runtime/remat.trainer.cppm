@@ -58,12 +58,16 @@ public:
 
 // Data-parallel training (runtime/trainer/ranks.cpp): the ranks of an `mpirun` launch (Open
 // MPI), or one rank without it. Every rank runs the same plan on its share of each global batch;
-// the sums are MPI_Allreduce's, the same on every rank.
+// the sums (GradientReducer, Ranks::sum) are the same on every rank.
 class Ranks {
 public:
   static Ranks &world();  // MPI_Init on first use under mpirun, MPI_Finalize at exit
   int rank = 0, size = 1;
-  int local_size = 1;  // ranks on this machine (they share its cores)
+  int local_rank = 0, local_size = 1;  // on this machine (they share its cores; each takes its GPU)
+  // More than one rank, or REMAT_DATA_PARALLEL=1: one process then runs the data-parallel path
+  // (the GradientReducer and its collectives) as a world of one rank, without mpirun (the check of
+  // the NCCL path on a machine with one GPU).
+  bool data_parallel = false;
   // A step's loss, correct predictions and ranks that found non-finite gradients, summed over the
   // ranks in rank order (each rank's travels the ring: MPI's own small all-reduce allocates at
   // every call).
@@ -83,7 +87,8 @@ public:
   // step) in memory its allocator grows on demand and then keeps: grown here, at start-up, by
   // messages of every size up to 16 KiB arriving early, so that no step allocates.
   void expect_early_messages() const;
-  std::size_t most(std::size_t v) const;  // the largest over the ranks
+  std::size_t most(std::size_t v) const;        // the largest over the ranks
+  void broadcast(std::span<char> bytes) const;  // rank 0's to every rank
   // Ends every rank's process with `code` (MPI_Abort: a rank that fails alone must not leave the
   // others waiting for it in a collective; mpirun names it).
   [[noreturn]] void abort(int code) const;
@@ -99,19 +104,25 @@ private:
   mutable std::vector<Sums> all_sums;  // each rank's, allocated at start-up
 };
 
-// The parameter gradients summed over the ranks while backward goes on: each is handed to a
-// communication thread (MPI_Allreduce in place, in the arena: the buckets take no memory of their
-// own) as soon as the last train step that writes it has run; a bucket is what one step finishes.
+// The parameter gradients summed over the ranks while backward goes on: a bucket is what one
+// train step finishes, handed over as soon as the last step that writes each of its gradients has
+// run. CPU: to a communication thread running the MPI ring (Ranks) through the planned gradient
+// exchange buffer. CUDA: to NCCL on the collectives stream, after an event of the compute stream,
+// in place (its own buffers are outside the arena: device_bytes_outside_arena).
 class GradientReducer {
 public:
   GradientReducer(const Ranks &ranks, Executor &ex);
   ~GradientReducer();
   void start();  // before the train phase of a step's last micro-batch
   struct Times {
-    double busy_ms = 0;  // the communication thread in MPI_Allreduce
-    double wait_ms = 0;  // finish() waiting for it after backward: what was not hidden
+    double busy_ms = 0;  // the collectives' time (the communication thread's, or NCCL's on the GPU)
+    double wait_ms = 0;  // what backward's end waited for them: what was not hidden
   };
   Times finish();  // after that phase: every bucket summed
+  // What the collectives hold of device memory outside the arena (NCCL's buffers, measured around
+  // its set-up and first collectives at start-up); 0 on CPUs.
+  std::size_t device_bytes_outside_arena() const;
+  std::string describe() const;  // "MPI ring" / "NCCL 2.30.7"
   // The gradients this rank holds summed: all of them, or with a sharded optimizer its shard's.
   std::span<const float> summed_gradients() const;
   // With a sharded optimizer, after AdamW: every rank's shard of the parameters to every rank.
@@ -120,9 +131,9 @@ public:
   Moments gather_moments(std::vector<float> &m, std::vector<float> &v);
   GradientReducer(const GradientReducer &) = delete;
   GradientReducer &operator=(const GradientReducer &) = delete;
+  struct State;  // (ranks.cpp: the MPI ring's and NCCL's)
 
 private:
-  struct State;
   std::unique_ptr<State> state;
 };
 
@@ -320,6 +331,8 @@ struct Summary {
   std::optional<Evaluation> eval;
   std::vector<double> step_ms;
   std::vector<GradientReducer::Times> allreduce;  // per step, with ranks
+  std::string collectives;                        // GradientReducer::describe(), with ranks
+  std::size_t collectives_device_bytes = 0;       // outside the arena (NCCL's buffers)
   double train_seconds = 0;
   std::size_t measured_peak = 0, activation_bytes_none = 0;
   std::string grad_digest, param_digest;

@@ -70,15 +70,15 @@ for bin in "${bins[@]}"; do
   fi
 done
 
-# cuBLASLt (the GEMMs of the CUDA kernels) is dlopen'ed at run time: pip's nvidia wheels (next to
-# PyTorch), the library path, the CUDA toolkit, or a bounded search. REMAT_CUBLASLT is exported
-# only when a file was found (an empty name would make dlopen return the main program).
-find_cublaslt() {
-  if [[ -n ${REMAT_CUBLASLT:-} && -f $REMAT_CUBLASLT ]]; then echo "$REMAT_CUBLASLT"; return; fi
-  timeout -k 5 30 python3 - 2>/dev/null <<'PY' && return
+# cuBLASLt (the GEMMs of the CUDA kernels) and NCCL (the data-parallel path) are dlopen'ed at run
+# time: pip's nvidia wheels (next to PyTorch), the library path, the CUDA toolkit, or a bounded
+# search. REMAT_CUBLASLT / REMAT_NCCL are exported only when a file was found (an empty name would
+# make dlopen return the main program).
+find_nvidia_library() {  # SONAME
+  timeout -k 5 30 python3 - "$1" 2>/dev/null <<'PY' && return
 import glob, os, site, sys
 roots = [*site.getsitepackages(), site.getusersitepackages(), *sys.path]
-for f in (f for r in roots for f in glob.glob(os.path.join(r, "nvidia", "*", "lib", "libcublasLt.so.13"))):
+for f in (f for r in roots for f in glob.glob(os.path.join(r, "nvidia", "*", "lib", sys.argv[1]))):
     print(f)
     sys.exit(0)
 sys.exit(1)
@@ -87,14 +87,15 @@ PY
   local -a dirs
   IFS=: read -ra dirs <<<"${LD_LIBRARY_PATH:-}"
   for d in "${dirs[@]}"; do
-    [[ -n $d && -f $d/libcublasLt.so.13 ]] && { echo "$d/libcublasLt.so.13"; return; }
+    [[ -n $d && -f $d/$1 ]] && { echo "$d/$1"; return; }
   done
-  f=$(timeout -k 5 10 ldconfig -p 2>/dev/null | awk '/libcublasLt\.so\.13 / {print $NF; exit}')
+  f=$(timeout -k 5 10 ldconfig -p 2>/dev/null | awk -v name="$1" '$1 == name {print $NF; exit}')
   [[ -n $f && -f $f ]] && { echo "$f"; return; }
-  [[ -f /usr/local/cuda/lib64/libcublasLt.so.13 ]] && { echo /usr/local/cuda/lib64/libcublasLt.so.13; return; }
-  timeout -k 5 20 find / \( -path /proc -o -path /sys \) -prune -o -name libcublasLt.so.13 -print -quit 2>/dev/null
+  [[ -f /usr/local/cuda/lib64/$1 ]] && { echo "/usr/local/cuda/lib64/$1"; return; }
+  timeout -k 5 20 find / \( -path /proc -o -path /sys \) -prune -o -name "$1" -print -quit 2>/dev/null
 }
-cublaslt=$(find_cublaslt)
+cublaslt=${REMAT_CUBLASLT:-}
+[[ -n $cublaslt && -f $cublaslt ]] || cublaslt=$(find_nvidia_library libcublasLt.so.13)
 if [[ -n $cublaslt && -f $cublaslt ]]; then
   export REMAT_CUBLASLT=$cublaslt
 else
@@ -105,6 +106,13 @@ else
     exit 2
   fi
 fi
+nccl=${REMAT_NCCL:-}
+[[ -n $nccl && -f $nccl ]] || nccl=$(find_nvidia_library libnccl.so.2)
+if [[ -n $nccl && -f $nccl ]]; then
+  export REMAT_NCCL=$nccl
+else  # the NCCL rows of train-gpt fail with the loader's line; everything else runs
+  unset REMAT_NCCL
+fi
 # Halide's PTX (sm_86) is JIT-compiled by the driver for this GPU; a large cache in a writable
 # place keeps every kernel's result for the runs after the first (train-gpt's kernels are
 # test_cuda's).
@@ -113,7 +121,7 @@ export CUDA_CACHE_PATH=${CUDA_CACHE_PATH:-/tmp/remat-cuda-cache} CUDA_CACHE_MAXS
 gpu="no nvidia-smi"
 command -v nvidia-smi >/dev/null &&
   gpu=$(timeout -k 5 20 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -n 1)
-say "== GPU: $gpu; cuBLASLt: ${REMAT_CUBLASLT:-none found (the library path then)}; $( ((dry)) && echo 'dry run (no GPU expected)' || echo 'GPU run'); sync after every kernel: ${REMAT_CUDA_SYNC:-no}; deadline ${DEADLINE} s"
+say "== GPU: $gpu; cuBLASLt: ${REMAT_CUBLASLT:-none found (the library path then)}; NCCL: ${REMAT_NCCL:-none found (the wheel of the build or the library path then)}; $( ((dry)) && echo 'dry run (no GPU expected)' || echo 'GPU run'); sync after every kernel: ${REMAT_CUDA_SYNC:-no}; deadline ${DEADLINE} s"
 
 say "== GPU tests (one process per case; REMAT_SHOW_ERRORS=1)"
 # The cases labelled gpu, from the test binary itself (its DOT listing has each case's labels).
@@ -179,14 +187,22 @@ mkdir -p /tmp/remat-corpus
 timeout -k 5 30 python3 -c "import random; random.seed(1); print(''.join(random.choice('abcdefgh \n') for _ in range(200000)))" >/tmp/remat-corpus/text
 : >"$OUT/train-gpt.jsonl"
 : >"$OUT/train-gpt.log"
+# "nccl:" rows: the data-parallel path over one rank (REMAT_DATA_PARALLEL=1, no mpirun: this machine
+# has one GPU, and NCCL cannot put two ranks on it): buckets summed by NCCL on the collectives
+# stream during backward, ZeRO-1's reduce and broadcast with --shard-optimizer.
 for precision in fp32 bf16; do
-  for policy in none selective full every_n_layers=2 "full --offload"; do
+  nccl_rows=("nccl:full" "nccl:full --shard-optimizer")
+  [[ $precision == bf16 ]] && nccl_rows=("nccl:selective")
+  for policy in none selective full every_n_layers=2 "full --offload" "${nccl_rows[@]}"; do
     allow 40 15 "train-gpt $precision $policy" || continue
     echo "-- $precision $policy" >>"$OUT/train-gpt.log"
-    # $policy is two words for offload
+    data_parallel=0
+    [[ $policy == nccl:* ]] && data_parallel=1 policy=${policy#nccl:}
+    # $policy is two words for offload and sharding
     # shellcheck disable=SC2086
-    timeout -k 10 "$t" .device/bin/train-gpt --device cuda --data-dir /tmp/remat-corpus --max-steps 3 --eval-samples 0 \
-      --dropout 0.1 --json $([[ $precision == bf16 ]] && echo --bf16) --checkpoint-policy $policy \
+    REMAT_DATA_PARALLEL=$data_parallel timeout -k 10 "$t" .device/bin/train-gpt --device cuda \
+      --data-dir /tmp/remat-corpus --max-steps 3 --eval-samples 0 --dropout 0.1 --json \
+      $([[ $precision == bf16 ]] && echo --bf16) --checkpoint-policy $policy \
       2>>"$OUT/train-gpt.log" | tail -n 1 >>"$OUT/train-gpt.jsonl"
     rc=$?
     if ((dry)); then
@@ -198,8 +214,8 @@ for precision in fp32 bf16; do
   done
 done
 # The verdict per row: a finite first loss above 0 (NaN is JSON null) and measured == planned peak (on
-# CUDA: the device arena's high-water mark plus Halide's heap); per precision: the 5 policies ran
-# and agree on the gradient digest. The host heap during steps is shown, not required to be 0 on
+# CUDA: the device arena's high-water mark plus Halide's heap); per precision: the 5 policies and
+# the NCCL rows (which name NCCL as their collectives) ran and agree on the gradient digest. The host heap during steps is shown, not required to be 0 on
 # CUDA (the first step loads the kernels' modules and cuBLASLt).
 timeout -k 5 60 python3 - "$OUT/train-gpt.jsonl" "$dry" <<'PY' | tee -a "$summary"
 import json, math, sys
@@ -216,7 +232,8 @@ def finite(x):
 for r in rows:
     g = r.get
     rate = g("tokens_per_s")
-    print(f"{g('precision')} {str(g('policy')):<18} grad_digest {g('grad_digest')} loss_first {g('loss_first')} "
+    nccl = f" ({g('collectives')}, {g('collectives_device_bytes')} B outside the arena)" if g("collectives") else ""
+    print(f"{g('precision')} {str(g('policy')) + nccl:<18} grad_digest {g('grad_digest')} loss_first {g('loss_first')} "
           f"planned {g('planned_peak_bytes')} measured {g('measured_peak_bytes')} "
           f"step heap {g('step_heap_allocations')} allocations / {g('step_heap_bytes')} B "
           f"halide heap {g('halide_heap_peak_bytes')} B {f'{rate:.0f}' if finite(rate) else rate} tokens/s")
@@ -229,11 +246,12 @@ for r in rows:
 if sys.argv[2] == "1":
     print(f"dry run: {len(rows)} results (none expected without a GPU)")
     sys.exit(0 if not rows else 1)
-for p in ("fp32", "bf16"):
+for p, runs in (("fp32", 7), ("bf16", 6)):
     got = [r for r in rows if r.get("precision") == p]
-    same = len(got) == 5 and len({r.get("grad_digest") for r in got}) == 1 and got[0].get("grad_digest") is not None
-    print(p, f"{len(got)} of 5 policies ran; digests identical across them:", same)
-    ok = ok and same
+    through_nccl = sum(str(r.get("collectives", "")).startswith("NCCL") for r in got)
+    same = len(got) == runs and len({r.get("grad_digest") for r in got}) == 1 and got[0].get("grad_digest") is not None
+    print(p, f"{len(got)} of {runs} runs ({runs - 5} through NCCL: {through_nccl}); digests identical across them:", same)
+    ok = ok and same and through_nccl == runs - 5
 print("train-gpt verdict:", "passed" if ok else "FAILED")
 sys.exit(0 if ok else 1)
 PY

@@ -12,12 +12,14 @@
 //    the difference travels on);
 //  - every policy, offload included, gives the same gradients bit for bit on the device;
 //  - the measured peak of the device arena (canary scan) equals the plan; kernels allocate nothing;
-//  - a test-only kernel writing past the plan on the device (into the arena's guard) is caught.
+//  - a test-only kernel writing past the plan on the device (into the arena's guard) is caught;
+//  - NCCL's collectives run over a communicator of one rank, ordered after the compute stream.
 #include <boost/test/unit_test.hpp>
 
 #include <HalideRuntime.h>
 
 #include "cuda_device.h"
+#include "nccl.h"
 
 #include <algorithm>
 #include <cmath>
@@ -330,4 +332,37 @@ BOOST_AUTO_TEST_CASE(cuda_write_past_the_plan_is_caught,
     BOOST_TEST(what.find("wrote past the end of the arena") != std::string::npos, what);
   }
   BOOST_TEST(testing::planted.call > site.call, "the faulty kernel's call was not reached");
+}
+
+// NCCL over a communicator of one rank (the only kind a machine with one GPU makes: NCCL refuses
+// two ranks on one device), queued on the collectives stream after an event of the compute stream
+// as the data-parallel trainers queue their buckets: a sum over one rank is its own values, in
+// place. The trainers run the whole NCCL path over one rank in scripts/device-check.sh
+// (REMAT_DATA_PARALLEL=1); more ranks need more GPUs.
+BOOST_AUTO_TEST_CASE(cuda_nccl_collectives_over_one_rank,
+                     *boost::unit_test::label("gpu") * boost::unit_test::precondition(cuda_device)) {
+  cuda::init();
+  BOOST_TEST_MESSAGE("NCCL " << cuda::Nccl::version());
+  cuda::Nccl nccl(cuda::nccl_unique_id(), 0, 1);
+  std::vector<float> values(3000), back(3000, 0.f);
+  for (std::size_t i = 0; i < values.size(); ++i) values[i] = float(i) * 0.25f - 100.f;
+  auto *device = static_cast<float *>(cuda::device_malloc(values.size() * sizeof(float)));
+  const cuda::Event written = cuda::event_create(), summed = cuda::event_create();
+  cuda::copy_to_device(device, values.data(), values.size() * sizeof(float), cuda::Stream::compute);
+  cuda::record(written, cuda::Stream::compute);
+  cuda::wait(cuda::Stream::collectives, written);
+  nccl.group_start();
+  nccl.all_reduce(device, 1000);
+  nccl.reduce(device + 1000, 1000, 0);
+  nccl.group_end();
+  nccl.broadcast(device + 2000, 1000, 0);
+  cuda::record(summed, cuda::Stream::collectives);
+  cuda::wait(cuda::Stream::compute, summed);
+  cuda::copy_to_host(back.data(), device, values.size() * sizeof(float), cuda::Stream::compute);
+  cuda::synchronize(cuda::Stream::compute);
+  nccl.check();
+  BOOST_TEST(back == values, boost::test_tools::per_element());
+  cuda::event_destroy(written);
+  cuda::event_destroy(summed);
+  cuda::device_free(device);
 }

@@ -1,12 +1,15 @@
 // The CUDA device's plumbing that runs without a GPU: the GEMM description that cuBLASLt errors
 // carry, the operand alignment that every cuBLASLt GEMM is prepared for (and refuses below), the
-// library loader's error message, and init() (which fails cleanly where no GPU exists).
+// library loader's error message, init() (which fails cleanly where no GPU exists) and NCCL's
+// loading.
 #include <boost/test/unit_test.hpp>
 
 #include "cuda_device.h"
+#include "nccl.h"
 
 #include <dlfcn.h>
 
+#include <regex>
 #include <stdexcept>
 #include <string>
 
@@ -75,4 +78,22 @@ BOOST_AUTO_TEST_CASE(init_succeeds_with_a_usable_gpu_and_throws_without_one) {
   const std::string message = error_of([] { cuda::init(); });
   BOOST_TEST_MESSAGE("probe: " << (info.error.empty() ? info.name : info.error) << "; init: " << message);
   BOOST_TEST(message.empty() == info.error.empty());
+}
+
+// NCCL (data-parallel ranks on GPUs) loads on a machine without a GPU: libnccl.so.2 of the library
+// path or of the wheel the build found nccl.h in; a communicator's id is made without a GPU too.
+BOOST_AUTO_TEST_CASE(nccl_loads_and_makes_a_communicator_id_without_a_gpu) {
+#ifdef REMAT_TEST_NCCL
+  std::string version;
+  const std::string message = error_of([&] { version = cuda::Nccl::version(); });
+  BOOST_TEST_INFO(message);
+  BOOST_TEST_REQUIRE(message.empty());
+  BOOST_TEST_MESSAGE("NCCL " << version);
+  BOOST_TEST(std::regex_match(version, std::regex(R"(2\.(19|2[0-9]|[3-9][0-9])\.[0-9]+)")));  // 2.19 or later
+  const cuda::NcclId a = cuda::nccl_unique_id(), b = cuda::nccl_unique_id();
+  BOOST_TEST((a != b));  // each names its own bootstrap
+#else
+  const std::string message = error_of([] { cuda::Nccl::version(); });
+  BOOST_TEST(message.starts_with("this build of remat has no NCCL"));
+#endif
 }

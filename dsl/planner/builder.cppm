@@ -408,9 +408,9 @@ struct Builder {
     labels = add({key::of(Slot::labels), Role::data, 1, {n_rows, 0}});
     for (Slot metric : {Slot::row_loss, Slot::row_correct, Slot::row_max, Slot::row_lse})
       add({key::of(metric), Role::metrics, 1, {n_rows, 0}});
-    // data-parallel: the ring all-reduce (or, sharded, reduce-scatter) of each parameter gradient
-    // receives one chunk of it at a time
-    if (policies.ranks > 1) {
+    // data-parallel on the MPI ring: its all-reduce (or, sharded, reduce-scatter) of each parameter
+    // gradient receives one chunk of it at a time
+    if (policies.ranks > 1 && policies.exchange_buffer) {
       long long largest = 0;
       for (const Tensor &t : plan.tensors)
         if (t.role == Role::grads && t.view_of == grads_root)

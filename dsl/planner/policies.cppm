@@ -53,7 +53,10 @@ constexpr std::vector<Segment> segments(Policy p, int n_blocks) {
 struct StagePolicies {
   std::array<Policy, max_stages> stage{};
   bool unfused_head = false;
-  int ranks = 1;  // data-parallel ranks (each runs this plan): > 1 adds the gradient exchange's buffer
+  int ranks = 1;  // data-parallel ranks (each runs this plan)
+  // ranks > 1: the MPI ring (CPUs) receives into the gradient exchange buffer, planned in the arena;
+  // NCCL (GPUs) sums in place, with buffers of its own outside the arena (false)
+  bool exchange_buffer = true;
   // ZeRO stage 1 (--shard-optimizer): this rank (of `ranks`) keeps and updates the AdamW moments of
   // its shard of the flat parameters only (Plan::shard)
   bool shard_optimizer = false;

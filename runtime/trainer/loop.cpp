@@ -211,7 +211,11 @@ public:
                      fmt::format("remat {}, model {} ({}), policy {}, --batch-size {} per rank{}, {}, plan {}",
                                  remat_version(), info.name, definition_digest(info.model), run.policy_label, run.batch,
                                  o.shard_optimizer ? ", --shard-optimizer" : "", run_flags, schedule_digest(plan)));
-    if (ranks.size > 1) reducer = std::make_unique<GradientReducer>(ranks, ex);
+    if (ranks.data_parallel) {
+      reducer = std::make_unique<GradientReducer>(ranks, ex);
+      summary.collectives = reducer->describe();
+      summary.collectives_device_bytes = ranks.most(reducer->device_bytes_outside_arena());
+    }
     engine.init_params(o.seed);
     initial_max_abs = max_abs_param();
     if (!o.init_from.empty()) init_from();
@@ -233,8 +237,9 @@ public:
         "{}: {}\n{}: policy {}, {}, batch {} x {}{}, {} steps, {} parameters, arena {} (activations {}; {} under "
         "none)\n",
         program, data->describe(), program, run.policy_label, precision_name(run.precision), run.batch, run.micro,
-        ranks.size > 1 ? fmt::format(" x {} ranks (arena per rank)", ranks.size) : "", summary.max_steps,
-        plan.param_count, mib(plan.peak_bytes), mib(plan.activation_bytes), mib(none_plan.activation_bytes));
+        reducer ? fmt::format(" x {} ranks (arena per rank; {})", ranks.size, reducer->describe()) : "",
+        summary.max_steps, plan.param_count, mib(plan.peak_bytes), mib(plan.activation_bytes),
+        mib(none_plan.activation_bytes));
     std::fflush(progress);
     started = std::chrono::steady_clock::now();
     for (long step = summary.first_step; step <= summary.max_steps; ++step) {
@@ -318,9 +323,9 @@ private:
       for (float l : ex.tensor<float>(plan.row_loss())) loss_sum += l;
       for (std::int32_t c : ex.tensor<std::int32_t>(plan.row_correct())) correct += c;
       // with ranks, each decides on the sums (the same everywhere), after the last micro-batch
-      if (ranks.size == 1 && (!std::isfinite(loss_sum) || !finite(plan.grads()))) return nonfinite(step, m, loss_sum);
+      if (!reducer && (!std::isfinite(loss_sum) || !finite(plan.grads()))) return nonfinite(step, m, loss_sum);
     }
-    if (ranks.size > 1) {  // the global batch's (the gradients were summed during backward: GradientReducer)
+    if (reducer) {  // the global batch's (the gradients were summed during backward: GradientReducer)
       Ranks::Sums sums{loss_sum, correct, all_finite(reducer->summed_gradients()) ? 0 : 1};
       {
         CountedHeap counted;  // what MPI allocates is the step's too

@@ -4,6 +4,9 @@ module;
 #include <HalideRuntime.h>
 #include <mpi.h>
 
+#include "cuda_device.h"
+#include "nccl.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -35,6 +38,7 @@ int environment_int(const char *name, int otherwise) {
 }  // namespace
 
 Ranks::Ranks() {
+  data_parallel = environment_int("REMAT_DATA_PARALLEL", 0) == 1;
   if (!launched_by_mpirun()) return;
   // MPI calls come from one thread at a time: the communication thread during backward
   // (GradientReducer), the main thread otherwise
@@ -46,7 +50,9 @@ Ranks::Ranks() {
   }
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
+  local_rank = environment_int("OMPI_COMM_WORLD_LOCAL_RANK", 0);
   local_size = environment_int("OMPI_COMM_WORLD_LOCAL_SIZE", 1);
+  data_parallel = data_parallel || size > 1;
   initialized = true;
   all_sums.resize(std::size_t(size));
   // the ranks on this machine share its cores: Halide's threads (and the GEMMs on them) split
@@ -106,6 +112,7 @@ void Ranks::all_gather(std::span<float> v, std::span<const std::size_t> bounds) 
 }
 
 void Ranks::expect_early_messages() const {
+  if (size == 1) return;
   constexpr int early = 8, largest = 16384;
   const int next = (rank + 1) % size, before = (rank + size - 1) % size;
   std::vector<char> out(largest), in(std::size_t(early) * largest);
@@ -123,7 +130,7 @@ void Ranks::expect_early_messages() const {
 void Ranks::abort(int code) const {
   std::fflush(stdout);
   std::fflush(stderr);
-  MPI_Abort(MPI_COMM_WORLD, code);
+  if (initialized) MPI_Abort(MPI_COMM_WORLD, code);
   std::exit(code);  // (MPI_Abort does not return)
 }
 
@@ -131,6 +138,10 @@ std::size_t Ranks::most(std::size_t v) const {
   unsigned long most = v;
   if (size > 1) MPI_Allreduce(MPI_IN_PLACE, &most, 1, MPI_UNSIGNED_LONG, MPI_MAX, MPI_COMM_WORLD);
   return most;
+}
+
+void Ranks::broadcast(std::span<char> bytes) const {
+  if (size > 1) MPI_Bcast(bytes.data(), int(bytes.size()), MPI_CHAR, 0, MPI_COMM_WORLD);
 }
 
 void Ranks::check_same(std::string_view what, const std::string &value) const {
@@ -157,32 +168,73 @@ void Ranks::check_same(std::string_view what, const std::string &value) const {
 // ---- GradientReducer -------------------------------------------------------------------------
 namespace remat::runtime {
 
+// What both kinds share: the buckets and the ranks' shards of the flat parameters.
 struct GradientReducer::State {
+  const Ranks &ranks;
+  Executor &ex;
+  const bool sharded;
+  std::vector<std::vector<TensorId>> buckets;  // by train step: the gradients it is the last to write
+  std::vector<std::size_t> shard_bounds;       // of the ranks' shards of the flat parameters (ranks + 1)
+  // the steps whose buckets were handed over since start(), in order (room for every step: nothing
+  // allocated while training)
+  std::vector<std::size_t> queue;
+  std::size_t queued = 0;
+
+  State(const Ranks &ranks, Executor &ex) : ranks(ranks), ex(ex), sharded(ex.plan.policies.shard_optimizer) {
+    const Plan &plan = ex.plan;
+    std::vector<int> last_writer(plan.tensors.size(), -1);
+    for (std::size_t i = 0; i < plan.train.size(); ++i)
+      for (const Arg &a : plan.train[i].args)
+        if (a.access == Access::write && plan.tensors[std::size_t(a.tensor)].role == Role::grads)
+          last_writer[std::size_t(a.tensor)] = int(i);
+    buckets.resize(plan.train.size());
+    for (std::size_t t = 0; t < plan.tensors.size(); ++t)
+      if (last_writer[t] >= 0) buckets[std::size_t(last_writer[t])].push_back(TensorId{int(t)});
+    for (int c = 0; c <= ranks.size; ++c)
+      shard_bounds.push_back(std::size_t(std::min(plan.shard_slots * c, plan.tensors[plan.params().index].extent[0])));
+    queue.resize(plan.train.size());
+  }
+  virtual ~State() = default;
+  virtual void start() = 0;
+  virtual GradientReducer::Times finish() = 0;
+  virtual void gather_parameters() = 0;  // sharded
+  virtual std::size_t device_bytes_outside_arena() const { return 0; }
+  virtual std::string describe() const = 0;
+};
+
+namespace {
+
+// CPU ranks: the MPI ring on a communication thread.
+struct RingReducer final : GradientReducer::State {
   struct Gradient {
     std::span<float> values;
     std::vector<std::size_t> bounds;  // of its chunks (gradient_chunk), from its first slot
   };
-  const Ranks &ranks;
-  Executor &ex;
-  const bool sharded;
-  std::vector<std::vector<Gradient>> buckets;  // by train step: the gradients it finishes
-  std::span<float> exchange;                   // the plan's receive buffer
-  std::vector<std::size_t> shard_bounds;       // of the ranks' shards of the flat parameters
-  // the steps whose buckets wait, in order (room for every step: nothing allocated while training)
-  std::vector<std::size_t> queue;
-  std::size_t queued = 0, reduced = 0;
+  std::vector<std::vector<Gradient>> gradients;  // by train step
+  std::span<float> exchange;                     // the plan's receive buffer
+  std::size_t reduced = 0;
   double busy_ms = 0;
   bool ready = false, stopping = false;
   std::mutex mutex;
   std::condition_variable changed;
   std::thread thread;
 
-  State(const Ranks &ranks, Executor &ex) : ranks(ranks), ex(ex), sharded(ex.plan.policies.shard_optimizer) {
-    make_buckets();
+  RingReducer(const Ranks &ranks, Executor &ex) : State(ranks, ex) {
     const Plan &plan = ex.plan;
-    for (int c = 0; c <= ranks.size; ++c)
-      shard_bounds.push_back(std::size_t(std::min(plan.shard_slots * c, plan.tensors[plan.params().index].extent[0])));
-    queue.resize(plan.train.size());
+    for (std::size_t t = 0; t < plan.tensors.size(); ++t)
+      if (plan.tensors[t].role == Role::exchange) exchange = ex.tensor<float>(TensorId{int(t)});
+    if (exchange.empty() && ranks.size > 1)
+      throw std::logic_error("a data-parallel plan without a gradient exchange buffer");
+    gradients.resize(buckets.size());
+    for (std::size_t step = 0; step < buckets.size(); ++step)
+      for (TensorId t : buckets[step]) {
+        Gradient g{ex.tensor<float>(t), {}};
+        const long long first = (long long)plan.tensors[std::size_t(t.index)].offset / 4;
+        for (int c = 0; c < ranks.size; ++c)
+          g.bounds.push_back(std::size_t(gradient_chunk(plan, plan.tensors[std::size_t(t.index)], c).first - first));
+        g.bounds.push_back(g.values.size());
+        gradients[step].push_back(std::move(g));
+      }
     // MPI sets up what it keeps for these exchanges (request lists, per-thread and per-peer state)
     // at their first use: here, before any step, on the threads that make them (every bucket on
     // the communication thread, the parameters' gather here; nothing is initialized yet)
@@ -191,13 +243,13 @@ struct GradientReducer::State {
     if (sharded) gather_parameters();
     thread = std::thread([this] {
       this->ranks.expect_early_messages();
-      for (std::size_t step = 0; step < buckets.size(); ++step) reduce(step);
+      for (std::size_t step = 0; step < gradients.size(); ++step) reduce(step);
       run();
     });
     std::unique_lock lock(mutex);
     changed.wait(lock, [&] { return ready; });
   }
-  ~State() {
+  ~RingReducer() override {
     {
       std::lock_guard lock(mutex);
       stopping = true;
@@ -205,35 +257,13 @@ struct GradientReducer::State {
     changed.notify_all();
     thread.join();
   }
-  // Each gradient goes to the bucket of the last train step that writes it.
-  void make_buckets() {
-    const Plan &plan = ex.plan;
-    std::vector<int> last_writer(plan.tensors.size(), -1);
-    for (std::size_t t = 0; t < plan.tensors.size(); ++t)
-      if (plan.tensors[t].role == Role::exchange) exchange = ex.tensor<float>(TensorId{int(t)});
-    if (exchange.empty()) throw std::logic_error("a data-parallel plan without a gradient exchange buffer");
-    for (std::size_t i = 0; i < plan.train.size(); ++i)
-      for (const Arg &a : plan.train[i].args)
-        if (a.access == Access::write && plan.tensors[std::size_t(a.tensor)].role == Role::grads)
-          last_writer[std::size_t(a.tensor)] = int(i);
-    buckets.resize(plan.train.size());
-    for (std::size_t t = 0; t < plan.tensors.size(); ++t) {
-      if (last_writer[t] < 0) continue;
-      Gradient g{ex.tensor<float>(TensorId{int(t)}), {}};
-      const long long first = (long long)plan.tensors[t].offset / 4;
-      for (int c = 0; c < ranks.size; ++c)
-        g.bounds.push_back(std::size_t(gradient_chunk(plan, plan.tensors[t], c).first - first));
-      g.bounds.push_back(g.values.size());
-      buckets[std::size_t(last_writer[t])].push_back(std::move(g));
-    }
-  }
   void reduce(std::size_t step) {  // sharded: each rank needs its shard's sums only
-    for (const Gradient &g : buckets[step]) {
+    for (const Gradient &g : gradients[step]) {
       ranks.reduce_scatter(g.values, g.bounds, exchange);
       if (!sharded) ranks.all_gather(g.values, g.bounds);
     }
   }
-  void gather_parameters() { ranks.all_gather(ex.tensor<float>(ex.plan.params()), shard_bounds); }
+  void gather_parameters() override { ranks.all_gather(ex.tensor<float>(ex.plan.params()), shard_bounds); }
   void run() {  // the communication thread
     std::unique_lock lock(mutex);
     ready = true;
@@ -253,35 +283,151 @@ struct GradientReducer::State {
     }
   }
   void finished(std::size_t step) {  // the executor's thread, after each train step
-    if (buckets[step].empty()) return;
+    if (gradients[step].empty()) return;
     {
       std::lock_guard lock(mutex);
       queue[queued++] = step;
     }
     changed.notify_all();
   }
+  void start() override {
+    std::lock_guard lock(mutex);
+    queued = reduced = 0;
+    busy_ms = 0;
+    ex.finished = [this](std::size_t step) { finished(step); };
+  }
+  GradientReducer::Times finish() override {
+    ex.finished = nullptr;
+    const auto t0 = std::chrono::steady_clock::now();
+    std::unique_lock lock(mutex);
+    changed.wait(lock, [&] { return reduced == queued; });
+    return {busy_ms, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()};
+  }
+  std::string describe() const override { return "MPI ring"; }
 };
 
-GradientReducer::GradientReducer(const Ranks &ranks, Executor &ex) : state(std::make_unique<State>(ranks, ex)) {}
+// CUDA ranks: NCCL on the collectives stream, each bucket after an event of the compute stream
+// recorded behind the kernel that finished it; the compute stream waits for the last bucket before
+// the optimizer. With a sharded optimizer each part of a gradient in rank c's shard is reduced to
+// rank c (ncclReduce, in place), and each rank's shard of the parameters broadcast after AdamW.
+struct NcclReducer final : GradientReducer::State {
+  std::size_t device_bytes = 0;
+  std::unique_ptr<cuda::Nccl> nccl;
+  // per train step with a bucket: its kernel done (compute stream), its collectives begun and done
+  std::vector<cuda::Event> kernel_done, began, done;
+  cuda::Event backward_done, reduced, optimized, gathered;
+
+  static cuda::NcclId shared_id(const Ranks &ranks) {
+    cuda::NcclId id{};
+    if (ranks.rank == 0) id = cuda::nccl_unique_id();
+    ranks.broadcast(id);
+    return id;
+  }
+  NcclReducer(const Ranks &ranks, Executor &ex) : State(ranks, ex) {
+    const std::size_t used_before = cuda::device_used_bytes();
+    nccl = std::make_unique<cuda::Nccl>(shared_id(ranks), ranks.rank, ranks.size);
+    for (std::size_t step = 0; step < buckets.size(); ++step) {
+      const bool bucket = !buckets[step].empty();
+      kernel_done.push_back(bucket ? cuda::event_create() : cuda::Event{});
+      began.push_back(bucket ? cuda::event_create(true) : cuda::Event{});
+      done.push_back(bucket ? cuda::event_create(true) : cuda::Event{});
+    }
+    backward_done = cuda::event_create(true);
+    reduced = cuda::event_create(true);
+    optimized = cuda::event_create();
+    gathered = cuda::event_create();
+    // NCCL connects its peers and allocates its buffers at a communicator's first collectives:
+    // every bucket once, and the parameters' gather, before any step (the gradients are not yet
+    // written; what they sum is overwritten by the first step)
+    for (std::size_t step = 0; step < buckets.size(); ++step)
+      if (!buckets[step].empty()) enqueue(step);
+    if (sharded) gather_parameters();
+    cuda::synchronize(cuda::Stream::collectives);
+    nccl->check();
+    device_bytes = cuda::device_used_bytes() - used_before;
+  }
+  ~NcclReducer() override {
+    for (auto *events : {&kernel_done, &began, &done})
+      for (cuda::Event e : *events)
+        if (e.handle) cuda::event_destroy(e);
+    for (cuda::Event e : {backward_done, reduced, optimized, gathered}) cuda::event_destroy(e);
+  }
+  void enqueue(std::size_t step) {
+    cuda::record(kernel_done[step], cuda::Stream::compute);
+    cuda::wait(cuda::Stream::collectives, kernel_done[step]);
+    cuda::record(began[step], cuda::Stream::collectives);
+    const Plan &plan = ex.plan;
+    nccl->group_start();
+    for (TensorId t : buckets[step]) {
+      float *g = ex.device_tensor<float>(t);
+      const Tensor &tensor = plan.tensors[std::size_t(t.index)];
+      if (!sharded) {
+        nccl->all_reduce(g, tensor.bytes() / 4);
+        continue;
+      }
+      const long long first = (long long)tensor.offset / 4;
+      for (int c = 0; c < ranks.size; ++c)
+        if (auto [from, to] = gradient_chunk(plan, tensor, c); to > from)
+          nccl->reduce(g + (from - first), std::size_t(to - from), c);
+    }
+    nccl->group_end();
+    cuda::record(done[step], cuda::Stream::collectives);
+  }
+  void start() override {
+    queued = 0;
+    ex.finished = [this](std::size_t step) {
+      if (buckets[step].empty()) return;
+      enqueue(step);
+      queue[queued++] = step;
+    };
+  }
+  GradientReducer::Times finish() override {
+    ex.finished = nullptr;
+    cuda::record(backward_done, cuda::Stream::compute);
+    cuda::record(reduced, cuda::Stream::collectives);
+    cuda::wait(cuda::Stream::compute, reduced);  // the optimizer reads the sums
+    cuda::synchronize(reduced);
+    cuda::synchronize(backward_done);  // (kernels after the last bucket's may still run)
+    nccl->check();
+    GradientReducer::Times times;
+    for (std::size_t i = 0; i < queued; ++i) times.busy_ms += cuda::elapsed_ms(began[queue[i]], done[queue[i]]);
+    times.wait_ms = std::max(0.f, cuda::elapsed_ms(backward_done, reduced));
+    return times;
+  }
+  void gather_parameters() override {
+    cuda::record(optimized, cuda::Stream::compute);
+    cuda::wait(cuda::Stream::collectives, optimized);
+    float *params = ex.device_tensor<float>(ex.plan.params());
+    nccl->group_start();
+    for (int c = 0; c < ranks.size; ++c)
+      if (const std::size_t n = shard_bounds[std::size_t(c) + 1] - shard_bounds[std::size_t(c)]; n > 0)
+        nccl->broadcast(params + shard_bounds[std::size_t(c)], n, c);
+    nccl->group_end();
+    cuda::record(gathered, cuda::Stream::collectives);
+    cuda::wait(cuda::Stream::compute, gathered);
+  }
+  std::size_t device_bytes_outside_arena() const override { return device_bytes; }
+  std::string describe() const override { return "NCCL " + cuda::Nccl::version(); }
+};
+
+std::unique_ptr<GradientReducer::State> make_reducer(const Ranks &ranks, Executor &ex) {
+  if (ex.plan.policies.exchange_buffer) return std::make_unique<RingReducer>(ranks, ex);
+  return std::make_unique<NcclReducer>(ranks, ex);
+}
+
+}  // namespace
+
+GradientReducer::GradientReducer(const Ranks &ranks, Executor &ex) : state(make_reducer(ranks, ex)) {}
 GradientReducer::~GradientReducer() = default;
 
-void GradientReducer::start() {
-  std::lock_guard lock(state->mutex);
-  state->queued = state->reduced = 0;
-  state->busy_ms = 0;
-  state->ex.finished = [s = state.get()](std::size_t step) { s->finished(step); };
-}
-
-GradientReducer::Times GradientReducer::finish() {
-  state->ex.finished = nullptr;
-  const auto t0 = std::chrono::steady_clock::now();
-  std::unique_lock lock(state->mutex);
-  state->changed.wait(lock, [&] { return state->reduced == state->queued; });
-  return {state->busy_ms, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()};
-}
+void GradientReducer::start() { state->start(); }
+GradientReducer::Times GradientReducer::finish() { return state->finish(); }
+std::size_t GradientReducer::device_bytes_outside_arena() const { return state->device_bytes_outside_arena(); }
+std::string GradientReducer::describe() const { return state->describe(); }
 
 std::span<const float> GradientReducer::summed_gradients() const {
   const Plan &plan = state->ex.plan;
+  state->ex.download(plan.grads());  // (CUDA; after the optimizer's wait for the last bucket)
   const std::span<const float> all = state->ex.tensor<float>(plan.grads());
   return state->sharded ? all.subspan(std::size_t(plan.shard_first), std::size_t(plan.shard_end - plan.shard_first))
                         : all;
@@ -296,9 +442,10 @@ Moments GradientReducer::gather_moments(std::vector<float> &m, std::vector<float
   const Plan &plan = state->ex.plan;
   for (auto [whole, shard] : {std::pair{&m, plan.adam_m()}, std::pair{&v, plan.adam_v()}}) {
     whole->assign(state->shard_bounds.back(), 0.f);
+    state->ex.download(shard);
     const std::span<const float> mine = state->ex.tensor<float>(shard);
     std::copy_n(mine.begin(), plan.shard_end - plan.shard_first, whole->begin() + plan.shard_first);
-    state->ranks.all_gather(*whole, state->shard_bounds);
+    state->ranks.all_gather(*whole, state->shard_bounds);  // (host memory: the MPI ring on GPUs too)
   }
   return {m, v};
 }

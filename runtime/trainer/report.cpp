@@ -118,12 +118,14 @@ void print_plan_report(std::FILE *out, const Model &model, const Plan &plan, con
     for (const Tensor &t : plan.tensors)
       if (t.role == Role::exchange) exchange += t.bytes();
     const std::size_t moments = 2 * plan.tensors[plan.adam_m().index].bytes();
-    fmt::print(out, "data-parallel, per rank of {}: AdamW moments {} B ({}{}), gradient exchange buffer {} B ({})\n",
-               plan.policies.ranks, moments, mib(moments),
+    fmt::print(out, "data-parallel, per rank of {}: AdamW moments {} B ({}{}), {}\n", plan.policies.ranks, moments,
+               mib(moments),
                plan.policies.shard_optimizer
                    ? fmt::format(", the shard of slots [{}, {}): --shard-optimizer", plan.shard_first, plan.shard_end)
                    : ", every parameter's",
-               exchange, mib(exchange));
+               plan.policies.exchange_buffer
+                   ? fmt::format("gradient exchange buffer {} B ({})", exchange, mib(exchange))
+                   : "gradients summed in place by NCCL (its own buffers are outside the arena)");
   }
   fmt::print(
       out,

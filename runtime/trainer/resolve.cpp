@@ -2,6 +2,8 @@
 // --memory-budget), the device and precision, the batch, the kernel costs the budget planner uses
 // (measured now, from the cost table, or estimated) and the plan. Every contradiction is one line.
 module;
+#include "cuda_device.h"
+
 #include <fmt/format.h>
 
 #include <climits>
@@ -88,11 +90,12 @@ Run resolve(const Options &o, const ModelInfo &info, const std::string &program)
   const Model &model = info.model;
   Run run;
   run.device = o.device == "cuda" ? Device::cuda : Device::cpu;
-  if (run.device == Device::cuda && Ranks::world().size > 1)
-    throw InputError("--device cuda with more than one rank: NCCL is not built yet (CPU ranks only)");
+  const Ranks &ranks = Ranks::world();
+  if (run.device == Device::cuda) cuda::select_device(ranks.local_rank);  // one GPU per rank on a machine
   run.policies = resolve_policies(o, info, run.device);
-  run.policies.ranks = Ranks::world().size;
-  run.policies.rank = Ranks::world().rank;
+  run.policies.ranks = ranks.size;
+  run.policies.rank = ranks.rank;
+  run.policies.exchange_buffer = run.device == Device::cpu;  // the MPI ring's; NCCL sums in place
   run.policies.shard_optimizer = o.shard_optimizer;
   run.batch = o.batch_size ? o.batch_size : info.defaults.batch;
   run.micro = o.gradient_accumulation_steps;

@@ -32,8 +32,8 @@ void print_summary(const Options &o, const ModelInfo &info, const Run &run, cons
       s.measured_peak == plan.peak_bytes ? "equal" : "DIFFERENT", mib(plan.activation_bytes), run.policy_label,
       mib(s.activation_bytes_none), 100.0 * plan.activation_bytes / s.activation_bytes_none, samples_per_s, rows_per_s,
       median, plan.total_launches, plan.recompute_launches);
-  // data-parallel: the gradient all-reduce on the communication thread, and how much of it the
-  // main thread waited for after backward
+  // data-parallel: the gradient all-reduce (the communication thread's MPI ring, or NCCL's on the
+  // GPU), and how much of it the end of backward waited for
   double allreduce_ms = 0, waited_ms = 0;
   for (const GradientReducer::Times &t : s.allreduce) {
     allreduce_ms += t.busy_ms;
@@ -42,9 +42,12 @@ void print_summary(const Options &o, const ModelInfo &info, const Run &run, cons
   const double hidden = allreduce_ms > 0 ? std::max(0.0, 1 - waited_ms / allreduce_ms) : 0;
   if (!s.allreduce.empty())
     fmt::print(o.json ? stderr : stdout,
-               "all-reduce: {:.1f} ms per step on the communication thread, {:.1f} ms waited after backward ({:.0f}% "
-               "hidden)\n",
-               allreduce_ms / double(s.allreduce.size()), waited_ms / double(s.allreduce.size()), 100 * hidden);
+               "all-reduce ({}): {:.1f} ms per step, {:.1f} ms waited after backward ({:.0f}% hidden){}\n",
+               s.collectives, allreduce_ms / double(s.allreduce.size()), waited_ms / double(s.allreduce.size()),
+               100 * hidden,
+               s.collectives_device_bytes > 0 ? fmt::format("; {} B ({}) of device memory outside the arena",
+                                                            s.collectives_device_bytes, mib(s.collectives_device_bytes))
+                                              : "");
   if (!o.json) return;
   auto optional = [&](auto f) { return s.eval ? nlohmann::json(f(*s.eval)) : nlohmann::json(); };
   const nlohmann::json j = {
@@ -69,6 +72,8 @@ void print_summary(const Options &o, const ModelInfo &info, const Run &run, cons
       {"allreduce_ms_mean", s.allreduce.empty() ? 0 : allreduce_ms / double(s.allreduce.size())},
       {"allreduce_wait_ms_mean", s.allreduce.empty() ? 0 : waited_ms / double(s.allreduce.size())},
       {"allreduce_hidden", hidden},
+      {"collectives", s.collectives},
+      {"collectives_device_bytes", s.collectives_device_bytes},
       {"step_ms", s.step_ms},
       {"planned_peak_bytes", plan.peak_bytes},
       {"measured_peak_bytes", s.measured_peak},
