@@ -134,6 +134,7 @@ void init() {
 }
 
 void select_device(int ordinal) {
+  if (int count = 0; cudaGetDeviceCount(&count) == cudaSuccess && count == 1) ordinal = 0;
   if (state.ready && ordinal != state.device)
     throw std::logic_error(
         fmt::format("CUDA device {} selected after device {} was initialized", ordinal, state.device));
@@ -183,6 +184,12 @@ void wait(Stream s, Event e) {
   check(cudaStreamWaitEvent(stream(s), static_cast<cudaEvent_t>(e.handle), 0), "cudaStreamWaitEvent");
 }
 void synchronize(Event e) { check(cudaEventSynchronize(static_cast<cudaEvent_t>(e.handle)), "cudaEventSynchronize"); }
+bool done(Event e) {
+  const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(e.handle));
+  if (err == cudaErrorNotReady) return false;
+  check(err, "cudaEventQuery");
+  return true;
+}
 float elapsed_ms(Event from, Event to) {
   float ms = 0;
   check(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(from.handle), static_cast<cudaEvent_t>(to.handle)),
@@ -340,6 +347,7 @@ void event_destroy(Event) {}
 void record(Event, Stream) { unavailable(); }
 void wait(Stream, Event) { unavailable(); }
 void synchronize(Event) { unavailable(); }
+bool done(Event) { unavailable(); }
 float elapsed_ms(Event, Event) { unavailable(); }
 void gemm(const GemmCall &) { unavailable(); }
 }  // namespace remat::cuda

@@ -14,7 +14,8 @@
 namespace remat::cuda {
 
 // The device init() makes current (default 0): a data-parallel rank's GPU is its rank on its
-// machine. Before init(); throws after it with another device.
+// machine, or 0 where the process sees one GPU only (a launcher that gives each rank its own with
+// CUDA_VISIBLE_DEVICES). Before init(); throws after it with another device.
 void select_device(int ordinal);
 int selected_device();
 
@@ -58,6 +59,7 @@ void event_destroy(Event e);
 void record(Event e, Stream s);
 void wait(Stream s, Event e);            // s waits for e (on the device)
 void synchronize(Event e);               // the host waits for e
+bool done(Event e);                      // e has happened (cudaEventQuery)
 float elapsed_ms(Event from, Event to);  // both timed and done
 
 // One GEMM with cuBLASLt on the compute stream (device pointers in g). cuBLASLt is loaded on first

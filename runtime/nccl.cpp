@@ -11,6 +11,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <vector>
 
 namespace remat::cuda {
@@ -80,7 +81,10 @@ Nccl::Nccl(const NcclId &id, int rank, int size) {
 }
 
 Nccl::~Nccl() {
-  if (!comm) return;
+  // Destroying (or aborting) a communicator is collective among the ranks of a machine: a rank
+  // leaving on an exception would wait there for ranks that are not coming (they wait in a
+  // collective for it). It leaves the communicator to the process's end (MPI_Abort follows).
+  if (!comm || std::uncaught_exceptions() > 0) return;
   ncclResult_t failed = ncclSuccess;
   // a communicator whose peers failed would wait for them in ncclCommDestroy
   if (nccl().ncclCommGetAsyncError(as_comm(comm), &failed) == ncclSuccess && failed == ncclSuccess)

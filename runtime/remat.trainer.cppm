@@ -63,7 +63,8 @@ class Ranks {
 public:
   static Ranks &world();  // MPI_Init on first use under mpirun, MPI_Finalize at exit
   int rank = 0, size = 1;
-  int local_rank = 0, local_size = 1;  // on this machine (they share its cores; each takes its GPU)
+  // on this machine (MPI_COMM_TYPE_SHARED): they share its cores, and each takes its GPU
+  int local_rank = 0, local_size = 1;
   // More than one rank, or REMAT_DATA_PARALLEL=1: one process then runs the data-parallel path
   // (the GradientReducer and its collectives) as a world of one rank, without mpirun (the check of
   // the NCCL path on a machine with one GPU).
@@ -74,6 +75,7 @@ public:
   struct Sums {
     double loss = 0;
     long correct = 0, nonfinite = 0;
+    long terminating = 0;  // ranks that got a SIGTERM: every rank stops after the same step
   };
   void sum(Sums &sums) const;
   // Ring collectives (MPI_Sendrecv to the next rank, from the one before) in place over chunks of

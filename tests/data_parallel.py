@@ -18,7 +18,8 @@ runs) gives one process's bits; a snapshot of 2 ranks at step 5 (sharded or not)
 rank with the same global batch (steps 6-10 as the 1-rank run's), and one of 1 rank resumed by
 2 sharded ranks; a rank started with other flags: one line naming it, exit 2, no step; a rank
 failing alone (no data): its line and the job's end; rank 1 killed (SIGKILL): the job ends
-within 60 s, mpirun naming rank 1. Every run's planned peak per rank equals its measured one.
+within 60 s, mpirun naming rank 1; a SIGTERM to rank 1 alone: both ranks stop after the same
+step, with a snapshot. Every run's planned peak per rank equals its measured one.
 
     data_parallel.py TRAIN_MLP TRAIN_GPT SCRATCH_DIR"""
 import json, os, shutil, signal, subprocess, sys, time
@@ -195,18 +196,25 @@ def rank_process(rank):
     return None
 
 
-launcher = subprocess.Popen(MPIRUN + [mlp, "--max-steps", "100000", "--eval-samples", "0"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, errors="replace")
-victim = None
-for _ in range(100):  # both ranks up and training
-    time.sleep(0.1)
-    victim = rank_process(1)
-    if victim and launcher.poll() is None:
-        break
-time.sleep(2)
+def long_job(*flags):
+    """A 2-rank run of 100000 steps, once both ranks train: (mpirun's process, rank 1's pid or None)."""
+    launcher = subprocess.Popen(MPIRUN + [mlp, "--max-steps", "100000", "--eval-samples", "0", *flags],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace")
+    victim = None
+    for _ in range(100):  # both ranks up and training
+        time.sleep(0.1)
+        victim = rank_process(1)
+        if victim and launcher.poll() is None:
+            break
+    time.sleep(2)
+    if victim is None:
+        launcher.kill()
+    return launcher, victim
+
+
+launcher, victim = long_job()
 if victim is None:
     failures.append("a killed rank: rank 1's process never showed")
-    launcher.kill()
 else:
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
@@ -219,6 +227,28 @@ else:
     except subprocess.TimeoutExpired:
         launcher.kill()
         failures.append("a killed rank: the job was still running 60 s later")
+
+# a SIGTERM to one rank (a scheduler's preemption): every rank stops after the same step (the
+# step's sums carry it), rank 0 writes the snapshot, exit 0
+preempted = os.path.join(scratch, "sigterm")
+launcher, victim = long_job("--output-dir", preempted)
+if victim is None:
+    failures.append("SIGTERM to rank 1: rank 1's process never showed")
+else:
+    os.kill(victim, signal.SIGTERM)
+    try:
+        out, err = launcher.communicate(timeout=60)
+        stopped = [line for line in out.split("\x1b[K") if "stopped after step" in line]
+        if launcher.returncode != 0 or not stopped or "(SIGTERM)" not in stopped[0]:
+            failures.append(f"SIGTERM to rank 1: exit {launcher.returncode}, stderr {err.strip()[-1500:]}")
+        else:
+            step = stopped[0].split("stopped after step ")[1].split()[0]
+            if not os.path.isdir(os.path.join(preempted, f"snapshot-{step}")):
+                failures.append(f"SIGTERM to rank 1: no snapshot-{step} in {preempted}")
+            print(f"SIGTERM to rank 1: both ranks stopped after step {step}, snapshot written")
+    except subprocess.TimeoutExpired:
+        launcher.kill()
+        failures.append("SIGTERM to rank 1: the job was still running 60 s later")
 
 if failures:
     print("\n".join(failures))

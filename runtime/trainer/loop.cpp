@@ -290,7 +290,7 @@ private:
   // Why the run stops before --max-steps after `step` ("": it does not): --exit-interval, or a
   // SIGTERM (a scheduler's preemption) that arrived during the step.
   std::string stop_reason(long step) const {
-    if (terminate_requested) return "SIGTERM";
+    if (reducer ? terminating_ranks > 0 : terminate_requested != 0) return "SIGTERM";
     if (o.exit_interval > 0 && step % o.exit_interval == 0) return fmt::format("--exit-interval {}", o.exit_interval);
     return {};
   }
@@ -326,13 +326,14 @@ private:
       if (!reducer && (!std::isfinite(loss_sum) || !finite(plan.grads()))) return nonfinite(step, m, loss_sum);
     }
     if (reducer) {  // the global batch's (the gradients were summed during backward: GradientReducer)
-      Ranks::Sums sums{loss_sum, correct, all_finite(reducer->summed_gradients()) ? 0 : 1};
+      Ranks::Sums sums{loss_sum, correct, all_finite(reducer->summed_gradients()) ? 0 : 1, terminate_requested};
       {
         CountedHeap counted;  // what MPI allocates is the step's too
         ranks.sum(sums);
       }
       loss_sum = sums.loss;
       correct = sums.correct;
+      terminating_ranks = sums.terminating;
       if (!std::isfinite(loss_sum) || sums.nonfinite > 0) return nonfinite(step, run.micro - 1, loss_sum);
     }
     if (first) {  // (sharded: of this rank's shard, what it holds summed)
@@ -602,8 +603,9 @@ private:
   std::unique_ptr<GradientReducer> reducer;  // with ranks
   long eval_samples = 0;
   std::string run_flags;
-  float initial_max_abs = 0;  // of the parameters as initialized (the guard's reference)
-  int skipped_steps = 0;      // --skip-nonfinite-steps
+  float initial_max_abs = 0;   // of the parameters as initialized (the guard's reference)
+  int skipped_steps = 0;       // --skip-nonfinite-steps
+  long terminating_ranks = 0;  // with ranks: those that had a SIGTERM at the last step's sums
   Summary summary;
   double lr = 0, loss_total = 0;  // the last step's learning rate; the sum of this run's step losses
   StepMetrics last;               // the last step's

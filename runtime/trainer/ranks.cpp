@@ -50,8 +50,11 @@ Ranks::Ranks() {
   }
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
-  local_rank = environment_int("OMPI_COMM_WORLD_LOCAL_RANK", 0);
-  local_size = environment_int("OMPI_COMM_WORLD_LOCAL_SIZE", 1);
+  MPI_Comm machine = MPI_COMM_NULL;  // the ranks that share this one's memory
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &machine);
+  MPI_Comm_rank(machine, &local_rank);
+  MPI_Comm_size(machine, &local_size);
+  MPI_Comm_free(&machine);
   data_parallel = data_parallel || size > 1;
   initialized = true;
   all_sums.resize(std::size_t(size));
@@ -83,6 +86,7 @@ void Ranks::sum(Sums &sums) const {
     sums.loss += s.loss;
     sums.correct += s.correct;
     sums.nonfinite += s.nonfinite;
+    sums.terminating += s.terminating;
   }
 }
 
@@ -342,15 +346,25 @@ struct NcclReducer final : GradientReducer::State {
     for (std::size_t step = 0; step < buckets.size(); ++step)
       if (!buckets[step].empty()) enqueue(step);
     if (sharded) gather_parameters();
-    cuda::synchronize(cuda::Stream::collectives);
-    nccl->check();
-    device_bytes = cuda::device_used_bytes() - used_before;
+    cuda::record(reduced, cuda::Stream::collectives);
+    wait_for(reduced);
+    const std::size_t used_after = cuda::device_used_bytes();  // (device-wide: others may free)
+    device_bytes = used_after > used_before ? used_after - used_before : 0;
   }
   ~NcclReducer() override {
     for (auto *events : {&kernel_done, &began, &done})
       for (cuda::Event e : *events)
         if (e.handle) cuda::event_destroy(e);
     for (cuda::Event e : {backward_done, reduced, optimized, gathered}) cuda::event_destroy(e);
+  }
+  // The host waits for e, asking NCCL meanwhile whether a collective failed (a peer gone, a
+  // network error): blocked in the CUDA runtime it would wait for ever.
+  void wait_for(cuda::Event e) const {
+    while (!cuda::done(e)) {
+      nccl->check();
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    nccl->check();
   }
   void enqueue(std::size_t step) {
     cuda::record(kernel_done[step], cuda::Stream::compute);
@@ -386,9 +400,8 @@ struct NcclReducer final : GradientReducer::State {
     cuda::record(backward_done, cuda::Stream::compute);
     cuda::record(reduced, cuda::Stream::collectives);
     cuda::wait(cuda::Stream::compute, reduced);  // the optimizer reads the sums
-    cuda::synchronize(reduced);
+    wait_for(reduced);
     cuda::synchronize(backward_done);  // (kernels after the last bucket's may still run)
-    nccl->check();
     GradientReducer::Times times;
     for (std::size_t i = 0; i < queued; ++i) times.busy_ms += cuda::elapsed_ms(began[queue[i]], done[queue[i]]);
     times.wait_ms = std::max(0.f, cuda::elapsed_ms(backward_done, reduced));
