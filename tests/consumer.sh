@@ -46,3 +46,42 @@ assert summary["model"] == "tinylm" and summary["steps"] == 6, summary
 assert math.isfinite(summary["loss_last"]) and summary["loss_last"] < summary["loss_first"], "the loss did not fall"
 assert summary["planned_peak_bytes"] == summary["measured_peak_bytes"], "planned and measured peaks differ"
 PY
+
+# The same model data-parallel (mpirun --oversubscribe -np 2, batch 4 per rank, unsharded and
+# with --shard-optimizer) against one process with batch 8: the losses of the same global batches
+# agree (tests/data_parallel.py's limit, 2e-5 relative), planned == measured per rank.
+if command -v mpirun > /dev/null; then
+  mpirun=(mpirun --oversubscribe -np 2)
+  [[ $(id -u) == 0 ]] && mpirun+=(--allow-run-as-root)
+  run_tinylm() {  # NAME LAUNCHER... -- FLAGS...
+    local name=$1 launcher=()
+    shift
+    while [[ $1 != -- ]]; do launcher+=("$1"); shift; done
+    shift
+    "${launcher[@]}" "$work/build/train-tinylm" --data-dir "$work/data" --max-steps 6 --eval-samples 0 \
+      --logging-dir "$work/$name" --json "$@" > "$work/$name.json" 2> "$work/$name.log" ||
+      { tail -20 "$work/$name.log"; exit 1; }
+  }
+  run_tinylm one -- --batch-size 8
+  run_tinylm ranks "${mpirun[@]}" -- --batch-size 4
+  run_tinylm sharded "${mpirun[@]}" -- --batch-size 4 --shard-optimizer
+  python3 - "$work" <<'PY'
+import json, os, sys
+work = sys.argv[1]
+def losses(name):
+    return [json.loads(l)["loss"] for l in open(os.path.join(work, name, "metrics.jsonl")) if '"loss"' in l]
+one = losses("one")
+for name in ("ranks", "sharded"):
+    summary = json.loads(open(os.path.join(work, name + ".json")).read().splitlines()[-1])
+    two = losses(name)
+    worst = max(abs(a - b) / abs(a) for a, b in zip(one, two))
+    print(f"train-tinylm, 2 ranks{' sharded' if name == 'sharded' else ''}: {len(two)} losses within {worst:.1e} "
+          f"relative of one process's; planned peak per rank {summary['planned_peak_bytes']} B, measured "
+          f"{summary['measured_peak_bytes']} B")
+    assert summary["ranks"] == 2 and len(two) == len(one) == 6, (summary["ranks"], one, two)
+    assert worst <= 2e-5, f"2 ranks' losses differ from one process's by {worst:.1e} relative"
+    assert summary["planned_peak_bytes"] == summary["measured_peak_bytes"], "planned and measured peaks differ"
+PY
+else
+  echo "no mpirun: the data-parallel run of the consumer's model is skipped"
+fi
