@@ -196,7 +196,7 @@ public:
   std::function<void(Phase phase, std::size_t step, bool done)> observe;
   // While set, called after each kernel call of the train phase with its step's index, as part of
   // the step (its heap use counted): data-parallel training hands the gradients a step finished
-  // to its communication thread.
+  // to its collectives (a communication thread, or NCCL's stream).
   std::function<void(std::size_t step)> finished;
 
   const Plan &plan;

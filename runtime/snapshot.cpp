@@ -330,19 +330,20 @@ SnapshotState Engine::load_snapshot(const std::string &folder) {
   }
   for (TensorId t : {plan.params(), plan.adam_m(), plan.adam_v()}) std::ranges::fill(executor.tensor<float>(t), 0.f);
   // the moments whole (a sharded plan keeps its shard of them)
+  const bool shard = sharded(plan);
   const std::size_t slots = std::size_t(plan.tensors[plan.params().index].extent[0]);
-  std::vector<float> m(sharded(plan) ? slots : 0), v(m.size());
-  const std::span<float> all_m = sharded(plan) ? std::span(m) : executor.tensor<float>(plan.adam_m()),
-                         all_v = sharded(plan) ? std::span(v) : executor.tensor<float>(plan.adam_v());
+  std::vector<float> m(shard ? slots : 0), v(m.size());
+  const std::span<float> all_m = shard ? std::span(m) : executor.tensor<float>(plan.adam_m()),
+                         all_v = shard ? std::span(v) : executor.tensor<float>(plan.adam_v());
   for (const NamedParameter &p : named_parameters(plan)) {
     from_file_layout(p, floats(model, *model.find(p.name)), in_buffer(executor, plan, plan.params(), p));
     from_file_layout(p, floats(optimizer, *optimizer.find(p.name + ".exp_avg")), in_flat(all_m, plan, p));
     from_file_layout(p, floats(optimizer, *optimizer.find(p.name + ".exp_avg_sq")), in_flat(all_v, plan, p));
   }
-  if (sharded(plan))
-    for (auto [whole, shard] : {std::pair{std::span(m), plan.adam_m()}, std::pair{std::span(v), plan.adam_v()}})
+  if (shard)
+    for (auto [whole, buffer] : {std::pair{std::span(m), plan.adam_m()}, std::pair{std::span(v), plan.adam_v()}})
       std::ranges::copy(whole.subspan(std::size_t(plan.shard_first), std::size_t(plan.shard_end - plan.shard_first)),
-                        executor.tensor<float>(shard).begin());
+                        executor.tensor<float>(buffer).begin());
   if (const std::string bad = first_nonfinite(executor, plan, named_parameters(plan)); !bad.empty())
     throw InputError(
         fmt::format("{}: parameter {} holds NaN or infinite values (the run that wrote it had diverged)", what, bad));

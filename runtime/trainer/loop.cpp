@@ -325,8 +325,10 @@ private:
       // with ranks, each decides on the sums (the same everywhere), after the last micro-batch
       if (!reducer && (!std::isfinite(loss_sum) || !finite(plan.grads()))) return nonfinite(step, m, loss_sum);
     }
-    if (reducer) {  // the global batch's (the gradients were summed during backward: GradientReducer)
-      Ranks::Sums sums{loss_sum, correct, all_finite(reducer->summed_gradients()) ? 0 : 1, terminate_requested};
+    std::span<const float> summed;  // with ranks: the gradients this rank holds summed
+    if (reducer) {                  // the global batch's (the gradients were summed during backward: GradientReducer)
+      summed = reducer->summed_gradients();
+      Ranks::Sums sums{loss_sum, correct, all_finite(summed) ? 0 : 1, terminate_requested};
       {
         CountedHeap counted;  // what MPI allocates is the step's too
         ranks.sum(sums);
@@ -337,9 +339,11 @@ private:
       if (!std::isfinite(loss_sum) || sums.nonfinite > 0) return nonfinite(step, run.micro - 1, loss_sum);
     }
     if (first) {  // (sharded: of this rank's shard, what it holds summed)
-      ex.download(plan.grads());
-      summary.grad_digest =
-          digest(std::as_bytes(reducer ? reducer->summed_gradients() : ex.tensor<float>(plan.grads())));
+      if (!reducer) {
+        ex.download(plan.grads());
+        summed = ex.tensor<float>(plan.grads());
+      }
+      summary.grad_digest = digest(std::as_bytes(summed));
     }
     lr = learning_rate(o, step, summary.max_steps);
     scalars.lr = float(lr);

@@ -34,17 +34,16 @@ void print_summary(const Options &o, const ModelInfo &info, const Run &run, cons
       median, plan.total_launches, plan.recompute_launches);
   // data-parallel: the gradient all-reduce (the communication thread's MPI ring, or NCCL's on the
   // GPU), and how much of it the end of backward waited for
-  double allreduce_ms = 0, waited_ms = 0;
+  double allreduce_ms = 0, waited_ms = 0;  // per step
   for (const GradientReducer::Times &t : s.allreduce) {
-    allreduce_ms += t.busy_ms;
-    waited_ms += t.wait_ms;
+    allreduce_ms += t.busy_ms / double(s.allreduce.size());
+    waited_ms += t.wait_ms / double(s.allreduce.size());
   }
   const double hidden = allreduce_ms > 0 ? std::max(0.0, 1 - waited_ms / allreduce_ms) : 0;
   if (!s.allreduce.empty())
     fmt::print(o.json ? stderr : stdout,
                "all-reduce ({}): {:.1f} ms per step, {:.1f} ms waited after backward ({:.0f}% hidden){}\n",
-               s.collectives, allreduce_ms / double(s.allreduce.size()), waited_ms / double(s.allreduce.size()),
-               100 * hidden,
+               s.collectives, allreduce_ms, waited_ms, 100 * hidden,
                s.collectives_device_bytes > 0 ? fmt::format("; {} B ({}) of device memory outside the arena",
                                                             s.collectives_device_bytes, mib(s.collectives_device_bytes))
                                               : "");
@@ -57,7 +56,7 @@ void print_summary(const Options &o, const ModelInfo &info, const Run &run, cons
       {"precision", std::string(precision_name(run.precision))},
       {"offload_bytes", plan.offload_bytes},
       {"batch_size", run.batch},  // per rank
-      {"ranks", Ranks::world().size},
+      {"ranks", ranks},
       {"gradient_accumulation_steps", run.micro},
       {"dropout", o.dropout},
       {"steps", s.last_step},
@@ -69,8 +68,8 @@ void print_summary(const Options &o, const ModelInfo &info, const Run &run, cons
       {"samples_per_s", samples_per_s},
       {"tokens_per_s", rows_per_s},
       {"step_ms_median", median},
-      {"allreduce_ms_mean", s.allreduce.empty() ? 0 : allreduce_ms / double(s.allreduce.size())},
-      {"allreduce_wait_ms_mean", s.allreduce.empty() ? 0 : waited_ms / double(s.allreduce.size())},
+      {"allreduce_ms_mean", allreduce_ms},
+      {"allreduce_wait_ms_mean", waited_ms},
       {"allreduce_hidden", hidden},
       {"collectives", s.collectives},
       {"collectives_device_bytes", s.collectives_device_bytes},
