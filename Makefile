@@ -7,15 +7,15 @@ DEBS  := clang-19 clang-tools-19 clang-format-19 universal-ctags ninja-build lib
          pocl-opencl-icd ocl-icd-libopencl1 libclang-rt-19-dev openmpi-bin libopenmpi-dev
 PY_PKGS := halide==21.0.0 cmake>=3.28 mkl-static==2026.2.0 mkl-include==2026.2.0 nvidia-nccl-cu13==2.30.7
 TRAIN_ARGS ?=
-# make bench-cpu and make test: PyTorch and what bench/cpu.py, scripts/plot.py and the memory
-# timeline tests need; flags for bench/cpu.py (BENCH_ARGS="--steps 8")
-BENCH_PY_PKGS := torch==2.15.0 safetensors==0.8.0 matplotlib==3.11.2
+# make bench-cpu and make test: PyTorch and what bench/cpu.py, scripts/plot.py, the memory timeline
+# tests and the Transformers tests (tests/transformers_models.py) need; flags for bench/cpu.py (BENCH_ARGS="--steps 8")
+BENCH_PY_PKGS := torch==2.15.0 safetensors==0.8.0 matplotlib==3.11.2 transformers==5.25.0
 BENCH_ARGS ?=
 # make train-gpt-bpe only: the BPE tokenizer of scripts/bpe.py, and where its token files go
 TOKENIZE_PY_PKGS := tokenizers==0.23.3
 BPE_DATA := $(BUILD)/data/fortunes-bpe
 
-.PHONY: all deps build install train train-gpt train-mlp train-llama train-gpt-bpe test test-sanitize fuzz bench bench-cpu bench-py-pkgs device-bundle clean
+.PHONY: all deps build install train train-gpt train-mlp train-llama train-gpt-bpe train-gpt2 train-smollm2 test test-sanitize fuzz bench bench-cpu bench-py-pkgs device-bundle clean
 
 all: build
 
@@ -71,9 +71,18 @@ train-gpt-bpe: build $(BPE_DATA)/tokenizer.json
 	set -o pipefail; $(BUILD)/bin/train-gpt-bpe --data-dir $(BPE_DATA) $(TRAIN_ARGS) | \
 	  $(VENV)/bin/python scripts/bpe.py decode --tokenizer $(BPE_DATA)/tokenizer.json
 
-# PyTorch, safetensors and matplotlib in $(VENV), when missing.
+# GPT-2 124M and SmolLM2-135M (examples/gpt2, examples/smollm2: Transformers' architectures at their
+# published sizes, context 1024) on the same BPE token files; a short run (about ten minutes on two
+# cores) unless TRAIN_ARGS says otherwise.
+train-gpt2: build $(BPE_DATA)/tokenizer.json
+	$(BUILD)/bin/train-gpt2 --data-dir $(BPE_DATA) $(TRAIN_ARGS)
+
+train-smollm2: build $(BPE_DATA)/tokenizer.json
+	$(BUILD)/bin/train-smollm2 --data-dir $(BPE_DATA) $(TRAIN_ARGS)
+
+# PyTorch, safetensors, matplotlib and Transformers in $(VENV), when missing.
 bench-py-pkgs: | deps
-	@$(VENV)/bin/python -c 'import torch, safetensors, matplotlib' 2>/dev/null || \
+	@$(VENV)/bin/python -c 'import torch, safetensors, matplotlib, transformers' 2>/dev/null || \
 	  $(VENV)/bin/pip install --quiet --disable-pip-version-check $(foreach p,$(BENCH_PY_PKGS),'$(p)')
 
 # ctest's own results also go to $(BUILD)/ctest-results.xml (JUnit), which .ci/run counts. The

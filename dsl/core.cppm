@@ -82,13 +82,31 @@ struct Layer {
   Op op{};
   int in = 0;
   int out = 0;
-  int heads = 0;       // attention, rope: query heads
-  int kv_heads = 0;    // attention, rope: key / value heads (a divisor of heads; fewer: grouped-query)
-  int vocab = 0;       // embedding
-  int block_size = 0;  // attention, embedding: T, the rows of one sequence (from the input)
-  bool bias = true;    // linear: y = x w + b (false: y = x w); embedding: a position table
-  Tag tag{};           // the name of its output tensor, for policies (remat::name); empty: none
+  int heads = 0;          // attention, rope: query heads
+  int kv_heads = 0;       // attention, rope: key / value heads (a divisor of heads; fewer: grouped-query)
+  int vocab = 0;          // embedding
+  int block_size = 0;     // attention, embedding: T, the rows of one sequence (from the input)
+  bool bias = true;       // linear: y = x w + b (false: y = x w); embedding: a position table
+  Tag tag{};              // the name of its output tensor, for policies (remat::name); empty: none
+  double eps = 0;         // layer_norm, rms_norm: the epsilon added to the variance (set by their constructors)
+  double rope_theta = 0;  // rope: the base of the rotation frequencies (set by its constructor)
+  // linear: its weight is the token table of the embedding named so (remat::tied_to), read
+  // transposed; check() resolves the name to that layer's stage and index.
+  Tag tie{};
+  int tie_stage = -1, tie_layer = -1;
+  constexpr bool tied() const { return tie.size() > 0; }
 };
+
+// Compile-time constants of the kinds that carry them, as real configs vary them:
+// remat::rms_norm(remat::epsilon(1e-5)), remat::rope(9, 3, remat::rope_theta(100000)).
+struct Epsilon {
+  double value;
+};
+constexpr Epsilon epsilon(double value) { return {value}; }
+struct RopeTheta {
+  double value;
+};
+constexpr RopeTheta rope_theta(double value) { return {value}; }
 
 // What a layer is, for policies that name modules (Megatron's recompute_modules): core_attn the
 // attention core, activation GELU / ReLU / SwiGLU, norm LayerNorm / RMSNorm, projection the

@@ -420,6 +420,48 @@ struct Checked {
   constexpr bool ok() const { return error.size() == 0; }
 };
 
+// "stage s layer k (kind)", k counting the layers as written (residual markers left out).
+constexpr Message layer_position(const Model &m, int s, int k) {
+  int written = 0;
+  for (int j = 0; j < k; ++j)
+    written += m.stages[s].layers[j].op != Op::residual_begin && m.stages[s].layers[j].op != Op::residual_end;
+  return cat<Message>("stage ", s, " layer ", written, " (", op_name(m.stages[s].layers[k].op), ")");
+}
+
+// Resolves each tied linear's target (remat::tied_to) to its stage and layer, or says why the tie
+// cannot be: no layer of that name, a target that is not an embedding, shapes that do not fit, a
+// bias, a repeated layer, or a target that is not in an earlier stage (its backward must run
+// after the tied layer's, which writes the shared gradient first).
+constexpr Message resolve_ties(Model &m) {
+  for (int s = 0; s < m.n_stages; ++s)
+    for (int k = 0; k < m.stages[s].n_layers; ++k) {
+      Layer &l = m.stages[s].layers[k];
+      if (!l.tied()) continue;
+      const Message where = cat<Message>(layer_position(m, s, k), ": tied_to(\"", l.tie, "\")");
+      int ts = -1, tk = -1;
+      for (int t = 0; t < m.n_stages && ts < 0; ++t)
+        for (int j = 0; j < m.stages[t].n_layers; ++j)
+          if (m.stages[t].layers[j].tag == l.tie) {
+            ts = t;
+            tk = j;
+            break;
+          }
+      if (ts < 0) return cat<Message>(where, ": no layer is named so");
+      const Layer &target = m.stages[ts].layers[tk];
+      const Message there = layer_position(m, ts, tk);
+      if (target.op != Op::embedding) return cat<Message>(where, ": ", there, " is not an embedding");
+      if (target.vocab != l.out || target.out != l.in)
+        return cat<Message>(where, ": its weight [", l.in, ", ", l.out, "] is not the transpose of the token table [",
+                            target.vocab, ", ", target.out, "] of ", there);
+      if (l.bias) return cat<Message>(where, ": a tied linear has no bias (linear(in, out, no_bias, tied_to(...)))");
+      if (m.stages[s].repeat > 1) return cat<Message>(where, ": a repeated layer cannot share a weight");
+      if (ts >= s) return cat<Message>(where, ": ", there, " must be in an earlier stage");
+      l.tie_stage = ts;
+      l.tie_layer = tk;
+    }
+  return {};
+}
+
 constexpr Checked check(Model m) {
   auto fail = [&](const Message &why) { return Checked{m, cat<Message>("remat: ", why.view())}; };
   if (m.input.width <= 0) return fail("the model needs input(width) or tokens(vocab, block_size)");
@@ -484,6 +526,7 @@ constexpr Checked check(Model m) {
                                ", ...) needs a block that keeps its width, but it maps ", block_in, " features to ",
                                width));
   }
+  if (const Message wrong = resolve_ties(m); wrong.size() > 0) return fail(wrong);
   if (m.loss.classes == 0) m.loss.classes = width;
   if (m.loss.classes != width)
     return fail(cat<Message>("softmax_cross_entropy(", m.loss.classes, ") follows a stack of width ", width));
@@ -505,6 +548,9 @@ struct TrainerDefaults {
   int eval_samples = -1;  // -1: the whole evaluation split
   int eval_steps = 0;     // 0: evaluate only at the end
   int sample_length = 0;  // token models: characters to generate at the end
+  // The Transformers architecture its weights are ("gpt2": GPT2LMHeadModel, "llama":
+  // LlamaForCausalLM; empty: none): --init-from takes a Transformers folder, --save-hf writes one.
+  std::string_view transformers;
 };
 
 // A model that failed check() does not compile; the message names the layer and the widths:

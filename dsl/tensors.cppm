@@ -255,7 +255,22 @@ constexpr LocalTensor tensor_of(Slot slot, int index, const Block &b, int k, Loc
   const TensorRule &r = rules[std::size_t(index)];
   LocalTensor t{key::of(slot, b, k, index), r.dims, {}, r.decay, kind, r.init};
   for (int d = 0; d < r.dims; ++d) t.extent[d] = int(dim_of(l, r.extent[d]));
+  if (slot == Slot::parameter && index == 0 && l.tied()) t.extent = {l.in, l.out};  // the token table [V, C]
   return t;
+}
+
+// A tied linear's weight (remat::tied_to) is its target's parameter: the plan gives it no slot of
+// its own, and the kernels read it (and write its gradient) transposed.
+constexpr bool tied_weight(const Block &b, const TensorKey &k) {
+  return k.slot == Slot::parameter && k.index == 0 && b.layers[k.layer].tied();
+}
+// Whether a later stage's layer shares a parameter of `stage`: its backward then adds to a
+// gradient that the later stage's backward wrote first in the same micro-batch.
+constexpr bool shares_parameter(const Model &m, int stage) {
+  for (int s = stage + 1; s < m.n_stages; ++s)
+    for (int k = 0; k < m.stages[s].n_layers; ++k)
+      if (m.stages[s].layers[k].tie_stage == stage) return true;
+  return false;
 }
 constexpr void add_tensors(std::vector<LocalTensor> &to, Slot slot, const Block &b, int k, LocalTensor::Kind kind,
                            bool input_grad = true) {
@@ -336,7 +351,8 @@ constexpr bool saved(const Block &b, int j, Keep keep, Gemms g = Gemms::halide) 
 constexpr bool weight_copy(Precision p) { return p == Precision::bf16; }
 constexpr bool bias_copy(Gemms g, Precision p) { return g == Gemms::library && p == Precision::bf16; }
 constexpr LocalTensor weight_copy_of(const Block &b, int k) {
-  return {key::weight_copy(b, k, 0), 2, {b.layers[k].out, b.layers[k].in}};
+  const Layer &l = b.layers[k];
+  return {key::weight_copy(b, k, 0), 2, l.tied() ? std::array{l.in, l.out} : std::array{l.out, l.in}};
 }
 constexpr LocalTensor bias_copy_of(const Block &b, int k) {
   return {key::weight_copy(b, k, 1), 1, {b.layers[k].out, 0}};

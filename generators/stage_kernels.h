@@ -516,8 +516,11 @@ private:
                                  std::to_string(product->layer) + " does not match the gradient of " + name);
       const TensorKey gemm_key = alone ? tensor : product_of(blk, product->layer).key;
       const std::string gemm_name = this->name(gemm_key);
-      Func p = library_gemm(gemm_name, product->product->first, inner, false, product->product->second, inner, true,
-                            std::nullopt, inner, Expr(0), alone ? stored_type() : Float(32));  // dp<k>: fp32
+      // dy w^T; a tied weight is stored as w^T already (its target's token table [O, K])
+      const Layer &l = blk.layers[product->layer];
+      Func p = library_gemm(gemm_name, product->product->first, inner, false, product->product->second,
+                            l.tied() ? l.in : inner, !l.tied(), std::nullopt, inner, Expr(0),
+                            alone ? stored_type() : Float(32));  // dp<k>: fp32
       if (alone) {
         out = p;
       } else {

@@ -303,6 +303,8 @@ struct Safetensors {
 // a problem is one InputError starting with `what`.
 Safetensors parse_safetensors(std::vector<std::byte> file, std::string_view what);
 Safetensors read_safetensors(const std::string &path);
+// A floating-point tensor of a file as floats (F32, BF16 or F16).
+std::vector<float> floats(const Safetensors &file, const SafetensorsTensor &t);
 // tensors[i] (dtype and shape; offsets ignored) holds data[i]; each tensor's CRC-32 goes into the
 // metadata as "crc32.<name>". Written with write_atomically.
 void write_safetensors(const std::string &path, std::string_view what, std::map<std::string, std::string> metadata,

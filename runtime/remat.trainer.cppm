@@ -187,6 +187,43 @@ std::unique_ptr<DataSource> data_source(const ModelInfo &info, const DataOptions
 void save_initial(const std::string &path, const Model &model, const Plan &plan, Executor &ex,
                   const std::map<std::string, std::string> &metadata);
 
+// Transformers model folders (transformers.cpp), for a model whose module names an architecture
+// (TrainerDefaults::transformers). Its layout: each Transformers tensor holds columns [first,
+// first + count) of a remat parameter (row-major [rows, cols]; 1-D: rows 1), stored [count, rows]
+// when `linear` (nn.Linear's [out, in]), else [rows, count] ([count] for 1-D): GPT-2's Conv1D
+// weights are remat's own layout, its c_attn one tensor for q, k and v; Llama's q/k/v and gate/up
+// projections are column ranges of remat's fused linears. A tied head is not a tensor of its own.
+struct TransformersTensor {
+  std::string name;
+  TensorId param;
+  long long rows = 1, cols = 0, first = 0, count = 0;
+  bool linear = false;
+  std::vector<long long> shape() const;
+  void read(std::span<const float> file, std::span<float> param) const;   // into the parameter's values
+  void write(std::span<const float> param, std::span<float> file) const;  // out of them
+};
+struct TransformersLayout {
+  std::string architecture;  // GPT2LMHeadModel, LlamaForCausalLM
+  std::vector<TransformersTensor> tensors;
+  std::string tied_head;  // "lm_head.weight" when the head is the token table
+};
+// InputError when the model is not of the architecture's form.
+TransformersLayout transformers_layout(const Model &m, const Plan &plan, std::string_view architecture,
+                                       std::string_view model);
+bool is_transformers_folder(const std::string &path);  // a folder with config.json
+// --init-from DIR: config.json checked field by field against the compiled model (one line naming
+// the field and both values), every tensor's name, shape and dtype (F32, BF16, F16) checked, then
+// the weights loaded. Returns config.json's text, for --save-hf.
+std::string load_transformers_folder(Executor &ex, const Plan &plan, const ModelInfo &info, const std::string &dir,
+                                     std::string_view program);
+// --save-hf DIR: config.json (the one read by --init-from, else made from the model) and
+// model.safetensors in fp32 or bf16, as AutoModelForCausalLM.from_pretrained(DIR) loads them.
+void save_transformers_folder(Executor &ex, const Plan &plan, const ModelInfo &info, const std::string &dir, bool bf16,
+                              const std::string &source_config);
+// --save-gradients DIR: DIR/gradients.safetensors, every parameter's gradient after the step, under
+// Transformers' names and layouts (or remat's PyTorch-style names for other models).
+void save_gradients(Executor &ex, const Plan &plan, const ModelInfo &info, const std::string &dir);
+
 // The trainer shared by every model: flags -> resolved run -> training loop -> summary
 // (runtime/trainer/). Returns the process exit code (bad input: 2, with one line on stderr).
 int train_main(int argc, char **argv, const ModelInfo &info);
@@ -283,7 +320,8 @@ struct Options {
   long save_steps = 0;          // a snapshot every N steps (and one at the end)
   int save_total_limit = 0;     // keep the newest K snapshots (0: all)
   std::string resume_from_snapshot, init_from, save_initial;
-  std::string removed_save_snapshot;  // --save-snapshot FILE: replaced by --output-dir
+  std::string save_hf, save_hf_dtype = "fp32", save_gradients;  // Transformers folders (transformers.cpp)
+  std::string removed_save_snapshot;                            // --save-snapshot FILE: replaced by --output-dir
   int skip_nonfinite_steps = 0;
   long exit_interval = 0;  // stop (with a snapshot) after a step divisible by N, as Megatron-LM's       // steps with a
                            // NaN/Inf loss or gradient skipped before the guard stops

@@ -92,6 +92,12 @@ std::string definition_digest(const Model &m) {
       const Layer &y = b.layers[l];
       text += fmt::format(" {}({},{},{},{},{},{},{})", kind(y.op).name, y.in, y.out, y.heads, y.kv_heads, y.vocab,
                           y.block_size, y.bias);
+      // constants a model may set away from the kinds' defaults, and ties (written only when set,
+      // so that the digests of models without them stay as they were)
+      const double default_eps = y.op == Op::layer_norm ? layer_norm_default_eps : rms_norm_default_eps;
+      if (y.eps != 0 && y.eps != default_eps) text += fmt::format("[eps {}]", y.eps);
+      if (y.op == Op::rope && y.rope_theta != rope_default_theta) text += fmt::format("[theta {}]", y.rope_theta);
+      if (y.tied()) text += fmt::format("[tied {}.{}]", y.tie_stage, y.tie_layer);
     }
   }
   return digest(std::as_bytes(std::span(text)));
@@ -156,7 +162,8 @@ std::vector<std::string> mismatches(const Safetensors &file,
   return out;
 }
 
-// A tensor of the file as floats (F32, BF16 or F16).
+}  // namespace
+
 std::vector<float> floats(const Safetensors &file, const SafetensorsTensor &t) {
   const std::span<const std::byte> d = file.data(t);
   const std::size_t n = t.dtype == "F32" ? d.size() / 4 : d.size() / 2;
@@ -179,6 +186,7 @@ std::vector<float> floats(const Safetensors &file, const SafetensorsTensor &t) {
   return out;
 }
 
+namespace {
 // `parts`, buffers of the flat parameters' layout, each parameter as <name><suffix>, to a
 // safetensors file.
 struct Part {

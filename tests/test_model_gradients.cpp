@@ -65,7 +65,7 @@ Site site(int stage, int block, int unit, int k) { return {stage, block, k, std:
 
 // The layers as the reference sees them (widths written out, not inferred by the DSL).
 Layer linear_layer(int in, int out) { return {Op::linear, in, out}; }
-Layer layer_norm_layer(int c) { return {Op::layer_norm, c, c}; }
+Layer layer_norm_layer(int c) { return layer_norm(c); }
 Layer gelu_layer(int c) { return {Op::gelu, c, c}; }
 Layer dropout_layer(int c) { return {Op::dropout, c, c}; }
 Layer attention_layer(int c, int heads, int T) {
@@ -93,7 +93,17 @@ struct Reference {
     auto p = ex.tensor<float>(ex.plan.at(k));
     return {p.begin(), p.end()};
   }
-  void put_grad(const TensorKey &k, Rows g) { duplicate_grads += !grads.emplace(k, std::move(g)).second; }
+  // A shared parameter's (remat::tied_to) gradient is the sum of its uses' contributions.
+  std::set<TensorKey> shared;
+  void put_grad(const TensorKey &k, Rows g) {
+    const auto [it, added] = grads.emplace(k, g);
+    if (added) return;
+    if (!shared.count(k)) {
+      ++duplicate_grads;
+      return;
+    }
+    for (std::size_t e = 0; e < g.size(); ++e) it->second[e] += g[e];
+  }
   using Saved = testing::Saved;
   double keep(const Site &s, std::uint64_t element) const {  // 0 or 1 / (1 - p), as the kernels
     if (dropout == 0) return 1;
@@ -144,9 +154,21 @@ struct Reference {
 // plan's tensors of their keys at its site, its dropout mask the kernels' there.
 class RunSite final : public testing::LayerSite {
 public:
-  RunSite(Reference &r, const Layer &l, const Site &site) : ref(r), op(l.op), site(site) { rows = r.rows; }
-  std::vector<double> param(int index) const override { return ref.param(site.parameter(op, index)); }
-  void put_grad(int index, Rows g) override { ref.put_grad(site.gradient(op, index), std::move(g)); }
+  RunSite(Reference &r, const Layer &l, const Site &site) : ref(r), op(l.op), site(site), layer(l) {
+    rows = r.rows;
+    if (l.tied()) ref.shared.insert(key::gradient(tied_key()));
+  }
+  // A tied linear's weight [K, O] is its target's token table [O, K], transposed.
+  std::vector<double> param(int index) const override {
+    if (index == 0 && layer.tied()) return transposed(ref.param(tied_key()), layer.out, layer.in);
+    return ref.param(site.parameter(op, index));
+  }
+  void put_grad(int index, Rows g) override {
+    if (index == 0 && layer.tied())
+      ref.put_grad(key::gradient(tied_key()), transposed(g, layer.in, layer.out));
+    else
+      ref.put_grad(site.gradient(op, index), std::move(g));
+  }
   double keep(std::uint64_t element) const override { return ref.keep(site, element); }
   std::vector<std::int32_t> tokens() const override {
     auto t = ref.ex.tensor<std::int32_t>(ref.ex.plan.inputs());
@@ -154,9 +176,19 @@ public:
   }
 
 private:
+  TensorKey tied_key() const {
+    return key::of(Slot::parameter, Op::embedding, layer.tie_layer, 0).at(layer.tie_stage, 0);
+  }
+  static Rows transposed(const std::vector<double> &m, int rows, int cols) {  // [rows, cols] -> [cols, rows]
+    Rows t(m.size());
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < cols; ++c) t[std::size_t(c) * rows + r] = m[std::size_t(r) * cols + c];
+    return t;
+  }
   Reference &ref;
   Op op;
   Site site;
+  Layer layer;
 };
 
 // By Op, from generators/kinds/list.h; the residual markers are wiring (the model descriptions,

@@ -108,8 +108,9 @@ struct Builder {
   constexpr int parameter_of(const Unit &u, const TensorKey &k) const {
     const bool gradient = k.slot == Slot::gradient || k.slot == Slot::gradient_prev;
     const std::vector<int> &ids = param_args[u.stage][u.block];
+    const std::vector<LocalTensor> local = params(m.stages[u.stage]);  // a tied weight's id is its target's
     for (std::size_t i = 0; i < ids.size(); ++i) {
-      TensorKey p = plan.tensors[ids[i]].key.local();
+      TensorKey p = local[i].key;
       if (gradient) p = key::gradient(p, k.slot == Slot::gradient_prev);
       if (p == k) return gradient ? grad_args[u.stage][u.block][i] : ids[i];
     }
@@ -118,6 +119,24 @@ struct Builder {
   int params_root = -1, grads_root = -1, m_root = -1, v_root = -1;
   long long decayed_slots = 0;  // floats of the decayed range, padding included
   static constexpr long long slot_alignment = arena_alignment / 4;
+
+  // A tied weight (remat::tied_to) is its target's parameter and gradient: one tensor.
+  constexpr void share_tied_weights() {
+    for (int s = 0; s < m.n_stages; ++s)
+      for (int b = 0; b < m.stages[s].repeat; ++b)
+        for (int i = 0; const LocalTensor &lt : params(m.stages[s])) {
+          if (tied_weight(m.stages[s], lt.key)) {
+            const Layer &l = m.stages[s].layers[lt.key.layer];
+            const Block &target = m.stages[l.tie_stage];
+            const TensorKey k = key::parameter(target, l.tie_layer, 0);
+            int t = 0;
+            while (!(params(target)[std::size_t(t)].key == k)) ++t;
+            param_args[s][b][i] = param_args[l.tie_stage][0][t];
+            grad_args[s][b][i] = grad_args[l.tie_stage][0][t];
+          }
+          ++i;
+        }
+  }
 
   constexpr void make_params() {
     params_root = add({key::of(Slot::params), Role::params, 1});
@@ -141,7 +160,7 @@ struct Builder {
       for (int s = 0; s < m.n_stages; ++s)
         for (int b = 0; b < m.stages[s].repeat; ++b)
           for (int i = 0; const LocalTensor &lt : params(m.stages[s])) {
-            if (lt.decay != decayed) {
+            if (lt.decay != decayed || tied_weight(m.stages[s], lt.key)) {
               ++i;
               continue;
             }
@@ -161,6 +180,7 @@ struct Builder {
       slots = (slots + slot_alignment - 1) / slot_alignment * slot_alignment;
       if (decayed) decayed_slots = slots;
     }
+    share_tied_weights();
     plan.param_count = count;
     for (int r : {params_root, grads_root, m_root, v_root}) plan.tensors[r].extent[0] = slots;
     plan.shard_slots = slots;
@@ -214,6 +234,7 @@ struct Builder {
                          int dx_into = -1) {
     Step st = step(u.stage, backward_variant(keep), u.block, u.rng);
     st.recompute = keep != Keep::all;
+    st.accumulates = shares_parameter(m, u.stage);  // a later stage wrote the shared gradient first
     int dx = -1, n_saved = 0;
     // a gradient inside the block and those written over it (gradient_memory) are one tensor,
     // made by whichever binds first

@@ -73,8 +73,9 @@ void add_training_options(CLI::App &app, Options &o, const ModelInfo &info) {
       ->check(positive)
       ->capture_default_str()
       ->group(group);
-  app.add_option("--learning-rate,--learning_rate", o.learning_rate, "peak AdamW learning rate")
-      ->check(positive)
+  app.add_option("--learning-rate,--learning_rate", o.learning_rate,
+                 "peak AdamW learning rate (0: the weights stay as they are, as for a --save-hf of --init-from's)")
+      ->check(non_negative)
       ->capture_default_str()
       ->group(group);
   app.add_option("--weight-decay,--weight_decay", o.weight_decay, "AdamW decoupled weight decay on linear weights")
@@ -196,7 +197,20 @@ void add_output_options(CLI::App &app, Options &o) {
       ->group(group);
   app.add_option("--init-from", o.init_from,
                  "start from the weights of FILE.safetensors (PyTorch names and layouts, as model.safetensors; F32, "
-                 "BF16 or F16) or of a snapshot folder, with a fresh optimizer")
+                 "BF16 or F16), of a snapshot folder, or of a Transformers folder (config.json and model.safetensors, "
+                 "or its shards) of the model's architecture, with a fresh optimizer")
+      ->group(group);
+  app.add_option("--save-hf", o.save_hf,
+                 "at the end (and at each --save-steps, as DIR/step-N), the weights as a Transformers folder that "
+                 "AutoModelForCausalLM.from_pretrained(DIR) loads")
+      ->group(group);
+  app.add_option("--save-hf-dtype", o.save_hf_dtype, "the precision --save-hf writes the weights in")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str()
+      ->group(group);
+  app.add_option("--save-gradients", o.save_gradients,
+                 "after the first step, every parameter's gradient as DIR/gradients.safetensors (Transformers' names "
+                 "for a model of a Transformers architecture)")
       ->group(group);
   app.add_option("--skip-nonfinite-steps", o.skip_nonfinite_steps,
                  "skip up to N steps whose loss or gradients are NaN or infinite (each reported) before stopping")

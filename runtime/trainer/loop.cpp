@@ -218,6 +218,7 @@ public:
     }
     engine.init_params(o.seed);
     initial_max_abs = max_abs_param();
+    check_transformers_flags();
     if (!o.init_from.empty()) init_from();
     if (!o.output_dir.empty() && ranks.rank == 0) check_output_dir(o.output_dir, snapshot_bytes(plan));
     if (!o.resume_from_snapshot.empty()) resume();
@@ -244,6 +245,9 @@ public:
     started = std::chrono::steady_clock::now();
     for (long step = summary.first_step; step <= summary.max_steps; ++step) {
       if (this->step(step)) log(step);
+      if (step == summary.first_step && !o.save_gradients.empty()) try {
+          save_gradients(ex, plan, info, o.save_gradients);
+        } catch (const InputError &e) { throw InputError(fmt::format("--save-gradients {}", e.what())); }
       summary.last_step = step;
       const std::string stop = step < summary.max_steps ? stop_reason(step) : "";
       const bool save_now = step == summary.max_steps || (o.save_steps > 0 && step % o.save_steps == 0);
@@ -278,6 +282,7 @@ public:
                       steps * run.batch * run.micro * ranks.size);
     }
     if (ended && ranks.rank == 0) print_sample(progress, info, run, ex, *data, o.seed);
+    if (ended && ranks.rank == 0 && !o.save_hf.empty()) save_hf(o.save_hf);
     return finish();
   }
 
@@ -501,9 +506,30 @@ private:
   // --init-from: weights made elsewhere (or a snapshot's), with a fresh optimizer.
   void init_from() {
     try {
-      engine.load_weights(o.init_from);
+      if (is_transformers_folder(o.init_from))
+        hf_config = load_transformers_folder(ex, plan, info, o.init_from, program);
+      else
+        engine.load_weights(o.init_from);
     } catch (const InputError &e) { throw InputError(fmt::format("--init-from {}", e.what())); }
     fmt::print(progress, "{}: weights from {}\n", program, o.init_from);
+  }
+  std::string hf_config;  // config.json of an --init-from Transformers folder, for --save-hf
+  // --save-hf and --save-gradients: of a model they can write, into a folder that can be made, in one process.
+  void check_transformers_flags() const {
+    if (!o.save_hf.empty()) try {
+        transformers_layout(info.model, plan, info.defaults.transformers, info.name);
+        std::filesystem::create_directories(o.save_hf);
+        check_writable((std::filesystem::path(o.save_hf) / "config.json").string(), "--save-hf");
+      } catch (const std::filesystem::filesystem_error &e) {
+        throw InputError(fmt::format("--save-hf {}: {}", o.save_hf, e.code().message()));
+      } catch (const InputError &e) { throw InputError(fmt::format("--save-hf: {}", e.what())); }
+    if (!o.save_gradients.empty() && ranks.size > 1)
+      throw InputError("--save-gradients: one process writes its gradients (run it without mpirun)");
+  }
+  void save_hf(const std::string &dir) {
+    try {
+      save_transformers_folder(ex, plan, info, dir, o.save_hf_dtype == "bf16", hf_config);
+    } catch (const InputError &e) { throw InputError(fmt::format("--save-hf {}", e.what())); }
   }
   // The snapshot's state, if it is one of this run (same model definition, seed and shaping flags,
   // before the last step).
@@ -550,6 +576,8 @@ private:
                            moments);
       remove_old_snapshots(o.output_dir, o.save_total_limit > 0 ? o.save_total_limit : INT_MAX);
     } catch (const InputError &e) { throw InputError(fmt::format("--output-dir: {}", e.what())); }
+    if (!o.save_hf.empty() && step < summary.max_steps)
+      save_hf((std::filesystem::path(o.save_hf) / fmt::format("step-{}", step)).string());
   }
   // --save-initial: what another implementation needs to repeat the run's first steps.
   std::map<std::string, std::string> initial_metadata() const {

@@ -11,7 +11,6 @@
 namespace remat::gen {
 
 struct LayerNorm {
-  static constexpr double eps = 1e-5;
   // Row statistics: mean(b) and rstd(b) = 1 / sqrt(var(b) + eps); sum and sq are the row sums
   // they are made from (undefined when the statistics are read from saved buffers).
   struct Stats {
@@ -23,7 +22,9 @@ struct LayerNorm {
     Halide::Func s1, s2, dx, dgamma, dbeta;
   };
 
-  explicit LayerNorm(const Layers &layers) : L(layers), v(layers.v) {}
+  static constexpr double default_eps = 1e-5;  // the checks'
+  // eps: the layer's (remat::layer_norm(epsilon(e))).
+  explicit LayerNorm(const Layers &layers, double eps = default_eps) : L(layers), v(layers.v), eps(eps) {}
 
   Stats stats(const std::string &mean_name, const std::string &rstd_name, Halide::Func x, int width) const {
     using namespace Halide;
@@ -69,6 +70,7 @@ struct LayerNorm {
 
   const Layers &L;
   Vars v;
+  double eps;
 };
 
 }  // namespace remat::gen

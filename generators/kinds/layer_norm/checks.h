@@ -27,7 +27,7 @@ struct LayerNormCheck : Fixture {
       double mean = 0, var = 0;
       for (int c = 0; c < C; ++c) mean += x(c, b) / C;
       for (int c = 0; c < C; ++c) var += (x(c, b) - mean) * (x(c, b) - mean) / C;
-      return std::pair{mean, 1 / std::sqrt(var + gen::LayerNorm::eps)};
+      return std::pair{mean, 1 / std::sqrt(var + gen::LayerNorm::default_eps)};
     };
     const Buffer<double> mean = stats.mean.realize({B}), rstd = stats.rstd.realize({B}), yb = y.realize({C, B});
     check_ref("layer_norm mean", mean, [&](const int *p) { return row(p[0]).first; }, {1e-15, 0});   // seen 2.7e-16

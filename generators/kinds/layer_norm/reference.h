@@ -21,7 +21,7 @@ struct KindReference<Op::layer_norm> {
       double mean = 0, var = 0;
       for (int i = 0; i < I; ++i) mean += x[b * I + i] / I;
       for (int i = 0; i < I; ++i) var += (x[b * I + i] - mean) * (x[b * I + i] - mean) / I;
-      const double rstd = 1 / std::sqrt(var + 1e-5);
+      const double rstd = 1 / std::sqrt(var + l.eps);
       s.mean.push_back(mean);
       s.rstd.push_back(rstd);
       for (int i = 0; i < I; ++i) y[b * I + i] = (x[b * I + i] - mean) * rstd * g[i] + be[i];

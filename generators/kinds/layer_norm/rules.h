@@ -19,7 +19,8 @@ struct KindRules<Op::layer_norm> {
       return;
     }
     gen::LayerNorm::Stats s =
-        gen::LayerNorm(k.L).stats(k.name(st[0].key), k.name(st[1].key), k.value(k.blk.source(j)), k.blk.layers[j].in);
+        gen::LayerNorm(k.L, k.blk.layers[j].eps)
+            .stats(k.name(st[0].key), k.name(st[1].key), k.value(k.blk.source(j)), k.blk.layers[j].in);
     k.sched.row_reduction(s.mean, {s.sum});
     k.sched.row_reduction(s.rstd, {s.sq});
     k.output(st[0].key, s.mean);
@@ -28,14 +29,16 @@ struct KindRules<Op::layer_norm> {
   }
 
   static Built forward(StageKernels &k, int j, const std::string &name) {
-    return {gen::LayerNorm(k.L).forward(name, k.value(k.blk.source(j)), stats(k, j), k.param(j, 0), k.param(j, 1))};
+    return {gen::LayerNorm(k.L, k.blk.layers[j].eps)
+                .forward(name, k.value(k.blk.source(j)), stats(k, j), k.param(j, 0), k.param(j, 1))};
   }
 
   static void backward(StageKernels &k, int j, Func, Func d) {
     const Layer &l = k.blk.layers[j];
     const int src = k.blk.source(j);
-    auto g = gen::LayerNorm(k.L).grad(k.name(k.workspace(j, 0)), k.name(k.workspace(j, 1)), k.layer_name("ln", j, "dx"),
-                                      k.value(src), stats(k, j), k.param(j, 0), d, l.in, k.batch);
+    auto g = gen::LayerNorm(k.L, k.blk.layers[j].eps)
+                 .grad(k.name(k.workspace(j, 0)), k.name(k.workspace(j, 1)), k.layer_name("ln", j, "dx"), k.value(src),
+                       stats(k, j), k.param(j, 0), d, l.in, k.batch);
     k.write_column_sum_grad(j, 0, g.dgamma, l.in);
     k.write_column_sum_grad(j, 1, g.dbeta, l.in);
     if (!k.flows(src)) return;

@@ -1,6 +1,6 @@
-// The layer_norm kind: (x - mean) * rstd * gamma + beta over the C features of each row. Its row
-// statistics (mean, rstd) are kept for its backward like internals; the row sums of its input
-// gradient are short-lived workspace.
+// The layer_norm kind: (x - mean) * rstd * gamma + beta (rstd = 1 / sqrt(var + eps)) over the C features of each row.
+// Its row statistics (mean, rstd) are kept for its backward like internals; the row sums of its input gradient are
+// short-lived workspace.
 export module remat.language:layer_norm;
 import :core;
 
@@ -16,5 +16,13 @@ inline constexpr Kind layer_norm{
     .workspace = {{row_statistic("s", "_1", When::with_input_grad), row_statistic("s", "_2", When::with_input_grad)}}};
 }  // namespace kinds
 
-constexpr Layer layer_norm(int width = 0) { return {Op::layer_norm, width, width}; }
+// LayerNorm; eps 1e-5 unless given (layer_norm(epsilon(1e-6)), as a config's layer_norm_epsilon).
+inline constexpr double layer_norm_default_eps = 1e-5;
+constexpr Layer layer_norm(int width = 0) {
+  return {.op = Op::layer_norm, .in = width, .out = width, .eps = layer_norm_default_eps};
+}
+constexpr Layer layer_norm(Epsilon eps) {
+  if (!(eps.value > 0)) throw "remat: layer_norm(epsilon(e)) needs e > 0";
+  return {.op = Op::layer_norm, .eps = eps.value};
+}
 }  // namespace remat

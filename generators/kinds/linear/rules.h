@@ -20,8 +20,9 @@ struct KindRules<Op::linear> {
     if (k.gemms == Gemms::library) {
       if (!k.buffered(src))
         throw std::runtime_error("library GEMM: the input of linear " + std::to_string(j) + " is not a buffer");
-      return {k.library_gemm(name, k.stored(src), l.in, false, k.gemm_weight(j), l.out, false, k.library_bias(j), l.in,
-                             Expr(0), k.stored_type()),
+      // a tied weight is its target's token table [O, K]: x w = x table^T
+      return {k.library_gemm(name, k.stored(src), l.in, false, k.gemm_weight(j), l.tied() ? l.in : l.out, l.tied(),
+                             k.library_bias(j), l.in, Expr(0), k.stored_type()),
               true};
     }
     std::optional<Func> bias;
@@ -41,10 +42,14 @@ struct KindRules<Op::linear> {
     const TensorKey gw_key = k.gradient(j, 0);
     const std::string gw_name = k.name(gw_key);
     if (k.gemms == Gemms::library) {
-      Func gw = k.library_gemm(gw_name, k.stored(src), l.in, true, d_stored, l.out, false, std::nullopt, k.batch,
-                               k.args.scalar(Scalar::accumulate), Float(32));
+      // a tied weight's gradient in its target's layout [O, K]: dy^T x
+      Func gw = l.tied() ? k.library_gemm(gw_name, d_stored, l.out, true, k.stored(src), l.in, false, std::nullopt,
+                                          k.batch, k.args.scalar(Scalar::accumulate), Float(32))
+                         : k.library_gemm(gw_name, k.stored(src), l.in, true, d_stored, l.out, false, std::nullopt,
+                                          k.batch, k.args.scalar(Scalar::accumulate), Float(32));
       k.output(gw_key, gw);
     } else {
+      if (l.tied()) throw std::runtime_error("a tied linear needs library GEMMs");
       MatMul gw = gen::linear_weight_grad(k.L, gw_name, k.value(src), d, k.batch,
                                           [&](Expr sum) { return k.accumulated(gw_key, sum, {k.v.c, k.v.b}); });
       k.sched.matmul(gw, l.in, l.out);

@@ -30,4 +30,16 @@ constexpr Layer linear(int in, int out) { return {Op::linear, in, out}; }
 struct NoBias {};
 inline constexpr NoBias no_bias{};
 constexpr Layer linear(int in, int out, NoBias) { return {.op = Op::linear, .in = in, .out = out, .bias = false}; }
+// A linear whose weight is another layer's parameter (tie_word_embeddings): the token table [V, C]
+// of the embedding named `target` (remat::name), read transposed, so linear(C, V, no_bias,
+// tied_to("wte")) is the LM head of GPT-2 or Llama with tied embeddings. One tensor: one AdamW
+// state, its gradient the sum of both uses (the head's first, then the embedding's, in every
+// policy). check() refuses a tie whose shapes do not fit, naming both layers.
+struct TiedTo {
+  Tag target;
+};
+constexpr TiedTo tied_to(Tag target) { return {target}; }
+constexpr Layer linear(int in, int out, NoBias, TiedTo tie) {
+  return {.op = Op::linear, .in = in, .out = out, .bias = false, .tie = tie.target};
+}
 }  // namespace remat

@@ -11,7 +11,6 @@
 namespace remat::gen {
 
 struct RmsNorm {
-  static constexpr double eps = 1e-6;
   // rstd(b) = 1 / sqrt(mean_c x^2 + eps); sq is the row sum it is made from (undefined when rstd
   // is read from a saved buffer).
   struct Stats {
@@ -23,7 +22,9 @@ struct RmsNorm {
     Halide::Func s, dx, dgamma;
   };
 
-  explicit RmsNorm(const Layers &layers) : L(layers), v(layers.v) {}
+  static constexpr double default_eps = 1e-6;  // the checks'
+  // eps: the layer's (remat::rms_norm(epsilon(e))).
+  explicit RmsNorm(const Layers &layers, double eps = default_eps) : L(layers), v(layers.v), eps(eps) {}
 
   Stats stats(const std::string &rstd_name, Halide::Func x, int width) const {
     using namespace Halide;
@@ -57,6 +58,7 @@ struct RmsNorm {
 
   const Layers &L;
   Vars v;
+  double eps;
 };
 
 }  // namespace remat::gen

@@ -25,7 +25,7 @@ struct RmsNormCheck : Fixture {
     auto rstd_of = [&](int b) {  // textbook: 1 / sqrt(mean of squares + eps)
       double ms = 0;
       for (int c = 0; c < C; ++c) ms += x(c, b) * x(c, b) / C;
-      return 1 / std::sqrt(ms + gen::RmsNorm::eps);
+      return 1 / std::sqrt(ms + gen::RmsNorm::default_eps);
     };
     const Buffer<double> rstd = stats.rstd.realize({B}), yb = y.realize({C, B});
     check_ref("rms_norm rstd", rstd, [&](const int *p) { return rstd_of(p[0]); }, {1e-15, 0});  // seen 1.2e-16

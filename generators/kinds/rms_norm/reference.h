@@ -20,7 +20,7 @@ struct KindReference<Op::rms_norm> {
     for (long b = 0; b < r.rows; ++b) {
       double ms = 0;
       for (int i = 0; i < I; ++i) ms += x[b * I + i] * x[b * I + i] / I;
-      s.rstd.push_back(1 / std::sqrt(ms + 1e-6));
+      s.rstd.push_back(1 / std::sqrt(ms + l.eps));
       for (int i = 0; i < I; ++i) y[b * I + i] = x[b * I + i] * s.rstd[b] * g[i];
     }
     return y;

@@ -1,4 +1,4 @@
-// The rms_norm kind (Llama's RMSNorm): x / sqrt(mean(x^2) + 1e-6) * gamma over the C features of
+// The rms_norm kind (Llama's RMSNorm): x / sqrt(mean(x^2) + eps) * gamma over the C features of
 // each row, no bias. Its row statistic rstd is kept for its backward like an internal.
 export module remat.language:rms_norm;
 import :core;
@@ -14,6 +14,14 @@ inline constexpr Kind rms_norm{.name = "rms_norm",
                                .workspace = {{row_statistic("s", "_1", When::with_input_grad)}}};
 }  // namespace kinds
 
-// RMSNorm (Llama): x / sqrt(mean(x^2) + 1e-6) * gamma, no bias.
-constexpr Layer rms_norm(int width = 0) { return {Op::rms_norm, width, width}; }
+// RMSNorm (Llama): x / sqrt(mean(x^2) + eps) * gamma, no bias; eps 1e-6 unless given
+// (rms_norm(epsilon(1e-5)), as Llama's rms_norm_eps).
+inline constexpr double rms_norm_default_eps = 1e-6;
+constexpr Layer rms_norm(int width = 0) {
+  return {.op = Op::rms_norm, .in = width, .out = width, .eps = rms_norm_default_eps};
+}
+constexpr Layer rms_norm(Epsilon eps) {
+  if (!(eps.value > 0)) throw "remat: rms_norm(epsilon(e)) needs e > 0";
+  return {.op = Op::rms_norm, .eps = eps.value};
+}
 }  // namespace remat

@@ -21,13 +21,15 @@ namespace remat::gen {
 
 class Rope {
 public:
-  static constexpr double theta = 10000;
   // cos and sin of the angle of feature e < D / 2 at position t: (e, t) over [0, D / 2) x [0, T).
   struct Table {
     Halide::Func cos, sin;
   };
 
-  explicit Rope(const Sequences &sequences) : L(sequences.L), v(sequences.v), T(sequences.T) {}
+  static constexpr double default_theta = 10000;  // the checks'
+  // theta: the layer's base (remat::rope(..., rope_theta(t))).
+  explicit Rope(const Sequences &sequences, double theta = default_theta)
+      : L(sequences.L), v(sequences.v), T(sequences.T), theta(theta) {}
 
   Table table(const std::string &name, int D) const {
     using namespace Halide;
@@ -58,6 +60,7 @@ public:
   const Layers &L;
   Vars v;
   int T;
+  double theta;
 
 private:
   // The angle of feature i < D / 2 at position t: t theta^(-2i / D).

@@ -37,7 +37,7 @@ struct RopeCheck : Fixture {
               [&](const int *q) {
                 const int c = q[0], b = q[1], e = c % D, half = D / 2;
                 if (c >= (H + KV) * D) return x(c, b);  // v
-                const double angle = (b % T) * std::pow(gen::Rope::theta, -2.0 * (e % half) / D);
+                const double angle = (b % T) * std::pow(gen::Rope::default_theta, -2.0 * (e % half) / D);
                 return e < half ? x(c, b) * std::cos(angle) - x(c + half, b) * std::sin(angle)
                                 : x(c, b) * std::cos(angle) + x(c - half, b) * std::sin(angle);
               },

@@ -19,7 +19,7 @@ struct KindReference<Op::rope> {
     for (long b = 0; b < r.rows; ++b)
       for (int c = 0; c < rotated; c += D)
         for (int i = 0; i < half; ++i) {
-          const double angle = direction * double(b % l.block_size) * std::pow(10000.0, -2.0 * i / D);
+          const double angle = direction * double(b % l.block_size) * std::pow(l.rope_theta, -2.0 * i / D);
           const double lo = x[b * W + c + i], hi = x[b * W + c + i + half];
           y[b * W + c + i] = lo * std::cos(angle) - hi * std::sin(angle);
           y[b * W + c + i + half] = hi * std::cos(angle) + lo * std::sin(angle);
