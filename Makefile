@@ -15,7 +15,7 @@ BENCH_ARGS ?=
 TOKENIZE_PY_PKGS := tokenizers==0.23.3
 BPE_DATA := $(BUILD)/data/fortunes-bpe
 
-.PHONY: all deps build install train train-gpt train-mlp train-llama train-gpt-bpe train-gpt2 train-smollm2 test test-sanitize fuzz bench bench-cpu bench-py-pkgs device-bundle clean
+.PHONY: all deps build install train train-gpt train-mlp train-llama train-gpt-bpe train-gpt2 train-smollm2 test-transformers-full test test-sanitize fuzz bench bench-cpu bench-py-pkgs device-bundle clean
 
 all: build
 
@@ -75,10 +75,19 @@ train-gpt-bpe: build $(BPE_DATA)/tokenizer.json
 # published sizes, context 1024) on the same BPE token files; a short run (about ten minutes on two
 # cores) unless TRAIN_ARGS says otherwise.
 train-gpt2: build $(BPE_DATA)/tokenizer.json
+	$(VENV)/bin/cmake --build $(BUILD) --target train-gpt2
 	$(BUILD)/bin/train-gpt2 --data-dir $(BPE_DATA) $(TRAIN_ARGS)
 
 train-smollm2: build $(BPE_DATA)/tokenizer.json
+	$(VENV)/bin/cmake --build $(BUILD) --target train-smollm2
 	$(BUILD)/bin/train-smollm2 --data-dir $(BPE_DATA) $(TRAIN_ARGS)
+
+# The full-size comparison with Transformers (slow, outside the default ctest): GPT-2 124M and
+# SmolLM2-135M from folders Transformers made, first loss, gradients, one AdamW step, round trip.
+test-transformers-full: build bench-py-pkgs
+	$(VENV)/bin/cmake --build $(BUILD) --target train-gpt2 train-smollm2
+	$(VENV)/bin/python tests/transformers_models.py --full --gpt2 $(BUILD)/bin/train-gpt2 \
+	  --llama $(BUILD)/bin/train-smollm2 --work $(BUILD)/transformers_full
 
 # PyTorch, safetensors, matplotlib and Transformers in $(VENV), when missing.
 bench-py-pkgs: | deps

@@ -224,6 +224,10 @@ void save_transformers_folder(Executor &ex, const Plan &plan, const ModelInfo &i
 // Transformers' names and layouts (or remat's PyTorch-style names for other models).
 void save_gradients(Executor &ex, const Plan &plan, const ModelInfo &info, const std::string &dir);
 
+// A SIGTERM (a scheduler's preemption) stops the run after its current step, with a snapshot
+// when --output-dir is given (loop.cpp).
+void stop_on_sigterm();
+
 // The trainer shared by every model: flags -> resolved run -> training loop -> summary
 // (runtime/trainer/). Returns the process exit code (bad input: 2, with one line on stderr).
 int train_main(int argc, char **argv, const ModelInfo &info);

@@ -34,6 +34,12 @@ namespace {
 
 volatile std::sig_atomic_t terminate_requested = 0;
 extern "C" void request_termination(int) { terminate_requested = 1; }
+}  // namespace
+
+// From the start (a SIGTERM while the run sets up stops it after its first step too).
+void stop_on_sigterm() { std::signal(SIGTERM, request_termination); }
+
+namespace {
 
 // No NaN or infinity in v: each value's exponent bits, all ones only there, carried into the sign
 // bit and or-ed (a branch-free scan the compiler vectorizes, AVX-512 or AVX2 where the CPU has them).
@@ -197,7 +203,6 @@ public:
         ex(engine.executor),
         scalars(engine.scalars) {
     summary.max_steps = max_steps;
-    std::signal(SIGTERM, request_termination);  // the run stops after its step, with a snapshot
     live = ::isatty(::fileno(progress)) == 1;
     eval_samples = o.eval_samples < 0 ? data->eval_samples() : o.eval_samples;
     // everything that shapes the sequence of steps; a resume must use the same (with the batch of

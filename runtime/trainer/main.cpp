@@ -18,6 +18,7 @@ int train_main(int argc, char **argv, const ModelInfo &info) {
   const std::string program = argc > 0 && argv[0] && *argv[0] ? std::filesystem::path(argv[0]).filename().string()
                                                               : "train-" + std::string(info.name);
   std::signal(SIGXFSZ, SIG_IGN);        // past `ulimit -f` a write fails (EFBIG, reported) instead of killing the run
+  stop_on_sigterm();                    // the run stops after its step, with a snapshot
   const Ranks &ranks = Ranks::world();  // under mpirun: MPI's world, before anything runs
   const ParsedFlags flags = parse_flags(argc, argv, info, program);
   // under mpirun a failing rank ends the job (MPI_Abort: the others may wait for it); its line says which
