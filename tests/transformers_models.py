@@ -39,6 +39,11 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 LOSS_LIMIT = 1e-5        # relative, fp32 first loss against float64
 GRADIENT_LIMIT = 2e-5    # of each tensor's largest float64 magnitude
+# --bf16 (activations, their gradients and GEMM operands rounded to bf16, 2^-9 relative each, fp32
+# accumulation and master weights) against the same float64 reference, beside Transformers under
+# torch.autocast(bfloat16) on its fp32 weights: per layer a few roundings of 2^-9, through 2 L + 3
+# GEMMs, and remat's error at most BF16_WORSE x autocast's (or the floor, whichever is larger).
+BF16_LOSS_LIMIT, BF16_GRADIENT_FLOOR, BF16_WORSE = 1e-3, 5e-2, 3.0
 LR, WEIGHT_DECAY, BATCH = 1e-3, 0.1, 2
 
 TINY = {
@@ -130,12 +135,7 @@ def check(arch, trainer, config, work, T):
         print(f"{arch}: gradient names differ: remat only {sorted(set(grads) - set(params))}, "
               f"Transformers only {sorted(set(params) - set(grads))}")
         return False
-    worst, worst_name = 0.0, ""
-    for name, p in params.items():
-        g = p.grad.numpy()
-        err = np.abs(grads[name] - g).max() / max(np.abs(g).max(), 1e-30)
-        if err > worst:
-            worst, worst_name = err, name
+    worst, worst_name = worst_gradient(grads, {n: p.grad.numpy() for n, p in params.items()})
     print(f"{arch}: gradients of {len(grads)} tensors, worst {worst:.2e} of its scale in {worst_name} "
           f"(limit {GRADIENT_LIMIT:g})")
     ok = ok and worst <= GRADIENT_LIMIT
@@ -172,6 +172,8 @@ def check(arch, trainer, config, work, T):
           f"{missing or 'clean'}; {len(caught)} warnings; logits {'equal' if equal else 'DIFFERENT'}")
     ok = ok and same and not missing and not caught and equal
 
+    ok = check_bf16(arch, trainer, d, folder, common, inputs, labels, config, params, loss.item()) and ok
+
     field, value = WRONG[arch]
     wrong = os.path.join(d, "wrong")
     shutil.copytree(folder, wrong)
@@ -185,6 +187,36 @@ def check(arch, trainer, config, work, T):
     named = len(lines) == 1 and f"config.json: {field} is {value}," in lines[0]
     print(f"{arch}: a config.json with {field} {value}: {lines}")
     return ok and named
+
+
+def worst_gradient(grads, reference):
+    worst, worst_name = 0.0, ""
+    for name, g in reference.items():
+        err = np.abs(grads[name] - g).max() / max(np.abs(g).max(), 1e-30)
+        if err > worst:
+            worst, worst_name = err, name
+    return worst, worst_name
+
+
+def check_bf16(arch, trainer, d, folder, common, inputs, labels, config, params, loss64):
+    """remat --bf16 and Transformers under autocast, both against the float64 reference."""
+    reference = {n: p.grad.numpy() for n, p in params.items()}
+    out = run(trainer, "--init-from", folder, *common, "--bf16", "--learning-rate", LR,
+              "--save-gradients", os.path.join(d, "grads-bf16"))
+    remat_loss = json.loads(out.stdout.strip().splitlines()[-1])["loss_first"]
+    remat_worst, remat_name = worst_gradient(load_file(os.path.join(d, "grads-bf16", "gradients.safetensors")), reference)
+    hf = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = hf(input_ids=inputs).logits
+    hf_loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, config.vocab_size), labels.reshape(-1))
+    hf_loss.backward()
+    hf_worst, hf_name = worst_gradient({n: p.grad.numpy() for n, p in hf.named_parameters()}, reference)
+    loss_err, hf_loss_err = abs(remat_loss - loss64) / loss64, abs(hf_loss.item() - loss64) / loss64
+    limit = max(BF16_GRADIENT_FLOOR, BF16_WORSE * hf_worst)
+    print(f"{arch} bf16 against float64: first loss remat {loss_err:.2e}, autocast {hf_loss_err:.2e} (limit "
+          f"{BF16_LOSS_LIMIT:g}); gradients remat {remat_worst:.2e} ({remat_name}), autocast {hf_worst:.2e} "
+          f"({hf_name}) (limit {limit:.2g})")
+    return loss_err <= BF16_LOSS_LIMIT and remat_worst <= limit
 
 
 def main():
