@@ -59,8 +59,8 @@ FULL = {
                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
                          rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True),
 }
-# The wrong shape field each architecture is refused for.
-WRONG = {"gpt2": ("n_head", 4), "llama": ("num_key_value_heads", 3)}
+# The wrong shape field each architecture is refused for (a value no config here has).
+WRONG = {"gpt2": lambda c: ("n_head", 4), "llama": lambda c: ("num_key_value_heads", c.num_attention_heads)}
 
 
 
@@ -174,7 +174,7 @@ def check(arch, trainer, config, work, T):
 
     ok = check_bf16(arch, trainer, d, folder, common, inputs, labels, config, params, loss.item()) and ok
 
-    field, value = WRONG[arch]
+    field, value = WRONG[arch](config)
     wrong = os.path.join(d, "wrong")
     shutil.copytree(folder, wrong)
     with open(os.path.join(wrong, "config.json")) as f:
