@@ -90,6 +90,12 @@ struct Layer {
   Tag tag{};              // the name of its output tensor, for policies (remat::name); empty: none
   double eps = 0;         // layer_norm, rms_norm: the epsilon added to the variance (set by their constructors)
   double rope_theta = 0;  // rope: the base of the rotation frequencies (set by its constructor)
+  struct RopeScaling {    // rope: rope_type "llama3" (remat::rope_llama3); factor 0: none
+    double factor = 0, low_freq_factor = 0, high_freq_factor = 0;
+    int original_context = 0;
+    constexpr bool enabled() const { return factor > 0; }
+  } rope_scaling{};
+  bool gelu_exact = false;  // gelu: 0.5 x (1 + erf(x / sqrt 2)) (Transformers' "gelu"); false: the tanh form
   // linear: its weight is the token table of the embedding named so (remat::tied_to), read
   // transposed; check() resolves the name to that layer's stage and index.
   Tag tie{};
@@ -98,7 +104,8 @@ struct Layer {
 };
 
 // Compile-time constants of the kinds that carry them, as real configs vary them:
-// remat::rms_norm(remat::epsilon(1e-5)), remat::rope(9, 3, remat::rope_theta(100000)).
+// remat::rms_norm(remat::epsilon(1e-5)), remat::rope(9, 3, remat::rope_theta(100000)),
+// remat::rope(32, 8, remat::rope_theta(500000), remat::rope_llama3(32, 1, 4, 8192)).
 struct Epsilon {
   double value;
 };
@@ -107,6 +114,16 @@ struct RopeTheta {
   double value;
 };
 constexpr RopeTheta rope_theta(double value) { return {value}; }
+// A config's rope_parameters of rope_type "llama3" (Llama 3.1, 3.2): the inverse frequencies whose
+// wavelength exceeds original_max_position_embeddings / low_freq_factor divided by factor, those
+// below original / high_freq_factor kept, those between blended (Transformers' llama3 rule).
+constexpr Layer::RopeScaling rope_llama3(double factor, double low_freq_factor, double high_freq_factor,
+                                         int original_max_position_embeddings) {
+  if (!(factor >= 1) || !(low_freq_factor > 0) || !(high_freq_factor > low_freq_factor) ||
+      original_max_position_embeddings < 1)
+    throw "remat: rope_llama3(factor, low, high, original) needs factor >= 1, 0 < low < high and original >= 1";
+  return {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings};
+}
 
 // What a layer is, for policies that name modules (Megatron's recompute_modules): core_attn the
 // attention core, activation GELU / ReLU / SwiGLU, norm LayerNorm / RMSNorm, projection the

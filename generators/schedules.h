@@ -120,17 +120,17 @@ public:
     }
   }
   // A dot product f(s, h, b) over a head's `width` features. CPU: the products accumulate
-  // lane-wise, one vector per (position, head) (an rfactor over vector lanes, computed per head),
-  // and the lanes are then added in order. The kernels are strict_float (CMakeLists.txt), so that
-  // order is the same wherever the Func is compiled. A width that is no multiple of the vector
-  // width (or none given) stays a plain loop. On a GPU the product stays a loop within its thread.
+  // lane-wise, one vector per (position, head) (an rfactor over vector lanes, computed at each
+  // position: one vector, whatever the row's length), and the lanes are then added in order. The kernels are
+  // strict_float (CMakeLists.txt), so that order is the same wherever the Func is compiled. A width that is no multiple
+  // of the vector width (or none given) stays a plain loop. On a GPU the product stays a loop within its thread.
   void dot(Func f, int width = 0) {
     if (gpu || width == 0 || width % vec != 0) return;
     RVar rdo("rdo"), rdi("rdi");
     const Var u("u"), s("s"), h("h");
     Func lanes = f.update().split(f.rvars(0)[0], rdo, rdi, vec).rfactor(rdi, u);
     f.update().reorder(rdi, s, h).unroll(rdi);
-    lanes.compute_at(f, h).reorder_storage(u, s, h, v.b).vectorize(u);
+    lanes.compute_at(f, s).reorder_storage(u, s, h, v.b).vectorize(u);
     lanes.update().reorder(u, rdo, s).vectorize(u);
   }
   // out(c, b) = sum over positions of weights(., c / D, b) * rows(c): vectors along c.

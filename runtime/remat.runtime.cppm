@@ -321,6 +321,14 @@ struct NamedParameter {
   bool transposed = false;       // the file holds the transpose of remat's [in, out]
 };
 std::vector<NamedParameter> named_parameters(const Plan &plan);
+// A parameter's values in a buffer of the flat parameters' layout (params, grads, and adam_m,
+// adam_v unless the optimizer is sharded: Plan::shard_slots).
+template <class T>
+std::span<T> parameter_in(std::span<T> flat, const Plan &plan, TensorId param) {
+  const Tensor &t = plan.tensors[std::size_t(param.index)];
+  if (t.view_of != plan.params().index) throw std::logic_error("a parameter outside the plan's parameter buffer");
+  return flat.subspan(t.offset / sizeof(float), std::size_t(t.extent[0] * (t.dims == 2 ? t.extent[1] : 1)));
+}
 std::vector<float> to_file_layout(const NamedParameter &p, std::span<const float> values);
 void from_file_layout(const NamedParameter &p, std::span<const float> file, std::span<float> values);
 // A digest of what the parameters mean: the input, the stages and their layers (kinds and sizes;

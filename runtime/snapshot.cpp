@@ -97,6 +97,10 @@ std::string definition_digest(const Model &m) {
       const double default_eps = y.op == Op::layer_norm ? layer_norm_default_eps : rms_norm_default_eps;
       if (y.eps != 0 && y.eps != default_eps) text += fmt::format("[eps {}]", y.eps);
       if (y.op == Op::rope && y.rope_theta != rope_default_theta) text += fmt::format("[theta {}]", y.rope_theta);
+      if (const Layer::RopeScaling &r = y.rope_scaling; r.enabled())
+        text +=
+            fmt::format("[llama3 {} {} {} {}]", r.factor, r.low_freq_factor, r.high_freq_factor, r.original_context);
+      if (y.gelu_exact) text += "[exact]";
       if (y.tied()) text += fmt::format("[tied {}.{}]", y.tie_stage, y.tie_layer);
     }
   }
@@ -112,16 +116,8 @@ constexpr const char *model_file = "model.safetensors", *optimizer_file = "optim
 
 std::string shape_text(const std::vector<long long> &shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 
-// A parameter's values in a buffer of the flat parameters' layout (params, and adam_m, adam_v unless
-// the optimizer is sharded: Plan::shard_slots).
-template <class T>
-std::span<T> in_flat(std::span<T> flat, const Plan &plan, const NamedParameter &p) {
-  const Tensor &t = plan.tensors[p.id.index];
-  if (t.view_of != plan.params().index) throw std::logic_error("a parameter outside the plan's parameter buffer");
-  return flat.subspan(t.offset / sizeof(float), std::size_t(t.extent[0] * (t.dims == 2 ? t.extent[1] : 1)));
-}
 std::span<float> in_buffer(Executor &ex, const Plan &plan, TensorId buffer, const NamedParameter &p) {
-  return in_flat(ex.tensor<float>(buffer), plan, p);
+  return parameter_in(ex.tensor<float>(buffer), plan, p.id);
 }
 bool sharded(const Plan &plan) {
   return plan.shard_end - plan.shard_first < plan.tensors[plan.params().index].extent[0];
@@ -200,7 +196,7 @@ void write_buffers(Executor &ex, std::string_view model, const std::string &path
   for (const Part &part : parts)
     for (const NamedParameter &p : params) {
       tensors.push_back({.name = p.name + std::string(part.suffix), .dtype = "F32", .shape = p.shape});
-      values.push_back(to_file_layout(p, in_flat(part.flat, ex.plan, p)));
+      values.push_back(to_file_layout(p, parameter_in(part.flat, ex.plan, p.id)));
     }
   std::vector<std::span<const std::byte>> data;
   for (const auto &v : values) data.push_back(std::as_bytes(std::span(v)));
@@ -345,8 +341,8 @@ SnapshotState Engine::load_snapshot(const std::string &folder) {
                          all_v = shard ? std::span(v) : executor.tensor<float>(plan.adam_v());
   for (const NamedParameter &p : named_parameters(plan)) {
     from_file_layout(p, floats(model, *model.find(p.name)), in_buffer(executor, plan, plan.params(), p));
-    from_file_layout(p, floats(optimizer, *optimizer.find(p.name + ".exp_avg")), in_flat(all_m, plan, p));
-    from_file_layout(p, floats(optimizer, *optimizer.find(p.name + ".exp_avg_sq")), in_flat(all_v, plan, p));
+    from_file_layout(p, floats(optimizer, *optimizer.find(p.name + ".exp_avg")), parameter_in(all_m, plan, p.id));
+    from_file_layout(p, floats(optimizer, *optimizer.find(p.name + ".exp_avg_sq")), parameter_in(all_v, plan, p.id));
   }
   if (shard)
     for (auto [whole, buffer] : {std::pair{std::span(m), plan.adam_m()}, std::pair{std::span(v), plan.adam_v()}})

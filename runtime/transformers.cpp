@@ -9,13 +9,11 @@ module;
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <map>
-#include <optional>
 #include <set>
 #include <span>
 #include <string>
@@ -47,7 +45,8 @@ struct Architecture {
   std::vector<BlockLayer> block;
   Op norm;
   bool block_linears_transposed;  // nn.Linear's [out, in] (Llama); GPT-2's Conv1D keep [in, out]
-  bool block_linear_bias;
+  // the config fields that switch the block linears' biases, by linear (GPT-2's have biases)
+  std::vector<std::string_view> bias_fields{};
 };
 
 const Architecture gpt2{.name = "gpt2",
@@ -66,8 +65,7 @@ const Architecture gpt2{.name = "gpt2",
                                   {Op::gelu},
                                   {Op::linear, {"mlp.c_proj"}}},
                         .norm = Op::layer_norm,
-                        .block_linears_transposed = false,
-                        .block_linear_bias = true};
+                        .block_linears_transposed = false};
 const Architecture llama{
     .name = "llama",
     .model_type = "llama",
@@ -87,7 +85,7 @@ const Architecture llama{
               {Op::linear, {"mlp.down_proj"}}},
     .norm = Op::rms_norm,
     .block_linears_transposed = true,
-    .block_linear_bias = false};
+    .bias_fields = {"attention_bias", "attention_bias", "mlp_bias", "mlp_bias"}};
 
 const Architecture &architecture_named(std::string_view name, std::string_view model) {
   if (name == gpt2.name) return gpt2;
@@ -116,7 +114,9 @@ struct Shape {
   const Block *block = nullptr;
   int heads = 0, kv_heads = 0, head_dim = 0, width = 0, inner = 0, layers = 0, context = 0, vocab = 0;
   double eps = 0, rope_theta = 0;
-  bool tied = false;
+  Layer::RopeScaling rope_scaling{};
+  bool tied = false, gelu_exact = false;
+  std::map<std::string_view, bool> biases;  // by the Architecture's bias_fields
 };
 
 Shape shape_of(const Model &m, const Architecture &a, std::string_view model) {
@@ -142,18 +142,24 @@ Shape shape_of(const Model &m, const Architecture &a, std::string_view model) {
   s.block = &m.stages[1];
   if (block.size() != a.block.size())
     throw wrong(fmt::format("its block has {} layers, not {}", block.size(), a.block.size()));
+  std::size_t linear = 0;
   for (std::size_t i = 0; i < block.size(); ++i) {
     const Layer &l = s.block->layers[block[i]];
     if (l.op != a.block[i].op)
       throw wrong(fmt::format("layer {} of its block is {}, not {}", i, op_name(l.op), op_name(a.block[i].op)));
-    if (l.op == Op::linear && l.bias != a.block_linear_bias)
-      throw wrong(fmt::format("linear {} of its block {} a bias", i, l.bias ? "has" : "has no"));
-    if (l.op == Op::attention) s.heads = l.heads, s.kv_heads = l.kv_heads;
+    if (l.op == Op::linear && a.bias_fields.empty() && !l.bias)
+      throw wrong(fmt::format("linear {} of its block has no bias", i));
+    if (l.op == Op::linear && !a.bias_fields.empty()) {
+      const auto at = s.biases.try_emplace(a.bias_fields[linear++], l.bias).first;
+      if (at->second != l.bias)
+        throw wrong(fmt::format("the linears that {} switches do not agree on a bias", at->first));
+    }
+    if (l.op == Op::attention) s.heads = l.heads, s.kv_heads = l.kv_heads, s.head_dim = l.out / l.heads;
     if (l.op == a.norm) s.eps = l.eps;
-    if (l.op == Op::rope) s.rope_theta = l.rope_theta;
+    if (l.op == Op::gelu) s.gelu_exact = l.gelu_exact;
+    if (l.op == Op::rope) s.rope_theta = l.rope_theta, s.rope_scaling = l.rope_scaling;
   }
   s.width = s.block->in();
-  s.head_dim = s.width / s.heads;
   const int fc = block[a.name == gpt2.name ? 5 : 6];
   s.inner = a.name == gpt2.name ? s.block->layers[fc].out : s.block->layers[fc].out / 2;
   if (a.name == llama.name && s.block->layers[block[1]].out != (s.heads + 2 * s.kv_heads) * s.head_dim)
@@ -184,7 +190,7 @@ std::vector<Field> shape_fields(const Shape &s) {
             {"n_head", s.heads, 12},
             {"n_inner", s.inner, 4 * s.width},
             {"layer_norm_epsilon", s.eps, 1e-5},
-            {"activation_function", "gelu_new", "gelu_new"},
+            {"activation_function", s.gelu_exact ? "gelu" : "gelu_new", "gelu_new"},
             {"tie_word_embeddings", s.tied, true}};
   return {{"vocab_size", s.vocab, 32000},
           {"hidden_size", s.width, 4096},
@@ -197,9 +203,20 @@ std::vector<Field> shape_fields(const Shape &s) {
           {"rope_theta", s.rope_theta, 10000.0},
           {"max_position_embeddings", s.context, 2048, true},
           {"hidden_act", "silu", "silu"},
-          {"attention_bias", false, false},
-          {"mlp_bias", false, false},
+          {"attention_bias", s.biases.at("attention_bias"), false},
+          {"mlp_bias", s.biases.at("mlp_bias"), false},
           {"tie_word_embeddings", s.tied, false}};
+}
+
+// RoPE's rope_type and the numbers of its scaling, as rope_parameters holds them.
+json rope_kind(const Shape &s) {
+  const Layer::RopeScaling &r = s.rope_scaling;
+  if (!r.enabled()) return {{"rope_type", "default"}};
+  return {{"rope_type", "llama3"},
+          {"factor", r.factor},
+          {"low_freq_factor", r.low_freq_factor},
+          {"high_freq_factor", r.high_freq_factor},
+          {"original_max_position_embeddings", r.original_context}};
 }
 
 // A config's field, with Transformers' reading: n_inner null means 4 n_embd; Transformers 5 keeps
@@ -229,12 +246,19 @@ void check_config(const json &config, const Shape &s, const std::string &file, s
       throw InputError(fmt::format("{}: {} is {}, {} was built with {}{}", file, f.name, json_text(given), program,
                                    f.at_least ? "at most " : "", json_text(f.value)));
   }
-  for (const char *scaling : {"rope_scaling", "rope_parameters"}) {
-    if (!config.contains(scaling) || !config[scaling].is_object()) continue;
-    const std::string kind = config[scaling].value("rope_type", config[scaling].value("type", "default"));
-    if (kind != "default")
+  // RoPE's kind: rope_parameters (Transformers 5) or rope_scaling (before)
+  json rope = json::object();
+  for (const char *field : {"rope_scaling", "rope_parameters"})
+    if (config.contains(field) && config[field].is_object()) rope = config[field];
+  const std::string kind = rope.value("rope_type", rope.value("type", "default"));
+  const json built = rope_kind(s);
+  if (const std::string built_kind = built["rope_type"]; kind != built_kind)
+    throw InputError(fmt::format("{}: rope_type is \"{}\", {} was built with \"{}\"", file, kind, program, built_kind));
+  for (const auto &[name, value] : built.items()) {
+    const json given = rope.value(name, json());
+    if (name != "rope_type" && !(given.is_number() && given.get<double>() == value.get<double>()))
       throw InputError(
-          fmt::format("{}: {} names rope_type \"{}\"; {} has RoPE without scaling", file, scaling, kind, program));
+          fmt::format("{}: rope {} is {}, {} was built with {}", file, name, json_text(given), program, value.dump()));
   }
 }
 
@@ -251,7 +275,8 @@ json config_of(const Shape &s, bool bf16) {
     c["attention_dropout"] = 0.0;
     c["initializer_range"] = 0.02;
     c.erase("rope_theta");  // Transformers 5 keeps it here
-    c["rope_parameters"] = {{"rope_theta", s.rope_theta}, {"rope_type", "default"}};
+    c["rope_parameters"] = rope_kind(s);
+    c["rope_parameters"]["rope_theta"] = s.rope_theta;
   }
   c["dtype"] = bf16 ? "bfloat16" : "float32";
   return c;
@@ -329,12 +354,6 @@ bool is_transformers_folder(const std::string &path) {
 }
 
 namespace {
-// The parameter tensor's values in a flat buffer of the parameters' layout (params or grads).
-std::span<float> in_flat_buffer(std::span<float> flat, const Plan &plan, TensorId param) {
-  const Tensor &t = plan.tensors[std::size_t(param.index)];
-  return flat.subspan(t.offset / sizeof(float), std::size_t(t.extent[0] * (t.dims == 2 ? t.extent[1] : 1)));
-}
-
 json read_json(const std::string &path) {
   const std::vector<std::byte> bytes = read_bytes(path);
   try {
@@ -425,13 +444,13 @@ std::string load_transformers_folder(Executor &ex, const Plan &plan, const Model
   const std::span<float> params = ex.tensor<float>(plan.params());
   for (const TransformersTensor &t : layout.tensors) {
     const auto [file, tensor] = found.at(t.name);
-    t.read(floats(*file, *tensor), in_flat_buffer(params, plan, t.param));
+    t.read(floats(*file, *tensor), parameter_in(params, plan, t.param));
   }
   // a tied head saved anyway (older save_pretrained) must be the token table it is tied to
   if (const auto head = found.find(layout.tied_head); !layout.tied_head.empty() && head != found.end()) {
     const TransformersTensor &table = layout.tensors.front();
     std::vector<float> values(std::size_t(table.rows * table.cols));
-    table.write(in_flat_buffer(params, plan, table.param), values);
+    table.write(parameter_in(params, plan, table.param), values);
     const std::vector<float> given = floats(*head->second.first, *head->second.second);
     if (head->second.second->shape != table.shape() || given != values)
       throw InputError(
@@ -457,7 +476,7 @@ void save_transformers_folder(Executor &ex, const Plan &plan, const ModelInfo &i
   std::vector<std::vector<std::byte>> bytes;
   for (const TransformersTensor &t : layout.tensors) {
     std::vector<float> values(std::size_t(t.rows * t.count));
-    t.write(in_flat_buffer(params, plan, t.param), values);
+    t.write(parameter_in(params, plan, t.param), values);
     tensors.push_back({.name = t.name, .dtype = bf16 ? "BF16" : "F32", .shape = t.shape()});
     bytes.push_back(as_dtype(values, bf16));
   }
@@ -485,12 +504,12 @@ void save_gradients(Executor &ex, const Plan &plan, const ModelInfo &info, const
     for (const TransformersTensor &t :
          transformers_layout(info.model, plan, info.defaults.transformers, info.name).tensors) {
       values.emplace_back(std::size_t(t.rows * t.count));
-      t.write(in_flat_buffer(grads, plan, t.param), values.back());
+      t.write(parameter_in(grads, plan, t.param), values.back());
       tensors.push_back({.name = t.name, .dtype = "F32", .shape = t.shape()});
     }
   } else {  // remat's PyTorch-style names (named_parameters)
     for (const NamedParameter &p : named_parameters(plan)) {
-      values.push_back(to_file_layout(p, in_flat_buffer(grads, plan, p.id)));
+      values.push_back(to_file_layout(p, parameter_in(grads, plan, p.id)));
       tensors.push_back({.name = p.name, .dtype = "F32", .shape = p.shape});
     }
   }

@@ -36,13 +36,16 @@ template <class Algorithm>
 struct ActivationCheck : Fixture {
   void check(const std::string &name, const std::function<double(double)> &f, const std::function<double(double)> &df,
              Tolerance forward, Tolerance rule) {
+    check(name, f, df, forward, rule, Algorithm(L));
+  }
+  void check(const std::string &name, const std::function<double(double)> &f, const std::function<double(double)> &df,
+             Tolerance forward, Tolerance rule, const Algorithm &algorithm) {
     const int B = 4, C = 7;
     Buffer<double> x = random({C, B}, -3, 3), R = random({C, B});
     x.for_each_value([](double &a) {
       if (std::abs(a) < 1e-3) a = 0.5;
     });
     ImageParam xp = param(x, "x");
-    const Algorithm algorithm(L);
     Func y = algorithm.forward(name, xp);
     Buffer<double> dx = algorithm.grad("d" + name, xp, wrap(R, "dy")).realize({C, B});
     check_fd(name + " fd", x, dx, [&] { return objective(y, R); }, {2e-9, 0});

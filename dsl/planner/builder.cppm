@@ -103,14 +103,14 @@ struct Builder {
   // Per (stage, block): tensor ids of parameters (views into the flat buffer), in the order of
   // params(block); their gradients are the same keys' gradients.
   std::vector<std::vector<std::vector<int>>> param_args{}, grad_args{};
+  std::vector<std::vector<LocalTensor>> stage_params{};  // params(stage), by stage
   // The parameter (or the gradient) of unit u that kernel argument `k` (a parameter or a gradient
   // key, either side of an accumulation) names.
   constexpr int parameter_of(const Unit &u, const TensorKey &k) const {
     const bool gradient = k.slot == Slot::gradient || k.slot == Slot::gradient_prev;
     const std::vector<int> &ids = param_args[u.stage][u.block];
-    const std::vector<LocalTensor> local = params(m.stages[u.stage]);  // a tied weight's id is its target's
-    for (std::size_t i = 0; i < ids.size(); ++i) {
-      TensorKey p = local[i].key;
+    for (std::size_t i = 0; i < ids.size(); ++i) {  // a tied weight's id is its target's
+      TensorKey p = stage_params[std::size_t(u.stage)][i].key;
       if (gradient) p = key::gradient(p, k.slot == Slot::gradient_prev);
       if (p == k) return gradient ? grad_args[u.stage][u.block][i] : ids[i];
     }
@@ -124,13 +124,12 @@ struct Builder {
   constexpr void share_tied_weights() {
     for (int s = 0; s < m.n_stages; ++s)
       for (int b = 0; b < m.stages[s].repeat; ++b)
-        for (int i = 0; const LocalTensor &lt : params(m.stages[s])) {
+        for (int i = 0; const LocalTensor &lt : stage_params[std::size_t(s)]) {
           if (tied_weight(m.stages[s], lt.key)) {
             const Layer &l = m.stages[s].layers[lt.key.layer];
-            const Block &target = m.stages[l.tie_stage];
-            const TensorKey k = key::parameter(target, l.tie_layer, 0);
+            const TensorKey k = key::parameter(m.stages[l.tie_stage], l.tie_layer, 0);
             int t = 0;
-            while (!(params(target)[std::size_t(t)].key == k)) ++t;
+            while (!(stage_params[std::size_t(l.tie_stage)][std::size_t(t)].key == k)) ++t;
             param_args[s][b][i] = param_args[l.tie_stage][0][t];
             grad_args[s][b][i] = grad_args[l.tie_stage][0][t];
           }
@@ -146,7 +145,8 @@ struct Builder {
     param_args.resize(m.n_stages);
     grad_args.resize(m.n_stages);
     for (int s = 0; s < m.n_stages; ++s) {
-      const std::size_t n = params(m.stages[s]).size();
+      stage_params.push_back(params(m.stages[s]));
+      const std::size_t n = stage_params.back().size();
       for (int b = 0; b < m.stages[s].repeat; ++b) {
         param_args[s].push_back(filled(n, -1));
         grad_args[s].push_back(filled(n, -1));
@@ -159,7 +159,7 @@ struct Builder {
     for (bool decayed : {true, false}) {
       for (int s = 0; s < m.n_stages; ++s)
         for (int b = 0; b < m.stages[s].repeat; ++b)
-          for (int i = 0; const LocalTensor &lt : params(m.stages[s])) {
+          for (int i = 0; const LocalTensor &lt : stage_params[std::size_t(s)]) {
             if (lt.decay != decayed || tied_weight(m.stages[s], lt.key)) {
               ++i;
               continue;

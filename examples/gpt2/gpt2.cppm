@@ -10,22 +10,25 @@ export module gpt2;
 import remat.language;
 
 export namespace gpt2 {
-// The shape fields of a GPT-2 config.json (n_inner: 4 n_embd; activation_function: gelu_new;
-// T is n_positions: the context the kernels are generated for).
+// The shape fields of a GPT-2 config.json (n_inner 0: 4 n_embd; activation_function gelu_new, or
+// gelu with gelu_exact; T is n_positions: the context the kernels are generated for).
 struct Config {
   int vocab_size, n_positions, n_layer, n_head, n_embd;
+  int n_inner = 0;
   double layer_norm_epsilon = 1e-5;
+  bool gelu_exact = false;
 };
 inline constexpr Config small{.vocab_size = 50257, .n_positions = 1024, .n_layer = 12, .n_head = 12, .n_embd = 768};
 
 constexpr remat::Model architecture(const Config &c) {
-  const int C = c.n_embd;
+  const int C = c.n_embd, inner = c.n_inner ? c.n_inner : 4 * C;
   const remat::Epsilon eps = remat::epsilon(c.layer_norm_epsilon);
   const remat::Block block =
       remat::chain(remat::residual(remat::layer_norm(eps), remat::linear(C, 3 * C),
                                    remat::causal_self_attention(c.n_head), remat::linear(C, C), remat::dropout()),
-                   remat::residual(remat::layer_norm(eps), remat::linear(C, 4 * C), remat::gelu(),
-                                   remat::linear(4 * C, C), remat::dropout()));
+                   remat::residual(remat::layer_norm(eps), remat::linear(C, inner),
+                                   c.gelu_exact ? remat::gelu(remat::gelu_exact) : remat::gelu(),
+                                   remat::linear(inner, C), remat::dropout()));
   return remat::make_model(remat::tokens(c.vocab_size, c.n_positions),
                            remat::name("wte", remat::embedding(c.vocab_size, C)), remat::dropout(),
                            remat::repeat(c.n_layer, block), remat::layer_norm(eps),

@@ -10,12 +10,14 @@ export module smollm2;
 import remat.language;
 
 export namespace smollm2 {
-// The shape fields of a Llama config.json (head_dim = hidden_size / num_attention_heads;
-// hidden_act silu; no attention or MLP bias; T: the context the kernels are generated for, at most
-// max_position_embeddings).
+// The shape fields of a Llama config.json (head_dim 0: hidden_size / num_attention_heads;
+// hidden_act silu; T: the context the kernels are generated for, at most max_position_embeddings).
 struct Config {
   int vocab_size, context, num_hidden_layers, num_attention_heads, num_key_value_heads, hidden_size, intermediate_size;
+  int head_dim = 0;
   double rms_norm_eps = 1e-5, rope_theta = 100000;
+  bool attention_bias = false, mlp_bias = false;  // on q, k, v and o; on gate, up and down
+  remat::Layer::RopeScaling rope_scaling{};       // rope_type "llama3": remat::rope_llama3(...)
 };
 inline constexpr Config smollm2_135m{.vocab_size = 49152,
                                      .context = 1024,
@@ -27,14 +29,16 @@ inline constexpr Config smollm2_135m{.vocab_size = 49152,
 
 constexpr remat::Model architecture(const Config &c) {
   const int C = c.hidden_size, H = c.num_attention_heads, KV = c.num_key_value_heads, I = c.intermediate_size;
-  const int qkv_width = (H + 2 * KV) * (C / H);
+  const int D = c.head_dim ? c.head_dim : C / H;
+  const auto linear = [](int in, int out, bool bias) {
+    return bias ? remat::linear(in, out) : remat::linear(in, out, remat::no_bias);
+  };
   const remat::Epsilon eps = remat::epsilon(c.rms_norm_eps);
-  const remat::Block block =
-      remat::chain(remat::residual(remat::rms_norm(eps), remat::linear(C, qkv_width, remat::no_bias),
-                                   remat::rope(H, KV, remat::rope_theta(c.rope_theta)),
-                                   remat::causal_self_attention(H, KV), remat::linear(C, C, remat::no_bias)),
-                   remat::residual(remat::rms_norm(eps), remat::linear(C, 2 * I, remat::no_bias), remat::swiglu(),
-                                   remat::linear(I, C, remat::no_bias)));
+  const remat::Block block = remat::chain(
+      remat::residual(remat::rms_norm(eps), linear(C, (H + 2 * KV) * D, c.attention_bias),
+                      remat::rope(H, KV, remat::rope_theta(c.rope_theta), c.rope_scaling),
+                      remat::causal_self_attention(H, KV), linear(H * D, C, c.attention_bias)),
+      remat::residual(remat::rms_norm(eps), linear(C, 2 * I, c.mlp_bias), remat::swiglu(), linear(I, C, c.mlp_bias)));
   return remat::make_model(remat::tokens(c.vocab_size, c.context),
                            remat::name("embed_tokens", remat::token_embedding(c.vocab_size, C)),
                            remat::repeat(c.num_hidden_layers, block), remat::rms_norm(eps),

@@ -50,6 +50,7 @@ struct AttentionGrad {
   Halide::Func delta;       // delta(h, b) = sum_d dout * out over the head
   ScoreGradChain q;         // query side: f(s, h, b) for query row b and key position s (read by dq)
   ScoreGradChain kv;        // key side: f(t, h, b) for key row b and query position t (dk, dv)
+  ScoreGradChain v;         // the chain dv reads: kv, or a copy of its own (own_dv_chain)
 };
 // The same attention forward by (sequence, head) tiles, for the CPU: f(t, s, h, n) for query
 // position t, key position s, head h and sequence n (row n T + t). A schedule computes a whole
@@ -146,8 +147,11 @@ public:
   // same mask: dv uses drop(P), dP = (dout . v) * keep / (1 - p), dS = P * (dP - delta) with
   // delta = sum_d dout * out (= sum_s P dP still).
   // Grouped heads (KV < H): a key / value head's gradient sums those of the query heads sharing it.
+  // own_dv_chain: dv reads a key-side chain of its own (the same values, computed where dv needs
+  // them, apart from dk's).
   AttentionGrad attention_grad(const std::string &name, Halide::Func qkv, Halide::Func out, Halide::Func lse,
-                               Halide::Func dout, int C, int H, const Dropout &drop = {}, int KV = 0) const {
+                               Halide::Func dout, int C, int H, const Dropout &drop = {}, int KV = 0,
+                               bool own_dv_chain = false) const {
     using namespace Halide;
     const int D = head_dim(C, H);
     const Heads hd{C, H, KV ? KV : H};
@@ -163,6 +167,7 @@ public:
     // row b, query position t. Each is indexed by the row where it is consumed.
     g.q = score_grad_chain(part(name, "q"), qkv, lse, dout, g.delta, hd, drop, v.b, n * T + s, s);
     g.kv = score_grad_chain(part(name, "kv"), qkv, lse, dout, g.delta, hd, drop, n * T + s, v.b, t);
+    g.v = own_dv_chain ? score_grad_chain(part(name, "v"), qkv, lse, dout, g.delta, hd, drop, n * T + s, v.b, t) : g.kv;
 
     // dq(b) = sum_{s <= t} dS(s) k(n T + s) / sqrt(D)
     RDom rq(0, T, part(name, "dq_s"));
@@ -178,7 +183,7 @@ public:
     RDom rv(0, T, part(name, "dv_t"));
     rv.where(rv >= t);
     g.dv(v.c, v.b) = L.constant(0);
-    g.dv(v.c, v.b) += g.kv.kept(rv, v.c / D, v.b) * dout(v.c, n * T + rv);
+    g.dv(v.c, v.b) += g.v.kept(rv, v.c / D, v.b) * dout(v.c, n * T + rv);
 
     const int KVD = hd.kv * D;
     g.dqkv(v.c, v.b) = select(v.c < C, g.dq(clamp(v.c, 0, C - 1), v.b), v.c < C + KVD,

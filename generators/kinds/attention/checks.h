@@ -240,6 +240,11 @@ struct GroupedQueryAttentionCheck : AttentionFixture {
     check_fd("gqa dqkv fd", x, dx, [&] { return objective(out, dout); }, {1e-9, 0});
     const Buffer<double> edx = gref.dqkv(dout);
     check_ref("gqa dqkv", dx, [&](const int *q) { return edx(q); }, dqkv_tol);
+    // dv from a key-side chain of its own (the CPU rows' schedule)
+    const Buffer<double> own_dv = tr.attention_grad("dgqa_own_dv", xp, wrap(ob, "out_own_dv"), wrap(lse, "lse_own_dv"),
+                                                    wrap(dout, "dout_own_dv"), C12, H4, drop, KV, true)
+                                      .dqkv.realize({W, rows});
+    check_ref("gqa dqkv (dv's own chain)", own_dv, [&](const int *q) { return edx(q); }, dqkv_tol);
     // by (sequence, key / value head) tiles, each shared head's gradient summed over its group
     const Func tiles_out = wrap(ob, "out_tiles"), tiles_dout = wrap(dout, "dout_tiles");
     auto tg =

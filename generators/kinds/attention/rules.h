@@ -9,6 +9,7 @@
 #include "stage_kernels.h"
 
 #include <optional>
+#include <stdexcept>
 #include <string>
 
 namespace remat::modelc {
@@ -31,6 +32,10 @@ struct KindRules<Op::attention> {
       k.f.stats[j] = {saved_lse ? *saved_lse : a.lse};
       out = a.out;
     };
+    if (!k.sched.gpu && !gen::Scheduler::fits_stack(4LL * k.seq.T))
+      throw std::runtime_error("attention over " + std::to_string(k.seq.T) +
+                               " positions: the CPU kernels keep a head's row of scores on the stack (16 KiB: at most "
+                               "4096 positions)");
     const gen::CausalAttention attention(k.seq);
     gen::AttentionSchedule schedule(k.sched);
     if (tiles(k, l)) {
@@ -52,7 +57,7 @@ struct KindRules<Op::attention> {
     const int src = k.blk.source(j);
     gen::AttentionGrad g =
         gen::CausalAttention(k.seq).attention_grad(k.layer_name("att", j), k.value(src), k.value(j), k.f.stats.at(j)[0],
-                                                   d, l.out, l.heads, k.dropout_at(j), l.kv_heads);
+                                                   d, l.out, l.heads, k.dropout_at(j), l.kv_heads, !k.sched.gpu);
     gen::AttentionSchedule(k.sched).delta(g.delta);
     k.output(k.workspace(j, 0), g.delta);
     const int head_dim = l.out / l.heads;

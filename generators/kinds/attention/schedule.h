@@ -47,18 +47,19 @@ public:
       for (Func f : {a.dot, a.kept}) positions_in_shared_memory(f, a.out, v.b, block_size);
       return;
     }
+    // CPU: a row per task, its heads one after the other, so that a row's buffers hold one
+    // head's T values (fits_stack: at most 4096 positions, rules.h)
+    const Var ho("ho"), d("d");
     if (lse_computed) {
       a.lse.compute_root().parallel(v.b);
-      a.lse_dot.compute_at(a.lse, v.b);
-      a.row_max.compute_at(a.lse, v.b);
-      a.sum_exp.compute_at(a.lse, v.b);
+      for (Func f : {a.lse_dot, a.row_max, a.sum_exp}) f.compute_at(a.lse, h);
       sched.dot(a.lse_dot, head_dim);
     }
-    a.out.compute_root().parallel(v.b).vectorize(v.c, vec, TailStrategy::GuardWithIf);
-    a.sum.compute_at(a.out, v.b).vectorize(v.c, vec, TailStrategy::GuardWithIf);
+    a.out.compute_root().split(v.c, ho, d, head_dim).parallel(v.b).vectorize(d, vec, TailStrategy::GuardWithIf);
+    a.sum.compute_at(a.out, ho).vectorize(v.c, vec, TailStrategy::GuardWithIf);
     sched.weighted_sum(a.sum);
-    a.dot.compute_at(a.out, v.b);
-    a.kept.compute_at(a.out, v.b);
+    a.dot.compute_at(a.out, ho);
+    a.kept.compute_at(a.out, ho);
     sched.dot(a.dot, head_dim);
   }
   // delta(h, b) = dout . out over each head: a row per task (CPU) or thread (GPU).
@@ -75,7 +76,7 @@ public:
     sched.dot(delta);
   }
   // The attention input gradient dqkv(c, b), consumed by `consumer` (the tensor's gradient).
-  // CPU: both score-gradient chains per row. GPU: a block per (row, head of q, k or v), rows on
+  // CPU: see below. GPU: a block per (row, head of q, k or v), rows on
   // the grid's x axis, as in attention; the chains for that head live in shared memory with
   // threads over positions.
   void grad(Func consumer, AttentionGrad g, int head_dim, int block_size) {
@@ -93,15 +94,20 @@ public:
       g.kv.dprob_kept.compute_at(g.kv.dscore, si);
       return;
     }
+    // CPU: a row per task; dq, dk and dv of the row head by head, each head's score-gradient
+    // chain computed there (T values a buffer; dv has a chain of its own, rebuilding the
+    // probabilities, so that no buffer holds every head's)
     consumer.compute_root().parallel(v.b);
-    for (Func fn :
-         {g.dq, g.dk, g.dv, g.q.dot, g.q.dprob_kept, g.q.dscore, g.kv.dot, g.kv.dprob_kept, g.kv.dscore, g.kv.kept})
-      fn.compute_at(consumer, v.b);
-    for (Func fn : {g.q.dot, g.q.dprob_kept, g.kv.dot, g.kv.dprob_kept}) sched.dot(fn, head_dim);
-    for (Func fn : {g.dq, g.dk, g.dv}) {
-      fn.vectorize(v.c, vec, TailStrategy::GuardWithIf);
-      sched.weighted_sum(fn);
-    }
+    const Var ho("ho"), d("d");
+    const auto by_heads = [&](Func sum, std::initializer_list<Func> chain) {
+      sum.compute_at(consumer, v.b).vectorize(v.c, vec, TailStrategy::GuardWithIf);
+      sum.update().split(v.c, ho, d, head_dim).vectorize(d, vec, TailStrategy::GuardWithIf);
+      for (Func fn : chain) fn.compute_at(sum, ho);
+    };
+    by_heads(g.dq, {g.q.dot, g.q.dprob_kept, g.q.dscore});
+    by_heads(g.dk, {g.kv.dot, g.kv.dprob_kept, g.kv.dscore});
+    by_heads(g.dv, {g.v.dot, g.v.kept});
+    for (Func fn : {g.q.dot, g.q.dprob_kept, g.kv.dot, g.kv.dprob_kept, g.v.dot}) sched.dot(fn, head_dim);
   }
   // Causal attention forward by (sequence, head) tiles (CPU): a task per (sequence, head). The
   // tile's transposed queries, scores or probabilities and row statistics live on the task's

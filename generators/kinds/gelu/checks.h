@@ -25,6 +25,13 @@ struct GeluCheck : ActivationCheck<gen::Gelu> {
           return 0.5 * (1 + t) + 0.5 * a * (1 - t * t) * k0 * (1 + 3 * k1 * a * a);
         },
         {1e-15, 0}, {4e-15, 0});
+    // exact GELU (libm's erf in float64) against std::erf; its rule Phi(a) + a phi(a)
+    check(
+        "gelu_exact", [](double a) { return 0.5 * a * (1 + std::erf(a / std::sqrt(2.0))); },
+        [](double a) {
+          return 0.5 * (1 + std::erf(a / std::sqrt(2.0))) + a * std::exp(-a * a / 2) / std::sqrt(2 * M_PI);
+        },
+        {1e-15, 0}, {4e-15, 0}, gen::Gelu(L, true));
   }
 };
 

@@ -12,11 +12,13 @@ namespace remat::modelc {
 template <>
 struct KindRules<Op::gelu> {
   static Built forward(StageKernels &k, int j, const std::string &name) {
-    return {gen::Gelu(k.L).forward(name, k.value(k.blk.source(j)))};
+    return {gen::Gelu(k.L, k.blk.layers[j].gelu_exact).forward(name, k.value(k.blk.source(j)))};
   }
   static void backward(StageKernels &k, int j, Func, Func d) {
     const int src = k.blk.source(j);
-    if (k.flows(src)) k.add_grad(src, {gen::Gelu(k.L).grad(k.layer_name("gelu", j, "dx"), k.value(src), d)});
+    if (k.flows(src))
+      k.add_grad(src,
+                 {gen::Gelu(k.L, k.blk.layers[j].gelu_exact).grad(k.layer_name("gelu", j, "dx"), k.value(src), d)});
   }
 };
 

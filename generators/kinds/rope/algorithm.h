@@ -1,5 +1,6 @@
 // The rope kind's algorithm: rotary position embedding (the rotate-half form of Llama and
-// GPT-NeoX, base 10000) of the q and k heads of a fused [q | k | v] row, and its inverse.
+// GPT-NeoX, base 10000 unless given, llama3-scaled where asked) of the q and k heads of a fused [q | k | v] row, and
+// its inverse.
 //
 // On x(c, b) = [q (q_heads D) | k (kv_heads D) | v]: in each q and k head, feature e < D / 2 and
 // its partner e + D / 2 turn by the angle t theta^(-2e / D) (t = b % T, theta = 10000):
@@ -19,6 +20,11 @@
 
 namespace remat::gen {
 
+// rope_type "llama3" (remat::rope_llama3); factor 0: none
+struct RopeLlama3 {
+  double factor = 0, low_freq_factor = 0, high_freq_factor = 0, original_context = 0;
+};
+
 class Rope {
 public:
   // cos and sin of the angle of feature e < D / 2 at position t: (e, t) over [0, D / 2) x [0, T).
@@ -26,10 +32,11 @@ public:
     Halide::Func cos, sin;
   };
 
+  using Llama3 = RopeLlama3;
   static constexpr double default_theta = 10000;  // the checks'
   // theta: the layer's base (remat::rope(..., rope_theta(t))).
-  explicit Rope(const Sequences &sequences, double theta = default_theta)
-      : L(sequences.L), v(sequences.v), T(sequences.T), theta(theta) {}
+  explicit Rope(const Sequences &sequences, double theta = default_theta, Llama3 scaling = {})
+      : L(sequences.L), v(sequences.v), T(sequences.T), theta(theta), scaling(scaling) {}
 
   Table table(const std::string &name, int D) const {
     using namespace Halide;
@@ -61,11 +68,27 @@ public:
   Vars v;
   int T;
   double theta;
+  Llama3 scaling;
 
 private:
-  // The angle of feature i < D / 2 at position t: t theta^(-2i / D).
+  // The angle of feature i < D / 2 at position t: t theta^(-2i / D), the inverse frequency
+  // theta^(-2i / D) scaled as llama3's where asked.
   Halide::Expr rope_angle(Halide::Expr i, Halide::Expr t, int D) const {
-    return Halide::cast(L.t, t) * Halide::exp(Halide::cast(L.t, i) * L.constant(-2.0 * std::log(theta) / D));
+    Halide::Expr inverse = Halide::exp(Halide::cast(L.t, i) * L.constant(-2.0 * std::log(theta) / D));
+    if (scaling.factor > 0) inverse = llama3(inverse);
+    return Halide::cast(L.t, t) * inverse;
+  }
+  // Transformers' llama3 rule: wavelengths 2 pi / f longer than original / low_freq_factor divided
+  // by factor, shorter than original / high_freq_factor kept, blended between.
+  Halide::Expr llama3(Halide::Expr f) const {
+    const Llama3 &s = scaling;
+    const Halide::Expr wavelength = L.constant(2 * M_PI) / f;
+    const Halide::Expr smooth = (L.constant(s.original_context) / wavelength - L.constant(s.low_freq_factor)) /
+                                L.constant(s.high_freq_factor - s.low_freq_factor);
+    const Halide::Expr scaled = f / L.constant(s.factor);
+    return Halide::select(wavelength<L.constant(s.original_context / s.high_freq_factor), f, wavelength> L.constant(
+                              s.original_context / s.low_freq_factor),
+                          scaled, (L.constant(1) - smooth) * scaled + smooth * f);
   }
 };
 

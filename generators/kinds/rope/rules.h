@@ -16,9 +16,8 @@ struct KindRules<Op::rope> {
   static Built forward(StageKernels &k, int j, const std::string &name) {
     const Layer &l = k.blk.layers[j];
     const auto table = rope_table(k, j, gen::part(name, "table"));
-    Func r = gen::Rope(k.seq, k.blk.layers[j].rope_theta)
-                 .rotate(gen::part(name, "rotation"), k.value(k.blk.source(j)), l.heads, l.kv_heads, head_dim(l), false,
-                         table ? &*table : nullptr);
+    Func r = rope_of(k, j).rotate(gen::part(name, "rotation"), k.value(k.blk.source(j)), l.heads, l.kv_heads,
+                                  head_dim(l), false, table ? &*table : nullptr);
     Func y(name);
     y(k.v.c, k.v.b) = k.L.store(r(k.v.c, k.v.b));
     return {y};
@@ -28,19 +27,24 @@ struct KindRules<Op::rope> {
     const int src = k.blk.source(j);
     if (!k.flows(src)) return;
     const auto table = rope_table(k, j, k.layer_name("rope", j, "dx_table"));
-    k.add_grad(src, {gen::Rope(k.seq, k.blk.layers[j].rope_theta)
-                         .rotate(k.layer_name("rope", j, "dx"), d, l.heads, l.kv_heads, head_dim(l), true,
-                                 table ? &*table : nullptr)});
+    k.add_grad(src, {rope_of(k, j).rotate(k.layer_name("rope", j, "dx"), d, l.heads, l.kv_heads, head_dim(l), true,
+                                          table ? &*table : nullptr)});
   }
 
 private:
+  static gen::Rope rope_of(const StageKernels &k, int j) {
+    const Layer &l = k.blk.layers[j];
+    const Layer::RopeScaling &s = l.rope_scaling;
+    return gen::Rope(k.seq, l.rope_theta,
+                     {s.factor, s.low_freq_factor, s.high_freq_factor, double(s.original_context)});
+  }
   static int head_dim(const Layer &l) { return l.out / (l.heads + 2 * l.kv_heads); }
   // CPU kernels read the rotation's cos and sin from a [D / 2, T] table computed once per call, on
   // the stack where it fits (Halide's limit); GPU kernels compute them per element.
   static std::optional<gen::Rope::Table> rope_table(StageKernels &k, int j, const std::string &name) {
     const int half = head_dim(k.blk.layers[j]) / 2;
     if (k.sched.gpu || !gen::Scheduler::fits_stack(2LL * half * k.seq.T * 4)) return std::nullopt;
-    gen::Rope::Table t = gen::Rope(k.seq, k.blk.layers[j].rope_theta).table(name, 2 * half);
+    gen::Rope::Table t = rope_of(k, j).table(name, 2 * half);
     k.sched.table(t.cos, half, k.seq.T);
     k.sched.table(t.sin, half, k.seq.T);
     return t;

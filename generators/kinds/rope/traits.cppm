@@ -22,12 +22,17 @@ inline constexpr Kind rope{.name = "rope", .infer = rope_shape, .buffered = true
 }  // namespace kinds
 
 // Rotary position embedding (the rotate-half form of Llama and GPT-NeoX, base theta: 10000 unless
-// given, rope(9, 3, rope_theta(100000)) as a config's rope_theta) of the queries and keys in a
-// fused [q | k | v] row of heads + 2 kv_heads heads: put it between the q/k/v projection and the
-// attention.
+// given, rope(9, 3, rope_theta(100000)) as a config's rope_theta; scaled as rope_type "llama3" with
+// rope_llama3(...)) of the queries and keys in a fused [q | k | v] row of heads + 2 kv_heads heads:
+// put it between the q/k/v projection and the attention.
 inline constexpr double rope_default_theta = 10000;
-constexpr Layer rope(int heads, int kv_heads = 0, RopeTheta theta = {rope_default_theta}) {
+constexpr Layer rope(int heads, int kv_heads = 0, RopeTheta theta = {rope_default_theta},
+                     Layer::RopeScaling scaling = {}) {
   if (!(theta.value > 1)) throw "remat: rope(..., rope_theta(t)) needs t > 1";
-  return {.op = Op::rope, .heads = heads, .kv_heads = kv_heads == 0 ? heads : kv_heads, .rope_theta = theta.value};
+  return {.op = Op::rope,
+          .heads = heads,
+          .kv_heads = kv_heads == 0 ? heads : kv_heads,
+          .rope_theta = theta.value,
+          .rope_scaling = scaling};
 }
 }  // namespace remat
