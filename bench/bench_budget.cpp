@@ -54,12 +54,11 @@ void bench(const ModelInfo &info, int rounds) {
   const Model &m = info.model;
   const int batch = info.defaults.batch;
   const Precision precision = Precision::fp32;
-  const Gemms gemms = gemms_of(Device::cpu, precision);
   std::unique_ptr<DataSource> data = data_source(info, {std::string(info.defaults.data_dir), batch, 1});
   const auto t0 = std::chrono::steady_clock::now();
   const CostModel costs = calibrate(info, Device::cpu, precision, batch, *data);
   const double calibrate_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const Plan none_plan = make_plan(m, none, batch, precision, gemms);
+  const Plan none_plan = make_plan(m, none, batch, precision);
   std::vector<std::pair<std::string, Policy>> uniform = {
       {"none", none}, {"selective", selective}, {"sqrt_n", sqrt_n}, {"full", full}};
   for (int n = 2; n <= m.n_blocks(); ++n)
@@ -86,10 +85,10 @@ void bench(const ModelInfo &info, int rounds) {
         (long long)none_plan.peak_bytes - (long long)none_plan.activation_bytes * (100 - percent) / 100;
     Row row{percent, budget, fmt::format("budget {}%", percent)};
     for (const auto &[name, p] : uniform) {
-      Plan plan = make_plan(m, p, batch, precision, gemms);
+      Plan plan = make_plan(m, p, batch, precision);
       if ((long long)plan.peak_bytes <= budget) engine_for(name, std::move(plan));
     }
-    const Planned planned = plan_for(m, remat::budget(budget), batch, precision, gemms, costs);
+    const Planned planned = plan_for(m, remat::budget(budget), batch, precision, costs);
     if (!planned.ok()) throw std::runtime_error(std::string(planned.error.view()));
     engine_for(row.budget_name, planned.plan);
     rows.push_back(row);
@@ -147,14 +146,13 @@ void solve_time() {
                                       layer_norm(), linear(128, 10), softmax_cross_entropy()))
                          .model;
   const int batch = 256;
-  const Gemms gemms = Gemms::library;
-  const Chain chain = chain_of(deep, batch, Precision::fp32, gemms);
+  const Chain chain = chain_of(deep, batch, Precision::fp32);
   // offloading checkpoints as an option too (what the trainer gives the planner on a GPU)
-  const Chain offloadable = chain_of(deep, batch, Precision::fp32, gemms, {.transfer_rate = 2e10});
+  const Chain offloadable = chain_of(deep, batch, Precision::fp32, {.transfer_rate = 2e10});
   auto t0 = std::chrono::steady_clock::now();
   const BudgetSolution least = least_memory(chain);
   const double least_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  const long long none_peak = (long long)make_plan(deep, none, batch, Precision::fp32, gemms).peak_bytes;
+  const long long none_peak = (long long)make_plan(deep, none, batch, Precision::fp32).peak_bytes;
   fmt::print(
       "solve time, a chain of {} blocks ({} units with stem, head and loss): least_memory {:.1f} ms (peak {} B; none "
       "{} B)\n",

@@ -1,17 +1,14 @@
 // remat's CPU GEMM (runtime/gemm.cpp's host_gemm: sequential MKL in row bands on Halide's threads, what the
 // library-GEMM kernels call) at every GEMM shape the example models run, forward and backward: with fp32 operands
 // (sgemm) and with bf16 operands, fp32 out (cblas_gemm_bf16bf16f32; the bf16 operands are the fp32 ones rounded to
-// nearest even), each product checked against a double-precision one, and the Halide schedule it replaced
-// (generators/schedules.h, JIT-compiled for the pinned target) at the forward shapes. `--json` prints the rows as
-// JSON for bench/gemm.py, which puts torch.matmul (fp32 and bf16) beside them.
-#include <Halide.h>
+// nearest even), each product checked against a double-precision one. `--json` prints the rows as JSON for
+// bench/gemm.py, which puts torch.matmul (fp32 and bf16) beside them.
+#include <HalideBuffer.h>
 #include <HalideRuntime.h>
 #include <bf16.h>
 #include <fmt/format.h>
 #include <gemm.h>
-#include <layers.h>
 #include <nlohmann/json.hpp>
-#include <schedules.h>
 
 #include <algorithm>
 #include <chrono>
@@ -90,14 +87,11 @@ int main(int argc, char **argv) {
                                {"GPT head", 128, 128}})
     add_linear(shapes, name, 2048, in, out);
 
-  const Halide::Target target(REMAT_CPU_TARGET);
   if (!json)
     fmt::print(
         "out[m, n] = op(a) op(b) over k, fp32 out; remat with fp32 and with bf16 operands; median of {} runs, {} "
-        "threads; Halide schedule (fp32, pinned {}) at forward shapes\n{:<20} {:>5} {:>5} {:>5} {:>9} {:>9} {:>9} "
-        "{:>11} {:>11} {:>11}\n",
-        reps, remat::gemm_thread_count(), REMAT_CPU_TARGET, "shape", "m", "n", "k", "remat ms", "bf16 ms", "halide ms",
-        "remat GF/s", "bf16 GF/s", "halide GF/s");
+        "threads\n{:<20} {:>5} {:>5} {:>5} {:>9} {:>9} {:>11} {:>11}\n",
+        reps, remat::gemm_thread_count(), "shape", "m", "n", "k", "remat ms", "bf16 ms", "remat GF/s", "bf16 GF/s");
   nlohmann::json rows = nlohmann::json::array();
   std::mt19937 rng(1);
   std::uniform_real_distribution<float> u(-1, 1);
@@ -134,18 +128,6 @@ int main(int argc, char **argv) {
       std::fprintf(stderr, "bench-gemm: %s: the bf16 product is off by %g\n", s.where.c_str(), worst);
       return 1;
     }
-    double halide_ms = 0;
-    if (!s.trans_a && !s.trans_b) {
-      remat::gen::Vars v;
-      remat::gen::Layers L(Halide::Float(32), v);
-      remat::gen::Scheduler sched(target, v);
-      Halide::Func fa(a), fb(b);
-      remat::gen::MatMul mm = L.matmul("out", fa, fb, s.k);
-      sched.matmul(mm, -1, s.n);
-      Halide::Pipeline p(mm.out);
-      p.compile_jit(target);
-      halide_ms = median_ms([&] { p.realize(check); }, reps);
-    }
     const double gflop = 2.0 * s.m * s.n * s.k / 1e9;
     rows.push_back({{"shape", s.where},
                     {"m", s.m},
@@ -156,17 +138,11 @@ int main(int argc, char **argv) {
                     {"remat_ms", remat_ms},
                     {"remat_gflops", gflop / (remat_ms / 1e3)},
                     {"remat_bf16_ms", bf16_ms},
-                    {"remat_bf16_gflops", gflop / (bf16_ms / 1e3)},
-                    {"halide_ms", halide_ms ? nlohmann::json(halide_ms) : nlohmann::json()}});
+                    {"remat_bf16_gflops", gflop / (bf16_ms / 1e3)}});
     if (!json)
-      fmt::print("{:<20} {:>5} {:>5} {:>5} {:>9.3f} {:>9.3f} {:>9} {:>11.1f} {:>11.1f} {:>11}\n", s.where, s.m, s.n,
-                 s.k, remat_ms, bf16_ms, halide_ms ? fmt::format("{:.3f}", halide_ms) : "-", gflop / (remat_ms / 1e3),
-                 gflop / (bf16_ms / 1e3), halide_ms ? fmt::format("{:.1f}", gflop / (halide_ms / 1e3)) : "-");
+      fmt::print("{:<20} {:>5} {:>5} {:>5} {:>9.3f} {:>9.3f} {:>11.1f} {:>11.1f}\n", s.where, s.m, s.n, s.k, remat_ms,
+                 bf16_ms, gflop / (remat_ms / 1e3), gflop / (bf16_ms / 1e3));
   }
-  if (json)
-    fmt::print(
-        "{}\n",
-        nlohmann::json{{"threads", remat::gemm_thread_count()}, {"halide_target", REMAT_CPU_TARGET}, {"shapes", rows}}
-            .dump());
+  if (json) fmt::print("{}\n", nlohmann::json{{"threads", remat::gemm_thread_count()}, {"shapes", rows}}.dump());
   return 0;
 }

@@ -36,7 +36,7 @@ namespace {
 // One policy: a warm-up step (its gradients and peak are the figures), then `steps` timed steps.
 nlohmann::json run_policy(Policy p, int batch, int steps, Precision precision, double &base_rate) {
   const long long tokens = (long long)batch * gpt2s::block_size;
-  const Plan plan = make_plan(gpt2s::model, p, batch, precision, runtime::gemms_of(runtime::Device::cuda, precision));
+  const Plan plan = make_plan(gpt2s::model, p, batch, precision);
   const std::size_t arena_bytes = std::max(plan.peak_bytes, plan.eval_peak_bytes);
   if (const std::size_t free_bytes = cuda::probe().free_bytes; arena_bytes > free_bytes) {
     const std::string why =

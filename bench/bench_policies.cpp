@@ -52,9 +52,8 @@ void bench(const char *title, const char *name, const Model &model, std::span<co
   for (const Config &config : configs) {
     auto c = std::make_unique<Case>();
     c->config = config;
-    c->engine = std::make_unique<runtime::Engine>(make_plan(model, config.policy, batch, config.precision,
-                                                            runtime::gemms_of(runtime::Device::cpu, config.precision)),
-                                                  name, kernels);
+    c->engine =
+        std::make_unique<runtime::Engine>(make_plan(model, config.policy, batch, config.precision), name, kernels);
     c->plan = &c->engine->plan;
     c->arena = &c->engine->arena;
     c->scalars = &c->engine->scalars;

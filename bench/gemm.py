@@ -2,8 +2,7 @@
 """remat's CPU GEMM beside torch.matmul at every GEMM shape of the example models, fp32 and bf16, in one run.
 
 Runs build/bin/bench-gemm --json (remat's host GEMM: sequential MKL in row bands on Halide's threads, what the
-library-GEMM kernels call, with fp32 operands and with bf16 operands and fp32 out; and the Halide schedule it replaced
-at the forward shapes), then times torch.matmul on the same shapes, transposes and thread count in fp32 and in bf16
+kernels call, with fp32 operands and with bf16 operands and fp32 out), then times torch.matmul on the same shapes, transposes and thread count in fp32 and in bf16
 (bf16 operands, bf16 out as torch gives), both systems alternately for --rounds rounds, and prints each one's best
 round per shape: GF/s of remat and torch in fp32 with the ratio remat / torch (goal: >= 0.90 at every shape), GF/s of
 remat and torch in bf16, remat's bf16 / fp32 ratio and remat / torch in bf16. On a CPU with neither AVX512_BF16 nor
@@ -80,8 +79,6 @@ def main():
                 best["remat_ms"] = min(best["remat_ms"], s["remat_ms"])
                 best["remat_bf16_gflops"] = max(best["remat_bf16_gflops"], s["remat_bf16_gflops"])
                 best["remat_bf16_ms"] = min(best["remat_bf16_ms"], s["remat_bf16_ms"])
-                if s["halide_ms"]:
-                    best["halide_ms"] = min(best["halide_ms"], s["halide_ms"])
         torch.set_num_threads(remat["threads"])
         for s in remat["shapes"]:
             for dtype, best in ((torch.float32, torch_best), (torch.bfloat16, torch_bf16_best)):
@@ -94,11 +91,9 @@ def main():
               "bf16 cannot be faster than fp32 here")
     print(f"{remat['threads']} threads, median of {args.reps}, best of {args.rounds} alternating rounds; remat: "
           f"sequential MKL in row bands on Halide's threads (fp32: sgemm; bf16: gemm_bf16bf16f32, fp32 out); torch "
-          f"{torch.__version__} matmul (fp32; bf16 with bf16 out); Halide schedule (fp32) pinned "
-          f"{remat['halide_target']}")
+          f"{torch.__version__} matmul (fp32; bf16 with bf16 out)")
     print(f"{'shape':<20} {'m':>5} {'n':>5} {'k':>5} {'remat GF/s':>10} {'torch GF/s':>10} {'remat/torch':>11} "
-          f"{'remat bf16 GF/s':>15} {'torch bf16 GF/s':>15} {'bf16/fp32 (remat)':>17} {'remat/torch bf16':>16} "
-          f"{'halide GF/s':>11}")
+          f"{'remat bf16 GF/s':>15} {'torch bf16 GF/s':>15} {'bf16/fp32 (remat)':>17} {'remat/torch bf16':>16}")
     rows, worst = [], None
     for s in remat["shapes"]:
         t, t16 = torch_best[s["shape"]], torch_bf16_best[s["shape"]]
@@ -108,10 +103,9 @@ def main():
         bf16_ratio = s["remat_bf16_gflops"] / torch_bf16_gflops
         bf16_over_fp32 = s["remat_bf16_gflops"] / s["remat_gflops"]
         worst = ratio if worst is None else min(worst, ratio)
-        halide = f"{gflop / (s['halide_ms'] / 1e3):.1f}" if s["halide_ms"] else "-"
         print(f"{s['shape']:<20} {s['m']:>5} {s['n']:>5} {s['k']:>5} {s['remat_gflops']:>10.1f} {torch_gflops:>10.1f} "
               f"{ratio:>11.2f} {s['remat_bf16_gflops']:>15.1f} {torch_bf16_gflops:>15.1f} {bf16_over_fp32:>17.2f} "
-              f"{bf16_ratio:>16.2f} {halide:>11}")
+              f"{bf16_ratio:>16.2f}")
         rows.append(dict(s, torch_ms=t, torch_gflops=torch_gflops, remat_over_torch=ratio, torch_bf16_ms=t16,
                          torch_bf16_gflops=torch_bf16_gflops, remat_bf16_over_torch_bf16=bf16_ratio,
                          remat_bf16_over_fp32=bf16_over_fp32))

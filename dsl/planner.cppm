@@ -32,10 +32,10 @@ struct Planned {
 // every stage's). Runs at compile time for a policy fixed in the model module and at run time
 // for one chosen by a flag. A budget policy is solved by fastest_within with `costs`; if the
 // arena's placement of that plan leaves holes that lift its peak past the budget, the budget is
-// solved again that much smaller. The GEMM choice must be the kernels' (gemms_for).
+// solved again that much smaller.
 constexpr Plan plan_of(const Model &m, const StagePolicies &policies, const Strategy &st, int batch,
-                       Precision precision, Gemms gemms) {
-  detail::Builder builder{m, policies, st, batch, precision, gemms};
+                       Precision precision) {
+  detail::Builder builder{m, policies, st, batch, precision};
   builder.build();
   Plan plan = std::move(builder.plan);
   plan.policy = policies.stage[0];
@@ -54,32 +54,29 @@ constexpr StagePolicies same_head(const Policy &p, const StagePolicies &as) {
 
 // The plan of least peak: least_memory's strategy, unless the arena's placement (first fit, which
 // can leave holes of a few KiB) makes one of the fixed policies' smaller.
-constexpr Plan smallest_plan(const Model &m, const StagePolicies &policies, int batch, Precision precision,
-                             Gemms gemms) {
-  Plan best = plan_of(m, policies, least_memory(chain_of(m, batch, precision, gemms, {}, policies)).strategy, batch,
-                      precision, gemms);
+constexpr Plan smallest_plan(const Model &m, const StagePolicies &policies, int batch, Precision precision) {
+  Plan best =
+      plan_of(m, policies, least_memory(chain_of(m, batch, precision, {}, policies)).strategy, batch, precision);
   for (const Policy &p : {full, none, sqrt_n}) {
-    Plan other = plan_of(m, policies, lower(m, same_head(p, policies)), batch, precision, gemms);
+    Plan other = plan_of(m, policies, lower(m, same_head(p, policies)), batch, precision);
     if (other.peak_bytes < best.peak_bytes) best = std::move(other);
   }
   return best;
 }
-constexpr Plan smallest_plan(const Model &m, int batch, Precision precision = Precision::fp32,
-                             Gemms gemms = Gemms::halide) {
-  return smallest_plan(m, StagePolicies{}, batch, precision, gemms);
+constexpr Plan smallest_plan(const Model &m, int batch, Precision precision = Precision::fp32) {
+  return smallest_plan(m, StagePolicies{}, batch, precision);
 }
 
 constexpr Planned plan_for(const Model &m, const StagePolicies &policies, int batch,
-                           Precision precision = Precision::fp32, Gemms gemms = Gemms::halide,
-                           const CostModel &costs = {}) {
-  auto build = [&](const Strategy &st) { return plan_of(m, policies, st, batch, precision, gemms); };
+                           Precision precision = Precision::fp32, const CostModel &costs = {}) {
+  auto build = [&](const Strategy &st) { return plan_of(m, policies, st, batch, precision); };
   const Policy *budget = budget_of(m, policies);
   if (!budget) return {build(lower(m, policies)), {}};
   long long bytes = budget->budget_bytes;
   if (budget->budget_percent > 0)
     bytes = (long long)build(lower(m, same_head(none, policies))).peak_bytes * budget->budget_percent / 100;
-  const Chain chain = chain_of(m, batch, precision, gemms, costs, policies);
-  Plan smallest = smallest_plan(m, policies, batch, precision, gemms);
+  const Chain chain = chain_of(m, batch, precision, costs, policies);
+  Plan smallest = smallest_plan(m, policies, batch, precision);
   // below the smallest plan that keeps its checkpoints on the device only offloading can fit
   if ((long long)smallest.peak_bytes > bytes && !chain.offloadable())
     return {{},
@@ -102,20 +99,19 @@ constexpr Planned plan_for(const Model &m, const StagePolicies &policies, int ba
 }
 
 constexpr Plan make_plan(const Model &m, const StagePolicies &policies, int batch,
-                         Precision precision = Precision::fp32, Gemms gemms = Gemms::halide,
-                         const CostModel &costs = {}) {
-  Planned p = plan_for(m, policies, batch, precision, gemms, costs);
+                         Precision precision = Precision::fp32, const CostModel &costs = {}) {
+  Planned p = plan_for(m, policies, batch, precision, costs);
   if (!p.ok()) throw "remat planner: the memory budget is infeasible (plan_for says by how much)";
   return std::move(p.plan);
 }
 
 // A model module's policy with a budget, checked where the model is built: an infeasible budget
-// is a compile error that states the least feasible bytes. Gemms as the CPU's fp32 kernels use.
+// is a compile error that states the least feasible bytes.
 // The model is a reference to the module's constexpr variable (its name, not its value, is what an
 // error note prints).
-template <const Model &M, Policy P, int Batch, Precision Pr = Precision::fp32, Gemms G = Gemms::library>
+template <const Model &M, Policy P, int Batch, Precision Pr = Precision::fp32>
 consteval bool feasible() {
-  constexpr Message error = plan_for(M, annotated(M, P), Batch, Pr, G).error;
+  constexpr Message error = plan_for(M, annotated(M, P), Batch, Pr).error;
   static_assert(error.size() == 0, cat<Message>("remat: ", error));
   return true;
 }

@@ -40,26 +40,25 @@ enum class Keep : std::uint8_t {
 //   mean<k>, rstd<k> [R] LayerNorm row statistics; att<k>_lse [R, H] attention log-sum-exp (the
 //                   kind's Kind::stats)
 // Backward workspace: dh<k> [R, C] gradient of h<k>; s<k>_1, s<k>_2 [R] LayerNorm row sums,
-//   att<k>_delta [R, H] (the kind's Kind::workspace); p<k>_wt [O, K] transposed weight for the
-//   input gradient of a linear; p<k>_w16, p<k>_b16 bf16 copies of a linear's weight and bias;
-//   dp<k> [R, K] a library GEMM's product, when the linear's input has other gradients too.
+//   att<k>_delta [R, H] (the kind's Kind::workspace); p<k>_w16, p<k>_b16 bf16 copies of a
+//   linear's weight and bias; dp<k> [R, K] a GEMM's product, when the linear's input has other
+//   gradients too.
 // ---------------------------------------------------------------------------------------------
 enum class Slot : std::uint8_t {
   // a block's
-  block_input,        // x
-  block_output,       // y
-  output_grad,        // dy
-  input_grad,         // dx
-  layer_output,       // h<layer>
-  layer_grad,         // dh<layer>
-  parameter,          // the layer's parameter `index` (its kind's Kind::params)
-  gradient,           // ... its gradient
-  gradient_prev,      // ... its gradient as an accumulating backward reads it
-  statistic,          // the layer's statistic `index` (its kind's Kind::stats)
-  workspace,          // the layer's backward workspace `index` (its kind's Kind::workspace)
-  weight_copy,        // a linear's bf16 weight (index 0) or bias (index 1)
-  weight_transposed,  // a linear's transposed weight
-  product,            // a library GEMM's product dy w^T
+  block_input,    // x
+  block_output,   // y
+  output_grad,    // dy
+  input_grad,     // dx
+  layer_output,   // h<layer>
+  layer_grad,     // dh<layer>
+  parameter,      // the layer's parameter `index` (its kind's Kind::params)
+  gradient,       // ... its gradient
+  gradient_prev,  // ... its gradient as an accumulating backward reads it
+  statistic,      // the layer's statistic `index` (its kind's Kind::stats)
+  workspace,      // the layer's backward workspace `index` (its kind's Kind::workspace)
+  weight_copy,    // a linear's bf16 weight (index 0) or bias (index 1)
+  product,        // a GEMM's product dy w^T
   // the loss kernel's
   logits,
   labels,
@@ -132,7 +131,6 @@ constexpr TensorKey parameter(const Block &b, int k, int i) { return of(Slot::pa
 constexpr TensorKey statistic(const Block &b, int k, int i) { return of(Slot::statistic, b, k, i); }
 constexpr TensorKey workspace(const Block &b, int k, int i) { return of(Slot::workspace, b, k, i); }
 constexpr TensorKey weight_copy(const Block &b, int k, int i) { return of(Slot::weight_copy, b, k, i); }
-constexpr TensorKey weight_transposed(const Block &b, int k) { return of(Slot::weight_transposed, b, k); }
 constexpr TensorKey product(const Block &b, int k) { return of(Slot::product, b, k); }
 // A parameter's gradient (as written, or as an accumulating backward reads it).
 constexpr TensorKey gradient(TensorKey parameter, bool previous = false) {
@@ -167,7 +165,6 @@ constexpr Name name_of(const TensorKey &k) {
   case Slot::statistic: return rule_name(kd.stats[k.index]);
   case Slot::workspace: return rule_name(kd.workspace[k.index]);
   case Slot::weight_copy: return n.append("p").append(l).append(k.index == 0 ? "_w16" : "_b16");
-  case Slot::weight_transposed: return n.append("p").append(l).append("_wt");
   case Slot::product: return n.append("dp").append(l);
   case Slot::logits: return n.append("logits");
   case Slot::labels: return n.append("labels");
@@ -294,18 +291,14 @@ constexpr int consumers(const Block &b, int j) {
   return n;
 }
 
-// Where the GEMMs of linear layers run. halide: Halide GEMMs inside the kernels, with fused
-// epilogues and operands computed per tile (the CPU's bf16 kernels). library: extern stages
-// calling a GEMM library (MKL on the CPU in fp32, cuBLASLt on CUDA, a host GEMM for the OpenCL
-// test build), whose operands and results are buffers and whose only epilogue is the bias. The
-// plans differ: a library plan buffers every linear input and output.
-enum class Gemms : std::uint8_t { halide, library };
+// Every GEMM of a linear layer is an extern stage calling a GEMM library (MKL on the CPU,
+// cuBLASLt on CUDA, a host GEMM for the OpenCL test build): its operands and result are buffers,
+// its only epilogue the bias. So every linear input and output is a buffer.
 
 // An epilogue chain: linear -> dropout / residual sum -> ..., each element computed once from
-// the linear's output. Output j continues such a chain when it starts or continues one, nothing
-// reads it but the next layer of the chain, and backward does not read it. With Halide GEMMs the
-// chain runs in the GEMM's epilogue and j is fused into it (never a buffer of its own); library
-// GEMMs fuse nothing, their chain runs elementwise from the GEMM's buffer.
+// the linear's output: it runs elementwise from the GEMM's buffer. Output j continues such a chain
+// when it starts or continues one, nothing reads it but the next layer of the chain, and backward
+// does not read it.
 constexpr bool continues_chain(const Block &b, int j) {
   if (!is_internal(b, j) || read_by_backward(b, j) || consumers(b, j) != 1) return false;
   if (!kind(b.layers[j + 1].op).chain_link || b.source(j + 1) != j) return false;
@@ -313,10 +306,6 @@ constexpr bool continues_chain(const Block &b, int j) {
   if (k.gemm) return true;
   return k.chain_link && b.source(j) >= 0 && continues_chain(b, b.source(j));
 }
-constexpr bool fused(const Block &b, int j, Gemms g = Gemms::halide) {
-  return g == Gemms::halide && continues_chain(b, j);
-}
-
 constexpr bool feeds_linear(const Block &b, int j) {
   for (int k = j + 1; k < b.n_layers; ++k)
     if (b.source(k) == j && kind(b.layers[k].op).gemm) return true;
@@ -324,32 +313,30 @@ constexpr bool feeds_linear(const Block &b, int j) {
 }
 
 // Output j has a buffer of its own whenever it exists outside registers: GEMM, GELU and
-// attention outputs (not fused into a following epilogue) and the end of an epilogue chain (its
-// dropout masks are hashed once, not by each reader); with library GEMMs also every linear
-// input. Everything else (LayerNorm output, ReLU, dropout and residual sums of buffered values)
-// is rebuilt elementwise where it is used.
-constexpr bool materialized(const Block &b, int j, Gemms g = Gemms::halide) {
-  if (!b.produces(j) || fused(b, j, g)) return false;
+// attention outputs, every linear input, and the end of an epilogue chain (its dropout masks are
+// hashed once, not by each reader). Everything else (LayerNorm output, ReLU, dropout and
+// residual sums of buffered values) is rebuilt elementwise where it is used.
+constexpr bool materialized(const Block &b, int j) {
+  if (!b.produces(j)) return false;
   const Kind &k = kind(b.layers[j].op);
-  if (k.buffered) return true;
-  if (g == Gemms::library && feeds_linear(b, j)) return true;
+  if (k.buffered || feeds_linear(b, j)) return true;
   return k.chain_link && b.source(j) >= 0 && continues_chain(b, b.source(j)) && !continues_chain(b, j);
 }
 
-constexpr bool saved(const Block &b, int j, Keep keep, Gemms g = Gemms::halide) {
+constexpr bool saved(const Block &b, int j, Keep keep) {
   switch (keep) {
   case Keep::all: return read_by_backward(b, j);
-  case Keep::selective: return read_by_backward(b, j) && materialized(b, j, g) && !selective_recomputes(b, j);
+  case Keep::selective: return read_by_backward(b, j) && materialized(b, j) && !selective_recomputes(b, j);
   case Keep::nothing: return false;
   }
   return false;
 }
 
 // bf16 GEMMs read a bf16 copy of the linear's weight, made once per kernel call into its own
-// workspace (the master weights stay fp32); library GEMMs a bf16 copy of its bias too (cuBLASLt's
-// bias epilogue takes the output's element type).
+// workspace (the master weights stay fp32), and a bf16 copy of its bias (cuBLASLt's bias
+// epilogue takes the output's element type).
 constexpr bool weight_copy(Precision p) { return p == Precision::bf16; }
-constexpr bool bias_copy(Gemms g, Precision p) { return g == Gemms::library && p == Precision::bf16; }
+constexpr bool bias_copy(Precision p) { return p == Precision::bf16; }
 constexpr LocalTensor weight_copy_of(const Block &b, int k) {
   const Layer &l = b.layers[k];
   return {key::weight_copy(b, k, 0), 2, l.tied() ? std::array{l.in, l.out} : std::array{l.out, l.in}};
@@ -357,10 +344,10 @@ constexpr LocalTensor weight_copy_of(const Block &b, int k) {
 constexpr LocalTensor bias_copy_of(const Block &b, int k) {
   return {key::weight_copy(b, k, 1), 1, {b.layers[k].out, 0}};
 }
-constexpr void add_parameter_copies(std::vector<LocalTensor> &to, const Block &b, int k, Gemms g, Precision p) {
+constexpr void add_parameter_copies(std::vector<LocalTensor> &to, const Block &b, int k, Precision p) {
   if (!kind(b.layers[k].op).gemm) return;
   if (weight_copy(p)) to.push_back(weight_copy_of(b, k));
-  if (bias_copy(g, p) && b.layers[k].bias) to.push_back(bias_copy_of(b, k));
+  if (bias_copy(p) && b.layers[k].bias) to.push_back(bias_copy_of(b, k));
 }
 
 // A kernel's tensors besides x, y, dy, dx and parameters.
@@ -372,29 +359,28 @@ struct KernelTensors {
 
 // Forward: what the policy keeps is written out; outputs that cannot be rebuilt in registers
 // (GEMM, GELU, attention, statistics) go to scratch; cheap ones stay in registers.
-constexpr KernelTensors forward_tensors(const Block &b, Keep keep, Gemms g = Gemms::halide,
-                                        Precision p = Precision::fp32) {
+constexpr KernelTensors forward_tensors(const Block &b, Keep keep, Precision p = Precision::fp32) {
   KernelTensors t;
   for (int j = 0; j < b.n_layers; ++j) {
     if (is_internal(b, j)) {
-      if (saved(b, j, keep, g))
+      if (saved(b, j, keep))
         t.saved.push_back(output_of(b, j));
-      else if (materialized(b, j, g))
+      else if (materialized(b, j))
         t.scratch.push_back(output_of(b, j));
     }
     for (const LocalTensor &st : stats_of(b, j)) (keep == Keep::nothing ? t.scratch : t.saved).push_back(st);
-    add_parameter_copies(t.workspace, b, j, g, p);
+    add_parameter_copies(t.workspace, b, j, p);
   }
   return t;
 }
 
 // Backward: reads the saved tensors; rebuilds what it reads but was not saved, with the
 // outputs those depend on (materialized unless cheap); and its own workspace.
-// Library GEMMs: the input gradient of linear k is written by the GEMM into its own buffer dp<k>
-// when the linear's input also gets gradient from elsewhere (then the sum is formed after, and
-// rounded once: dp<k> stays fp32, like a statistic).
-constexpr bool product_buffer(const Block &b, int k, Gemms g) {
-  return g == Gemms::library && kind(b.layers[k].op).gemm && consumers(b, b.source(k)) > 1;
+// The input gradient of linear k is written by the GEMM into its own buffer dp<k> when the
+// linear's input also gets gradient from elsewhere (then the sum is formed after, and rounded
+// once: dp<k> stays fp32, like a statistic).
+constexpr bool product_buffer(const Block &b, int k) {
+  return kind(b.layers[k].op).gemm && consumers(b, b.source(k)) > 1;
 }
 constexpr LocalTensor product_of(const Block &b, int k) {
   return {key::product(b, k), 2, {b.layers[k].in, -1}, false, LocalTensor::Kind::statistic};
@@ -402,13 +388,13 @@ constexpr LocalTensor product_of(const Block &b, int k) {
 
 // The outputs a backward under `keep` rebuilds: those it reads but were not saved, and the
 // outputs those depend on.
-constexpr std::array<bool, max_block_layers> rebuilt_by_backward(const Block &b, Keep keep, Gemms g) {
+constexpr std::array<bool, max_block_layers> rebuilt_by_backward(const Block &b, Keep keep) {
   std::array<bool, max_block_layers> needed{};
-  for (int j = 0; j < b.n_layers; ++j) needed[j] = read_by_backward(b, j) && !saved(b, j, keep, g);
+  for (int j = 0; j < b.n_layers; ++j) needed[j] = read_by_backward(b, j) && !saved(b, j, keep);
   for (int j = b.n_layers - 1; j >= 0; --j) {  // inputs of what is rebuilt are needed too
     if (!needed[j]) continue;
     for (int i : {b.source(j), b.layers[j].op == Op::residual_end ? b.skip_source(j) : -1})
-      if (i >= 0 && !saved(b, i, keep, g)) needed[i] = true;
+      if (i >= 0 && !saved(b, i, keep)) needed[i] = true;
   }
   return needed;
 }
@@ -429,16 +415,15 @@ constexpr int gradient_memory(const Block &b, int j) {
   return j;
 }
 
-constexpr KernelTensors backward_tensors(const Block &b, Keep keep, bool needs_input_grad, Gemms g = Gemms::halide,
+constexpr KernelTensors backward_tensors(const Block &b, Keep keep, bool needs_input_grad,
                                          Precision p = Precision::fp32) {
   KernelTensors t;
-  const std::array<bool, max_block_layers> needed = rebuilt_by_backward(b, keep, g);
+  const std::array<bool, max_block_layers> needed = rebuilt_by_backward(b, keep);
   for (int j = 0; j < b.n_layers; ++j) {
-    if (is_internal(b, j) && saved(b, j, keep, g)) t.saved.push_back(output_of(b, j));
+    if (is_internal(b, j) && saved(b, j, keep)) t.saved.push_back(output_of(b, j));
     // A rebuilt value that a linear's weight gradient reads is buffered even when cheap: the
     // gradient GEMM reads each element once per output tile.
-    if (is_internal(b, j) && needed[j] && (materialized(b, j, g) || feeds_linear(b, j)))
-      t.scratch.push_back(output_of(b, j));
+    if (is_internal(b, j) && needed[j] && materialized(b, j)) t.scratch.push_back(output_of(b, j));
     for (const LocalTensor &st : stats_of(b, j)) (keep == Keep::nothing ? t.scratch : t.saved).push_back(st);
   }
   for (int j = 0; j < b.n_layers; ++j) {  // workspace
@@ -446,10 +431,8 @@ constexpr KernelTensors backward_tensors(const Block &b, Keep keep, bool needs_i
     const bool grad_in = b.source(j) >= 0 || needs_input_grad;
     if (is_internal(b, j)) t.workspace.push_back(rows(key::layer_grad(b, j), l.out));
     add_tensors(t.workspace, Slot::workspace, b, j, LocalTensor::Kind::statistic, grad_in);
-    add_parameter_copies(t.workspace, b, j, g, p);
-    if (kind(l.op).gemm && grad_in && g == Gemms::halide)
-      t.workspace.push_back({key::weight_transposed(b, j), 2, {l.in, l.out}});
-    if (product_buffer(b, j, g) && grad_in) t.workspace.push_back(product_of(b, j));
+    add_parameter_copies(t.workspace, b, j, p);
+    if (product_buffer(b, j) && grad_in) t.workspace.push_back(product_of(b, j));
   }
   return t;
 }
@@ -476,9 +459,9 @@ enum class Variant : std::uint8_t {
 
 // The arithmetic of one call of a block's kernel over `rows` rows: its kinds' flops (GEMMs and
 // attention products), backward's multiple of them, and the forward work a variant recomputes.
-constexpr double kernel_flops(const Block &b, Variant v, long long rows, Gemms g = Gemms::halide) {
+constexpr double kernel_flops(const Block &b, Variant v, long long rows) {
   double forward = 0, backward = 0, rebuilt_by_selective = 0;
-  const std::array<bool, max_block_layers> rebuilt = rebuilt_by_backward(b, Keep::selective, g);
+  const std::array<bool, max_block_layers> rebuilt = rebuilt_by_backward(b, Keep::selective);
   for (int j = 0; j < b.n_layers; ++j) {
     const Kind &k = kind(b.layers[j].op);
     if (!k.flops) continue;
@@ -653,19 +636,12 @@ constexpr Keep keep_of(Variant v) {
   }
 }
 
-// Every kernel needs at least this many rows per call: its GEMM row tiles overlap the last one
-// inwards instead of padding (generators/schedules.h, Scheduler::min_batch, which the model
-// compiler checks against this).
+// Every kernel call gets at least this many rows (Halide's own GEMMs once needed it; it stays so
+// that plans and the fused head's chunks, planner/strategy.cppm, are what they were).
 inline constexpr int min_kernel_rows = 8;
 
-// The GEMMs of a device's kernels: a library's (MKL on the CPU, cuBLASLt on GPUs) in every
-// precision (the plans that call them must be made with the same choice). No device's kernels
-// use Halide's own GEMMs (Gemms::halide, epilogues fused) any more; the planner's tests still
-// plan them.
-constexpr Gemms gemms_for(bool, Precision) { return Gemms::library; }
-
 // The signature of a kernel: stage s's block kernel of variant v, or the loss / AdamW kernel.
-constexpr std::vector<KernelArg> signature(const Model &m, int stage, Variant v, Precision p, Gemms g) {
+constexpr std::vector<KernelArg> signature(const Model &m, int stage, Variant v, Precision p) {
   std::vector<KernelArg> out, reads, writes;
   auto scalar = [&](Scalar s) { out.push_back({{}, ArgRole::scalar, Access::read, info(s).element, s}); };
   auto buffer = [&](const LocalTensor &t, ArgRole role, Access access, int read_by = -1) {
@@ -722,7 +698,7 @@ constexpr std::vector<KernelArg> signature(const Model &m, int stage, Variant v,
         buffer(grad, ArgRole::gradient, Access::write);
       }
     const KernelTensors kt =
-        backward ? backward_tensors(b, keep_of(v), needs_dx, g, p) : forward_tensors(b, keep_of(v), g, p);
+        backward ? backward_tensors(b, keep_of(v), needs_dx, p) : forward_tensors(b, keep_of(v), p);
     for (const LocalTensor &t : kt.saved)
       buffer(t, ArgRole::saved, backward ? Access::read : Access::write,
              t.kind == LocalTensor::Kind::statistic ? t.layer() : reader_of(b, t.layer()));

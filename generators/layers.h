@@ -12,7 +12,6 @@
 
 #include <Halide.h>
 
-#include <functional>
 #include <string>
 #include <string_view>
 
@@ -40,13 +39,6 @@ inline Halide::Expr from_bf16_bits(Halide::Expr h) {
   return reinterpret(Float(32), cast(UInt(32), h) << 16);
 }
 
-// out(c, b) = sum_k a(k, b) * w(c, k): a [M, K] and w [K, N] row-major, out [M, N].
-struct MatMul {
-  Halide::Func out;  // the caller may redefine it with an epilogue through `sum`
-  Halide::Func acc;  // the accumulator (scheduled at register tiles of `out`)
-  Halide::RDom k;
-};
-
 class Layers {
 public:
   Layers(Halide::Type type, const Vars &v, bool bf16 = false) : t(type), bf16(bf16), v(v) {}
@@ -55,22 +47,6 @@ public:
   // A stored activation: itself, or its bf16 bits.
   Halide::Expr store(Halide::Expr e) const { return bf16 ? to_bf16_bits(e) : e; }
 
-  using Epilogue = std::function<Halide::Expr(Halide::Expr sum)>;
-  MatMul matmul(const std::string &name, Halide::Func a, Halide::Func w, Halide::Expr inner,
-                const Epilogue &epilogue = {}) const {
-    using namespace Halide;
-    MatMul m{Func(name), Func(part(name, "acc")), RDom(0, inner, part(name, "k"))};
-    m.acc(v.c, v.b) = constant(0);
-    m.acc(v.c, v.b) += a(m.k, v.b) * w(v.c, m.k);
-    m.out(v.c, v.b) = epilogue ? epilogue(m.acc(v.c, v.b)) : Expr(m.acc(v.c, v.b));
-    return m;
-  }
-
-  Halide::Func transpose(const std::string &name, Halide::Func w) const {
-    Halide::Func wt(name);
-    wt(v.c, v.b) = store(w(v.b, v.c));
-    return wt;
-  }
   // column sum over rows: db(o) = sum_b dy(o, b)
   Halide::Func column_sum(const std::string &name, Halide::Func f, Halide::Expr batch) const {
     Halide::Func s(name);

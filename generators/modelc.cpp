@@ -152,13 +152,12 @@ struct Emitter {
         }
       }
       emit(name, kernel_key(-1, Variant::loss, precision), targets, [&](const Target &t) {
-        const Arguments args(signature(model, -1, Variant::loss, precision, gemms_for(t.has_gpu_feature(), precision)),
-                             precision);
+        const Arguments args(signature(model, -1, Variant::loss, precision), precision);
         return std::pair{loss_kernel(model.classes(), args, t), args.order};
       });
     }
     emit(name, kernel_key(-1, Variant::adamw, Precision::fp32), targets, [&](const Target &t) {
-      const Arguments args(signature(model, -1, Variant::adamw, Precision::fp32, Gemms::library), Precision::fp32);
+      const Arguments args(signature(model, -1, Variant::adamw, Precision::fp32), Precision::fp32);
       return std::pair{adamw_kernel(args, t), args.order};
     });
   }

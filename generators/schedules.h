@@ -1,9 +1,7 @@
-// Schedule templates, one per kernel shape (GEMM, pointwise, row and column reductions,
-// attention, embedding, loss, optimizer), for the CPU and for GPUs (chosen by the target; GPU
-// kernels leave their GEMMs to a library, see Gemms in dsl/tensors.cppm).
-// The model compiler gives every Func of a given role the same one in every kernel variant, so a
-// recomputed value is bit-identical to the one computed the first time; bench/bench_gemm.cpp
-// times the CPU GEMM template against OpenBLAS.
+// Schedule templates, one per kernel shape (pointwise, row and column reductions, attention,
+// embedding, loss, optimizer), for the CPU and for GPUs (chosen by the target; every GEMM runs in
+// a library: MKL, cuBLASLt). The model compiler gives every Func of a given role the same one in
+// every kernel variant, so a recomputed value is bit-identical to the one computed the first time.
 //
 // No schedule allocates: every intermediate a kernel keeps is a planned arena buffer (a kernel
 // output) or lives in registers / GPU shared memory with a constant size.
@@ -13,8 +11,6 @@
 
 #include <Halide.h>
 
-#include <optional>
-#include <stdexcept>
 #include <vector>
 
 namespace remat::gen {
@@ -32,47 +28,10 @@ public:
   Scheduler(const Target &target, const Vars &v)
       : v(v), vec(target.natural_vector_size<float>()), gpu(target.has_gpu_feature()) {}
 
-  // Register tiles of tile_c x tile_b outputs accumulate over the whole inner dimension. Tiles
-  // never run past a static extent (tile sizes divide it), and a dynamic row count (the batch)
-  // uses overlapping last tiles (ShiftInwards), which needs rows >= min_batch.
-  static constexpr int min_batch = 8;
   // Rows per parallel task of row-wise loops (pointwise Funcs, per-row statistics): Halide's
   // thread pool hands out a parallel loop's iterations one at a time under one mutex, so a task
   // must be worth a lock hand-off between cores (2048 rows: 64 tasks).
   static constexpr int rows_per_task = 32;
-  // `computed`: an operand a(k, b) that is not in memory (e.g. a LayerNorm output); it is
-  // computed once per row tile, which then runs through every column tile.
-  void matmul(MatMul &m, int rows /* -1: the batch */, int cols, std::optional<Func> computed = {}) {
-    Var co("co"), bo("bo"), ci("ci"), bi("bi");
-    if (gpu) throw std::logic_error("GPU kernels run their GEMMs in a library (Gemms::library)");
-    int tile_c = 0, tile_b = 1;
-    for (int t : {2 * vec, vec})
-      if (!tile_c && cols % t == 0) tile_c = t;
-    for (int t : {6, 4, 2})
-      if (tile_b == 1 && (rows < 0 ? t <= min_batch : rows % t == 0)) tile_b = t;
-    const TailStrategy row_tail = rows < 0 ? TailStrategy::ShiftInwards : TailStrategy::GuardWithIf;
-    if (!tile_c) {  // narrow outputs (e.g. 10 classes): whole rows, scalar
-      m.out.compute_root().split(v.b, bo, bi, tile_b, row_tail).reorder(v.c, bi, bo).parallel(bo);
-      m.acc.compute_at(m.out, bo);
-      m.acc.update().reorder(v.c, v.b, m.k);
-      return;
-    }
-    m.out.compute_root()
-        .split(v.c, co, ci, tile_c, TailStrategy::GuardWithIf)
-        .split(v.b, bo, bi, tile_b, row_tail)
-        .vectorize(ci, vec)
-        .unroll(ci)
-        .unroll(bi);
-    if (computed) {
-      m.out.reorder(ci, bi, co, bo).parallel(bo);
-      computed->compute_at(m.out, bo).vectorize(v.c, vec, TailStrategy::GuardWithIf);
-    } else {
-      m.out.reorder(ci, bi, bo, co).parallel(co);
-    }
-    // the accumulator tile lives in registers inside the innermost tile loop
-    m.acc.compute_at(m.out, computed ? co : bo).vectorize(v.c, vec).unroll(v.c).unroll(v.b);
-    m.acc.update().reorder(v.c, v.b, m.k).vectorize(v.c, vec).unroll(v.c).unroll(v.b);
-  }
   void pointwise(Func f) {
     Var co("co"), ci("ci"), bo("bo"), bi("bi");
     if (gpu) {
@@ -83,15 +42,6 @@ public:
         .split(v.c, co, ci, vec, TailStrategy::GuardWithIf)
         .vectorize(ci)
         .parallel(v.b, rows_per_task, TailStrategy::GuardWithIf);
-  }
-  void transpose(Func f) {
-    Var co("co"), ci("ci"), bo("bo"), bi("bi");
-    if (gpu) return pointwise(f);
-    f.compute_root()
-        .tile(v.c, v.b, co, bo, ci, bi, vec, vec, TailStrategy::GuardWithIf)
-        .vectorize(ci)
-        .unroll(bi)
-        .parallel(bo);
   }
   // f(b) = g(reduction over the features of row b); `partial` are the row reductions it reads
   void row_reduction(Func f, std::vector<Func> partial = {}) {

@@ -26,10 +26,7 @@ namespace remat::modelc {
 
 using namespace Halide;
 using gen::Layers;
-using gen::MatMul;
 using gen::Scheduler;
-
-static_assert(Scheduler::min_batch == min_kernel_rows, "the kernels' row minimum is remat::min_kernel_rows");
 
 inline std::string str(const Name &n) { return std::string(n.view()); }
 
@@ -156,30 +153,19 @@ public:
   std::vector<Argument> order;  // the scalars and inputs, for compile_to_module
 };
 
-// A linear whose output only feeds a dropout / residual chain: the chain is applied in the
-// GEMM's epilogue when its end is built.
-struct PendingGemm {
-  Func a, w;
-  std::optional<Func> bias;  // none for a linear without bias
-  int inner = 0;
-  std::vector<std::function<Expr(Expr)>> epilogue;  // applied in order to sum + bias
-  bool operand_buffered = true;                     // a is in memory
-};
-
 struct Values {
-  std::vector<Func> out;                   // output of layer k (undefined while pending)
+  std::vector<Func> out;                   // output of layer k
   std::vector<Func> stored;                // ... as stored (bf16 bits or float): GEMM operands
   std::vector<bool> buffered;              // out[k] is in memory (an input or an output)
-  std::map<int, PendingGemm> pending;      // by layer
   std::map<int, std::vector<Func>> stats;  // row statistics by layer, in the order of stats_of
   Func x, x_stored, y;
 };
 
-// A gradient contribution to one tensor: elementwise, or the product dy * wt of a linear's input
-// gradient (built last, with the elementwise ones added in its epilogue).
+// A gradient contribution to one tensor: elementwise, or the product dy w^T of a linear's input
+// gradient (the GEMM writes it; the elementwise ones are added after).
 struct Contribution {
   Func f;
-  std::optional<std::pair<Func, Func>> product;  // {dy, wt}; library GEMMs: {dy as stored, w}
+  std::optional<std::pair<Func, Func>> product;  // {dy as stored, w}: the GEMM dy w^T
   int layer = -1;                                // the linear, for a product
   std::function<void(Func)> schedule;            // schedules f's internals inside the consumer
   // When it is the tensor's only contribution: builds and schedules the whole tensor itself,
@@ -191,9 +177,8 @@ class StageKernels;
 
 // What a kind's rule hands back for its layer's output.
 struct Built {
-  Func out;                // the layer's output as stored (undefined when pending)
+  Func out;                // the layer's output as stored
   bool scheduled = false;  // out is scheduled already (a GEMM, a reduction); else pointwise where buffered
-  bool pending = false;    // fused into a GEMM's epilogue chain, built by the chain's end
 };
 
 // A kind's rules for the model compiler: in its folder, generators/kinds/<kind>/rules.h, a
@@ -239,11 +224,10 @@ public:
         token_input(model.token_input()),
         precision(precision),
         variant(variant),
-        gemms(gemms_for(target.has_gpu_feature(), precision)),
         extern_device(target.has_feature(Target::CUDA)     ? DeviceAPI::CUDA
                       : target.has_feature(Target::OpenCL) ? DeviceAPI::OpenCL
                                                            : DeviceAPI::Host),
-        args(signature(model, stage, variant, precision, gemms), precision),
+        args(signature(model, stage, variant, precision), precision),
         L(Float(32), v, precision == Precision::bf16),
         seq(L, model.rows_per_sample()),
         sched(target, v) {
@@ -258,8 +242,8 @@ public:
 
   Pipeline build() {
     const bool backward = is_backward(variant);
-    const KernelTensors tensors = backward ? backward_tensors(blk, keep_of(variant), needs_dx, gemms, precision)
-                                           : forward_tensors(blk, keep_of(variant), gemms, precision);
+    const KernelTensors tensors = backward ? backward_tensors(blk, keep_of(variant), needs_dx, precision)
+                                           : forward_tensors(blk, keep_of(variant), precision);
     Outputs outs;
     begin(tensors, backward, outs);
     write_weight_copies();
@@ -325,7 +309,7 @@ public:
   Type stored_type() const { return precision == Precision::bf16 ? UInt(16) : Float(32); }
 
   // ---- GEMMs ----
-  // library GEMMs: extern stages (runtime/gemm.cpp).
+  // GEMMs: extern stages calling a library (runtime/gemm.cpp).
   // out = op(a) op(b) [+ bias] [+ out when accumulate], over `inner` products; a and b are
   // buffers (kernel inputs, or Funcs that are kernel outputs) a_cols and b_cols wide (as stored),
   // op transposes when asked. The library asks for whole operands at run time (a bounds query),
@@ -353,32 +337,14 @@ public:
   }
   // The weight of linear k as a GEMM operand: fp32, or its bf16 copy.
   Func gemm_weight(int k) { return weight_copy(precision) ? bf16_copy(k, 0, weight_copy_of(blk, k)) : param(k, 0); }
-  // The bias of linear k for a library GEMM's epilogue: fp32, or its bf16 copy for bf16 outputs.
-  std::optional<Func> library_bias(int k) {
+  // The bias of linear k for a GEMM's epilogue: fp32, or its bf16 copy for bf16 outputs.
+  std::optional<Func> gemm_bias(int k) {
     if (!blk.layers[k].bias) return std::nullopt;
-    return bias_copy(gemms, precision) ? bf16_copy(k, 1, bias_copy_of(blk, k)) : param(k, 1);
+    return bias_copy(precision) ? bf16_copy(k, 1, bias_copy_of(blk, k)) : param(k, 1);
   }
-  Func build_gemm(const std::string &name, const PendingGemm &p, int width) {
-    MatMul m = L.matmul(name, p.a, p.w, p.inner, [&](Expr sum) {
-      Expr e = p.bias ? sum + (*p.bias)(v.c) : sum;
-      for (const auto &op : p.epilogue) e = op(e);
-      return L.store(e);
-    });
-    sched.matmul(m, -1, width, p.operand_buffered ? std::nullopt : std::optional<Func>(p.a));
-    return m.out;
-  }
-  // Continues the epilogue chain pending at layer `src` with op, or applies op elementwise.
+  // A link of an epilogue chain (dropout, residual sum): op applied elementwise.
   Built chain_link(int j, const std::string &name, std::function<Expr(Expr)> op) {
     const int src = blk.source(j);
-    if (f.pending.count(src)) {  // continue the epilogue chain of a linear
-      PendingGemm p = f.pending.at(src);
-      p.epilogue.push_back(op);
-      if (j + 1 < blk.n_layers && fused(blk, j)) {
-        f.pending[j] = p;
-        return {.pending = true};
-      }
-      return {build_gemm(name, p, blk.layers[j].out), true};
-    }
     Func out(name);
     Func in = value(src);
     out(v.c, v.b) = L.store(op(in(v.c, v.b)));
@@ -390,7 +356,6 @@ public:
   bool needs_dx, token_input;
   Precision precision;
   Variant variant;
-  Gemms gemms;
   DeviceAPI extern_device;           // the device of a library GEMM's buffers (host, CUDA, or OpenCL for the tests)
   std::map<TensorKey, Func> copies;  // bf16 parameter copies
   gen::Vars v;
@@ -419,7 +384,7 @@ private:
     for (const LocalTensor &lt : kt->workspace)
       if (lt.layer() >= 0 && kind(blk.layers[lt.layer()].op).gemm) {
         if (lt.key == weight_copy_of(blk, lt.layer()).key) gemm_weight(lt.layer());
-        if (lt.key == bias_copy_of(blk, lt.layer()).key) library_bias(lt.layer());
+        if (lt.key == bias_copy_of(blk, lt.layer()).key) gemm_bias(lt.layer());
       }
   }
   // A bf16 copy of a parameter into its planned workspace, written once per call.
@@ -470,7 +435,6 @@ private:
         continue;
       }
       const Built b = rules.forward(*this, j, out_name);
-      if (b.pending) continue;
       if (last) {
         if (!b.scheduled) sched.pointwise(b.out);
         f.y = b.out;
@@ -508,12 +472,12 @@ private:
       return e;
     };
     const int inner = product ? blk.layers[product->layer].out : 0;  // the linear's output width
-    if (product && gemms == Gemms::library) {
+    if (product) {
       // the library writes dy w^T into this tensor, or into dp<k> when other terms are added
       const bool alone = parts.size() == 1;
-      if (alone == product_buffer(blk, product->layer, gemms))
-        throw std::runtime_error("library GEMM: the plan's product buffer for linear " +
-                                 std::to_string(product->layer) + " does not match the gradient of " + name);
+      if (alone == product_buffer(blk, product->layer))
+        throw std::runtime_error("GEMM: the plan's product buffer for linear " + std::to_string(product->layer) +
+                                 " does not match the gradient of " + name);
       const TensorKey gemm_key = alone ? tensor : product_of(blk, product->layer).key;
       const std::string gemm_name = this->name(gemm_key);
       // dy w^T; a tied weight is stored as w^T already (its target's token table [O, K])
@@ -530,11 +494,6 @@ private:
         out(v.c, v.b) = L.store(others(pv(v.c, v.b)));
         sched.pointwise(out);
       }
-    } else if (product) {
-      MatMul m = L.matmul(name, product->product->first, product->product->second, inner,
-                          [&](Expr sum) { return L.store(others(sum)); });
-      sched.matmul(m, -1, width);
-      out = m.out;
     } else {
       out = Func(name);
       out(v.c, v.b) = L.store(others(L.constant(0)));

@@ -161,12 +161,11 @@ std::unique_ptr<Engine> timed_engine(const Plan &plan, const ModelInfo &info, De
 
 CostModel calibrate(const ModelInfo &info, Device device, Precision precision, int batch, DataSource &data) {
   const Model &m = info.model;
-  const Gemms gemms = gemms_of(device, precision);
   std::map<KernelKey, std::vector<double>> per_call;  // seconds of each call, by kernel
   // none, selective and full run every block kernel of the repeat stages; the evaluation runs
   // every stage's forward_discard
   for (const Policy &p : {none, selective, full}) {
-    const Plan plan = make_plan(m, p, batch, precision, gemms);
+    const Plan plan = make_plan(m, p, batch, precision);
     const int runs = 3;
     const auto engine = timed_engine(plan, info, device, data, runs);
     for (auto [phase, steps] : {std::pair{Executor::Phase::train, &plan.train}, {Executor::Phase::eval, &plan.eval}}) {

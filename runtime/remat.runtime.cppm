@@ -90,10 +90,6 @@ using remat::float_to_bf16;
 // opencl: the GPU schedules run through OpenCL from host memory (Halide copies each input to the
 // device and the executor copies each output back), so tests check them on PoCL without a GPU.
 enum class Device { cpu, cuda, opencl };
-// Which GEMMs a device's kernels run (remat::gemms_for, which the model compiler uses too): a
-// library everywhere (MKL on the CPU, cuBLASLt on CUDA), but Halide's on the CPU in bf16, where
-// MKL's bf16 GEMM on CPUs without native bf16 converts whole operands in buffers of their size.
-constexpr Gemms gemms_of(Device d, Precision p) { return gemms_for(d != Device::cpu, p); }
 
 // The arena: one allocation of the plan's size, in host memory (CPU) or device memory (CUDA,
 // one cudaMalloc; a host mirror of the same size holds what the trainer reads and writes, moved

@@ -26,8 +26,7 @@ struct Run {
       remat::runtime::Device device = remat::runtime::Device::cpu, remat::Precision precision = remat::Precision::fp32,
       const remat::CostModel &costs = {})
       : model(m),
-        engine(remat::make_plan(m, p, samples, precision, remat::runtime::gemms_of(device, precision), costs), name,
-               kernels, {.device = device, .canary = canary}),
+        engine(remat::make_plan(m, p, samples, precision, costs), name, kernels, {.device = device, .canary = canary}),
         plan(engine.plan),
         arena(engine.arena),
         scalars(engine.scalars),

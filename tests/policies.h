@@ -36,15 +36,15 @@ struct PolicyCase {
   }
 };
 
-// fixed_policies, and budgets at `samples` in `precision` (the GEMMs `gemms`): the smallest plan's
+// fixed_policies, and budgets at `samples` in `precision`: the smallest plan's
 // peak, and halfway from it to none's (the budget planner's strategies: nested recompute, blocks
 // rebuilt twice, mixed keep / selective / checkpoint), that one again where offloading is an
 // option (a GPU's transfer rate; the CPU runs the copies).
-inline std::vector<PolicyCase> policies_for(const Model &m, int samples, Precision precision, Gemms gemms) {
+inline std::vector<PolicyCase> policies_for(const Model &m, int samples, Precision precision) {
   std::vector<PolicyCase> out;
   for (const StagePolicies &p : fixed_policies(m)) out.push_back({p});
-  const long long least = (long long)smallest_plan(m, samples, precision, gemms).peak_bytes;
-  const long long most = (long long)make_plan(m, none, samples, precision, gemms).peak_bytes;
+  const long long least = (long long)smallest_plan(m, samples, precision).peak_bytes;
+  const long long most = (long long)make_plan(m, none, samples, precision).peak_bytes;
   out.push_back({budget(least)});
   out.push_back({budget((least + most) / 2)});
   out.push_back({budget((least + most) / 2), CostModel{.transfer_rate = 2e10}});

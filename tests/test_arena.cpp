@@ -31,10 +31,8 @@ using remat::runtime::Kernel;
 using namespace remat::testing;
 
 namespace {
-// A CPU plan in fp32: the GEMMs the CPU kernels run (runtime::gemms_of).
-Plan cpu_plan(const Model &m, Policy p, int batch) {
-  return make_plan(m, p, batch, Precision::fp32, runtime::gemms_of(runtime::Device::cpu, Precision::fp32));
-}
+// A CPU plan in fp32.
+Plan cpu_plan(const Model &m, Policy p, int batch) { return make_plan(m, p, batch, Precision::fp32); }
 }  // namespace
 
 namespace {
@@ -107,8 +105,7 @@ BOOST_AUTO_TEST_CASE(a_plan_the_kernels_cannot_run_is_refused) {
 // measured peak (the high-water mark) shows the violation too.
 BOOST_AUTO_TEST_CASE(a_write_past_the_plan_is_caught_in_the_guard) {
   // test_cuda's device version plants the same fault in the GPT's library-GEMM plan
-  BOOST_TEST(
-      overrun_site(make_plan(gpt::model, none, 2, Precision::fp32, Gemms::library), Landing::guard, "gpt").step >= 0);
+  BOOST_TEST(overrun_site(make_plan(gpt::model, none, 2, Precision::fp32), Landing::guard, "gpt").step >= 0);
   for (const TestModel &e : test_models())
     for (Policy p : {none, full}) {
       const Plan plan = cpu_plan(e.model, p, e.samples[0]);
@@ -192,9 +189,8 @@ std::vector<GuaranteeCase> guarantee_cases() {
   for (const TestModel &m : test_models())
     for (int samples : m.samples)
       for (Precision precision : {Precision::fp32, Precision::bf16}) {
-        const Gemms gemms = runtime::gemms_of(runtime::Device::cpu, precision);
         bool first = true;
-        for (const PolicyCase &p : policies_for(m.model, samples, precision, gemms)) {
+        for (const PolicyCase &p : policies_for(m.model, samples, precision)) {
           out.push_back({&m, samples, precision, p, first});
           first = false;
         }

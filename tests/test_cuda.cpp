@@ -313,8 +313,7 @@ void overrun_on_the_device(halide_buffer_t *buf) {
 BOOST_AUTO_TEST_CASE(cuda_write_past_the_plan_is_caught,
                      *boost::unit_test::label("gpu") * boost::unit_test::precondition(cuda_device)) {
   const int samples = 2;
-  const Plan plan =
-      make_plan(gpt::model, none, samples, Precision::fp32, runtime::gemms_of(Device::cuda, Precision::fp32));
+  const Plan plan = make_plan(gpt::model, none, samples, Precision::fp32);
   const testing::Site site = testing::overrun_site(plan, testing::Landing::guard, "gpt");
   BOOST_TEST_REQUIRE(site.step >= 0, "no train step writes a tensor that ends at the plan's peak");
   const std::vector<runtime::Kernel> faulty =

@@ -66,8 +66,8 @@ std::string fmt_set(const std::set<std::string> &s) {
 }
 
 std::string label(const Plan &p) {
-  return str(policy_name(p.policy).view()) + " " + str(precision_name(p.precision)) +
-         (p.gemms == Gemms::library ? " library" : " halide") + " batch " + std::to_string(p.batch);
+  return str(policy_name(p.policy).view()) + " " + str(precision_name(p.precision)) + " batch " +
+         std::to_string(p.batch);
 }
 
 // Tensors that hold values from outside the schedule (roots and their views).
@@ -360,16 +360,15 @@ BOOST_AUTO_TEST_CASE(every_schedule_replays_cleanly) {
   for (const auto &[model_name, m] : models)
     for (Policy p : all_policies)
       for (Precision precision : {Precision::fp32, Precision::bf16})
-        for (Gemms gemms : {Gemms::halide, Gemms::library})
-          for (int batch : {1, 7, 256}) {
-            const Plan plan = make_plan(m, p, batch, precision, gemms);
-            BOOST_TEST((plan.policy == p && plan.precision == precision && plan.gemms == gemms && plan.batch == batch));
-            const std::string problem = check_plan(plan);
-            BOOST_TEST(problem.empty(), model_name << " " << problem);
-            BOOST_TEST(plan.eval_peak_bytes <= plan.peak_bytes, model_name << " " << label(plan));
-            ++replayed;
-          }
-  BOOST_TEST(replayed == 7 * 9 * 2 * 2 * 3);
+        for (int batch : {1, 7, 256}) {
+          const Plan plan = make_plan(m, p, batch, precision);
+          BOOST_TEST((plan.policy == p && plan.precision == precision && plan.batch == batch));
+          const std::string problem = check_plan(plan);
+          BOOST_TEST(problem.empty(), model_name << " " << problem);
+          BOOST_TEST(plan.eval_peak_bytes <= plan.peak_bytes, model_name << " " << label(plan));
+          ++replayed;
+        }
+  BOOST_TEST(replayed == 7 * 9 * 2 * 3);
 }
 
 // The replay finds what it is meant to find: each corruption of a copy of a real plan is reported
@@ -834,27 +833,23 @@ BOOST_AUTO_TEST_CASE(bf16_plans_differ_only_in_activation_sizes) {
   BOOST_TEST(name_of("gpt", kernel_key(0, Variant::adamw, Precision::bf16)).view() == "gpt_adamw");
 }
 
-// Library-GEMM plans (the CUDA and OpenCL kernels): every linear input and output is a buffer,
-// no transposed weight copies (the library transposes), a bf16 copy of each linear's weight in
-// bf16 plans; their schedules replay cleanly and keep fewer activations under recompute.
+// Plans of library GEMMs: every linear input and output is a buffer, a bf16 copy of each
+// linear's weight in bf16 plans; their schedules replay cleanly and keep fewer activations under
+// recompute.
 BOOST_AUTO_TEST_CASE(library_gemm_plans_replay_without_overlap) {
   for (Precision precision : {Precision::fp32, Precision::bf16})
     for (Policy p : all_policies) {
       for (const Model *m : {&mlp::model, &gpt::model}) {
-        const Plan plan = make_plan(*m, p, 4, precision, Gemms::library);
-        BOOST_TEST((plan.gemms == Gemms::library));
+        const Plan plan = make_plan(*m, p, 4, precision);
         const std::string problem = check_plan(plan);
         BOOST_TEST(problem.empty(), problem);
         bool copies = false;
-        for (const Tensor &t : plan.tensors) {
-          BOOST_TEST((t.key.slot != Slot::weight_transposed), name_of(t.key).view());
-          copies |= t.key.slot == Slot::weight_copy && t.key.index == 0;
-        }
+        for (const Tensor &t : plan.tensors) { copies |= t.key.slot == Slot::weight_copy && t.key.index == 0; }
         BOOST_TEST(copies == (precision == Precision::bf16));
       }
       if (p != none)
-        BOOST_TEST(make_plan(gpt::model, p, 4, precision, Gemms::library).activation_bytes <
-                       make_plan(gpt::model, none, 4, precision, Gemms::library).activation_bytes,
+        BOOST_TEST(make_plan(gpt::model, p, 4, precision).activation_bytes <
+                       make_plan(gpt::model, none, 4, precision).activation_bytes,
                    policy_name(p).view());
     }
   // the block's LayerNorm outputs are GEMM operands: buffered in the forward that discards
@@ -866,7 +861,7 @@ BOOST_AUTO_TEST_CASE(library_gemm_plans_replay_without_overlap) {
         });
     return false;
   };
-  BOOST_TEST(forward_writes_layer_norm_output(make_plan(gpt::model, full, 4, Precision::fp32, Gemms::library)));
+  BOOST_TEST(forward_writes_layer_norm_output(make_plan(gpt::model, full, 4, Precision::fp32)));
   BOOST_TEST(!forward_writes_layer_norm_output(make_plan(gpt::model, full, 4)));
 }
 
@@ -886,7 +881,7 @@ BOOST_AUTO_TEST_CASE(elementwise_readers_gradients_are_overwritten_in_place) {
   for (Precision precision : {Precision::fp32, Precision::bf16})
     for (Policy p : all_policies)
       for (const Model *m : {&gpt::model, &zoo_gated::model}) {
-        const Plan plan = make_plan(*m, p, 4, precision, Gemms::library);
+        const Plan plan = make_plan(*m, p, 4, precision);
         BOOST_TEST_CONTEXT(label(plan)) {
           int shared = 0;
           for (const Step &st : plan.train)
@@ -919,7 +914,7 @@ BOOST_AUTO_TEST_CASE(data_parallel_plans_hold_the_exchange_buffer) {
     for (int ranks : {1, 2, 3}) {
       StagePolicies policies(full);
       policies.ranks = ranks;
-      const Plan plan = make_plan(*m, policies, 4, Precision::fp32, Gemms::library);
+      const Plan plan = make_plan(*m, policies, 4, Precision::fp32);
       BOOST_TEST(check_plan(plan) == "");
       std::size_t exchange = 0;
       for (const Tensor &t : plan.tensors)
@@ -938,8 +933,7 @@ BOOST_AUTO_TEST_CASE(gpt_never_stores_attention_matrices) {
   for (Policy p : all_policies) {
     const Plan plan = make_plan(gpt::model, p, 4);
     for (const Tensor &t : plan.tensors)
-      if ((is_activation(t.role) || t.role == Role::scratch || t.role == Role::gradient) &&
-          t.key.slot != Slot::weight_transposed) {  // transposed weights are [O, K] workspace
+      if (is_activation(t.role) || t.role == Role::scratch || t.role == Role::gradient) {
         BOOST_TEST_REQUIRE(t.extent[t.dims - 1] == plan.rows, name_of(t.key).view());
         if (t.dims == 2) BOOST_TEST(widths.count(t.extent[0]) == 1u, name_of(t.key).view() << " width " << t.extent[0]);
       }
@@ -1010,56 +1004,55 @@ BOOST_AUTO_TEST_CASE(offload_schedules_transfers_one_step_ahead) {
 // when it is a linear's weight.
 BOOST_AUTO_TEST_CASE(optimizer_updates_every_parameter_once) {
   for (const Model &m : {small_model(), repeat_first_model(), two_stacks_model(), flat_model(), mlp::model, gpt::model})
-    for (Precision precision : {Precision::fp32, Precision::bf16})
-      for (Gemms gemms : {Gemms::halide, Gemms::library}) {
-        const Plan plan = make_plan(m, full, 4, precision, gemms);
-        const std::vector<Tensor> &ts = plan.tensors;
-        const int params = plan.params().index;
-        struct Range {
-          std::size_t begin, end;
-          bool decayed;
+    for (Precision precision : {Precision::fp32, Precision::bf16}) {
+      const Plan plan = make_plan(m, full, 4, precision);
+      const std::vector<Tensor> &ts = plan.tensors;
+      const int params = plan.params().index;
+      struct Range {
+        std::size_t begin, end;
+        bool decayed;
+      };
+      std::vector<Range> ranges_;
+      for (const Step &st : plan.optimize) {
+        BOOST_TEST_REQUIRE((st.variant == Variant::adamw));
+        auto bound = [&](Slot slot, Access access) {
+          int t = -1, count = 0;
+          for (const Arg &a : st.args)
+            if (a.key.slot == slot && a.access == access) t = a.tensor, ++count;
+          return count == 1 ? t : -1;
         };
-        std::vector<Range> ranges_;
-        for (const Step &st : plan.optimize) {
-          BOOST_TEST_REQUIRE((st.variant == Variant::adamw));
-          auto bound = [&](Slot slot, Access access) {
-            int t = -1, count = 0;
-            for (const Arg &a : st.args)
-              if (a.key.slot == slot && a.access == access) t = a.tensor, ++count;
-            return count == 1 ? t : -1;
-          };
-          const int p = bound(Slot::adamw_param, Access::read), g = bound(Slot::adamw_grad, Access::read),
-                    mm = bound(Slot::adamw_m, Access::read), v = bound(Slot::adamw_v, Access::read);
-          BOOST_TEST_REQUIRE((p >= 0 && g >= 0 && mm >= 0 && v >= 0));
-          BOOST_TEST(bound(Slot::adamw_param, Access::write) == p);
-          BOOST_TEST(bound(Slot::adamw_m, Access::write) == mm);
-          BOOST_TEST(bound(Slot::adamw_v, Access::write) == v);
-          BOOST_TEST(st.args.size() == 7u);  // nothing else, and the gradients are only read
-          const Role roles[4] = {Role::params, Role::grads, Role::adam_m, Role::adam_v};
-          const int views[4] = {p, g, mm, v};
-          for (int k = 0; k < 4; ++k) {
-            const Tensor &t = ts[views[k]];
-            BOOST_TEST_REQUIRE(t.view_of >= 0);
-            BOOST_TEST((t.role == roles[k] && ts[t.view_of].role == roles[k]), name_of(t.key).view());
-            BOOST_TEST(t.offset == ts[p].offset, name_of(t.key).view());
-            BOOST_TEST(t.bytes() == ts[p].bytes(), name_of(t.key).view());
-          }
-          BOOST_TEST(ts[p].offset == (ranges_.empty() ? 0 : ranges_.back().end));
-          ranges_.push_back({ts[p].offset, ts[p].offset + ts[p].bytes(), st.weight_decay});
+        const int p = bound(Slot::adamw_param, Access::read), g = bound(Slot::adamw_grad, Access::read),
+                  mm = bound(Slot::adamw_m, Access::read), v = bound(Slot::adamw_v, Access::read);
+        BOOST_TEST_REQUIRE((p >= 0 && g >= 0 && mm >= 0 && v >= 0));
+        BOOST_TEST(bound(Slot::adamw_param, Access::write) == p);
+        BOOST_TEST(bound(Slot::adamw_m, Access::write) == mm);
+        BOOST_TEST(bound(Slot::adamw_v, Access::write) == v);
+        BOOST_TEST(st.args.size() == 7u);  // nothing else, and the gradients are only read
+        const Role roles[4] = {Role::params, Role::grads, Role::adam_m, Role::adam_v};
+        const int views[4] = {p, g, mm, v};
+        for (int k = 0; k < 4; ++k) {
+          const Tensor &t = ts[views[k]];
+          BOOST_TEST_REQUIRE(t.view_of >= 0);
+          BOOST_TEST((t.role == roles[k] && ts[t.view_of].role == roles[k]), name_of(t.key).view());
+          BOOST_TEST(t.offset == ts[p].offset, name_of(t.key).view());
+          BOOST_TEST(t.bytes() == ts[p].bytes(), name_of(t.key).view());
         }
-        BOOST_TEST_REQUIRE(!ranges_.empty());
-        BOOST_TEST(ranges_.back().end == ts[params].bytes());
-        for (const Tensor &t : ts) {
-          if (t.role != Role::params || t.view_of < 0 || t.key.stage < 0) continue;
-          int in = 0;
-          bool decayed = false;
-          for (const Range &r : ranges_)
-            if (r.begin <= t.offset && t.offset + t.bytes() <= r.end) ++in, decayed = r.decayed;
-          BOOST_TEST(in == 1, name_of(t.key).view());
-          const bool linear_weight = t.key.op == Op::linear && t.key.index == 0;
-          BOOST_TEST(decayed == linear_weight, name_of(t.key).view());
-        }
+        BOOST_TEST(ts[p].offset == (ranges_.empty() ? 0 : ranges_.back().end));
+        ranges_.push_back({ts[p].offset, ts[p].offset + ts[p].bytes(), st.weight_decay});
       }
+      BOOST_TEST_REQUIRE(!ranges_.empty());
+      BOOST_TEST(ranges_.back().end == ts[params].bytes());
+      for (const Tensor &t : ts) {
+        if (t.role != Role::params || t.view_of < 0 || t.key.stage < 0) continue;
+        int in = 0;
+        bool decayed = false;
+        for (const Range &r : ranges_)
+          if (r.begin <= t.offset && t.offset + t.bytes() <= r.end) ++in, decayed = r.decayed;
+        BOOST_TEST(in == 1, name_of(t.key).view());
+        const bool linear_weight = t.key.op == Op::linear && t.key.index == 0;
+        BOOST_TEST(decayed == linear_weight, name_of(t.key).view());
+      }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1281,49 +1274,46 @@ BOOST_AUTO_TEST_CASE(budget_plans_fit_and_their_peak_is_the_dps) {
   long long worst_holes = 0;
   for (const auto &[name, m] : models)
     for (Precision pr : {Precision::fp32, Precision::bf16})
-      for (Gemms g : {Gemms::library, Gemms::halide})
-        for (double rate : {0.0, 2e10}) {  // checkpoints kept on the device; offloading an option (a GPU's)
-          const int batch = 8;
-          const CostModel costs{.transfer_rate = rate};
-          const Chain c = chain_of(m, batch, pr, g, costs);
-          const std::size_t lo = smallest_plan(m, batch, pr, g).peak_bytes,
-                            hi = make_plan(m, none, batch, pr, g).peak_bytes;
-          BOOST_TEST(lo <= hi);
-          for (int step = 0; step <= 4; ++step) {
-            const long long budget = (long long)(lo + (hi - lo) * step / 4);
-            BOOST_TEST_CONTEXT(name << " " << precision_name(pr) << (g == Gemms::library ? " library" : " halide")
-                                    << " budget " << budget << " transfer rate " << rate) {
-              const Planned p = plan_for(m, remat::budget(budget), batch, pr, g, costs);
-              BOOST_TEST_REQUIRE(p.ok(), p.error.view());
-              BOOST_TEST(check_plan(p.plan) == "");
-              if (rate == 0) BOOST_TEST(p.plan.offload_bytes == 0u);
-              offloading += p.plan.offload_bytes > 0 ? 1 : 0;
-              BOOST_TEST((long long)p.plan.peak_bytes <= budget);
-              BOOST_TEST((long long)live_peak(p.plan) == c.persistent + evaluate(c, p.plan.strategy, 0, c.n()).peak);
-              worst_holes = std::max(worst_holes, (long long)p.plan.peak_bytes - (long long)live_peak(p.plan));
-              ++plans;
-            }
-          }
-          // below the least peak: no plan, and the message says how much the smallest needs; where
-          // offloading is an option the program is tried first: a plan that fits (by offloading, or
-          // by a strategy whose placement leaves fewer holes than the smallest plan's), or the same
-          // message saying offload did not fit either
-          const Planned below = plan_for(m, remat::budget((long long)lo - 1), batch, pr, g, costs);
-          if (rate == 0 || !below.ok()) {
-            BOOST_TEST(!below.ok());
-            BOOST_TEST(
-                std::string(below.error.view()).find("needs " + std::to_string(lo) + " bytes") != std::string::npos,
-                below.error.view());
-            if (rate > 0)
-              BOOST_TEST(std::string(below.error.view()).ends_with("(offloading checkpoints did not fit either)"));
-          } else {
-            BOOST_TEST(below.plan.peak_bytes < lo);
-            BOOST_TEST(check_plan(below.plan) == "");
-            ++below_smallest;
-            below_offloading += below.plan.offload_bytes > 0 ? 1 : 0;
+      for (double rate : {0.0, 2e10}) {  // checkpoints kept on the device; offloading an option (a GPU's)
+        const int batch = 8;
+        const CostModel costs{.transfer_rate = rate};
+        const Chain c = chain_of(m, batch, pr, costs);
+        const std::size_t lo = smallest_plan(m, batch, pr).peak_bytes, hi = make_plan(m, none, batch, pr).peak_bytes;
+        BOOST_TEST(lo <= hi);
+        for (int step = 0; step <= 4; ++step) {
+          const long long budget = (long long)(lo + (hi - lo) * step / 4);
+          BOOST_TEST_CONTEXT(name << " " << precision_name(pr) << " budget " << budget << " transfer rate " << rate) {
+            const Planned p = plan_for(m, remat::budget(budget), batch, pr, costs);
+            BOOST_TEST_REQUIRE(p.ok(), p.error.view());
+            BOOST_TEST(check_plan(p.plan) == "");
+            if (rate == 0) BOOST_TEST(p.plan.offload_bytes == 0u);
+            offloading += p.plan.offload_bytes > 0 ? 1 : 0;
+            BOOST_TEST((long long)p.plan.peak_bytes <= budget);
+            BOOST_TEST((long long)live_peak(p.plan) == c.persistent + evaluate(c, p.plan.strategy, 0, c.n()).peak);
+            worst_holes = std::max(worst_holes, (long long)p.plan.peak_bytes - (long long)live_peak(p.plan));
+            ++plans;
           }
         }
-  BOOST_TEST(plans == int(models.size()) * 4 * 2 * 5);
+        // below the least peak: no plan, and the message says how much the smallest needs; where
+        // offloading is an option the program is tried first: a plan that fits (by offloading, or
+        // by a strategy whose placement leaves fewer holes than the smallest plan's), or the same
+        // message saying offload did not fit either
+        const Planned below = plan_for(m, remat::budget((long long)lo - 1), batch, pr, g, costs);
+        if (rate == 0 || !below.ok()) {
+          BOOST_TEST(!below.ok());
+          BOOST_TEST(
+              std::string(below.error.view()).find("needs " + std::to_string(lo) + " bytes") != std::string::npos,
+              below.error.view());
+          if (rate > 0)
+            BOOST_TEST(std::string(below.error.view()).ends_with("(offloading checkpoints did not fit either)"));
+        } else {
+          BOOST_TEST(below.plan.peak_bytes < lo);
+          BOOST_TEST(check_plan(below.plan) == "");
+          ++below_smallest;
+          below_offloading += below.plan.offload_bytes > 0 ? 1 : 0;
+        }
+      }
+  BOOST_TEST(plans == int(models.size()) * 2 * 2 * 5);
   BOOST_TEST(offloading > 20);
   BOOST_TEST_MESSAGE("budget plans: " << offloading << " of " << plans << " offload; " << below_smallest
                                       << " fit below the smallest on-device plan (" << below_offloading
@@ -1339,14 +1329,13 @@ BOOST_AUTO_TEST_CASE(fixed_policies_evaluate_to_their_plans_live_peak) {
   for (const Model &m :
        {mlp::model, gpt::model, small_model(), two_stacks_model(), repeat_first_model(), lm_head_model()})
     for (int batch : {8, 24})
-      for (const Policy &p : all_policies)
-        for (Gemms g : {Gemms::library, Gemms::halide}) {
-          const Plan plan = make_plan(m, p, batch, Precision::fp32, g);
-          const Chain c = chain_of(m, batch, Precision::fp32, g);
-          const long long chain_peak = c.persistent + evaluate(c, plan.strategy, 0, c.n()).peak;
-          BOOST_TEST((long long)live_peak(plan) == chain_peak,
-                     label(plan) << ": live peak " << live_peak(plan) << ", the chain's " << chain_peak);
-        }
+      for (const Policy &p : all_policies) {
+        const Plan plan = make_plan(m, p, batch, Precision::fp32);
+        const Chain c = chain_of(m, batch, Precision::fp32);
+        const long long chain_peak = c.persistent + evaluate(c, plan.strategy, 0, c.n()).peak;
+        BOOST_TEST((long long)live_peak(plan) == chain_peak,
+                   label(plan) << ": live peak " << live_peak(plan) << ", the chain's " << chain_peak);
+      }
 }
 
 // The fused head (head_stage) runs chunk by chunk (head_chunks): each chunk's forward, loss and
@@ -1369,8 +1358,8 @@ BOOST_AUTO_TEST_CASE(fused_head_never_holds_the_whole_logits) {
       BOOST_TEST(chunks.size() == 4u);
       StagePolicies whole(p);
       whole.unfused_head = true;
-      const Plan fused = make_plan(m, p, batch, pr, Gemms::library);
-      const Plan unfused = make_plan(m, whole, batch, pr, Gemms::library);
+      const Plan fused = make_plan(m, p, batch, pr);
+      const Plan unfused = make_plan(m, whole, batch, pr);
       BOOST_TEST_CONTEXT(label(fused)) {
         BOOST_TEST(check_plan(fused) == "");
         BOOST_TEST(check_plan(unfused) == "");
@@ -1398,8 +1387,8 @@ BOOST_AUTO_TEST_CASE(fused_head_never_holds_the_whole_logits) {
     for (Precision pr : {Precision::fp32, Precision::bf16}) {
       StagePolicies whole(p);
       whole.unfused_head = true;
-      const Plan fused = make_plan(gpt_bpe::model, p, gpt_bpe::trainer.batch, pr, Gemms::library);
-      const Plan unfused = make_plan(gpt_bpe::model, whole, gpt_bpe::trainer.batch, pr, Gemms::library);
+      const Plan fused = make_plan(gpt_bpe::model, p, gpt_bpe::trainer.batch, pr);
+      const Plan unfused = make_plan(gpt_bpe::model, whole, gpt_bpe::trainer.batch, pr);
       const std::size_t logits = std::size_t(fused.rows * gpt_bpe::vocab * (pr == Precision::bf16 ? 2 : 4));
       BOOST_TEST_CONTEXT(label(fused)) {
         BOOST_TEST(check_plan(fused) == "");
@@ -1435,8 +1424,8 @@ BOOST_AUTO_TEST_CASE(least_memory_is_the_memory_poor_extreme) {
                                       repeat(12, residual(layer_norm(), linear(16, 64), gelu(), linear(64, 16))),
                                       layer_norm(), linear(16, 3), softmax_cross_entropy()))
                          .model;
-  const Plan least = smallest_plan(deep, 8, Precision::fp32, Gemms::library);
-  const Plan plan_full = make_plan(deep, full, 8, Precision::fp32, Gemms::library);
+  const Plan least = smallest_plan(deep, 8, Precision::fp32);
+  const Plan plan_full = make_plan(deep, full, 8, Precision::fp32);
   auto most_live_block_inputs = [](const Plan &p) {
     int live = 0, most = 0;
     std::vector<char> on(p.tensors.size());
@@ -1465,14 +1454,13 @@ constexpr Model budget_model = checked([] {
                     layer_norm(), linear(16, 3), softmax_cross_entropy());
 });
 static_assert(feasible<budget_model, budget(200 * KiB), 16>());
-static_assert(make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32, Gemms::library).peak_bytes <= 200 * KiB);
-static_assert(make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32, Gemms::library).peak_bytes >
-              make_plan(budget_model, full, 16, Precision::fp32, Gemms::library).peak_bytes);
+static_assert(make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32).peak_bytes <= 200 * KiB);
+static_assert(make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32).peak_bytes >
+              make_plan(budget_model, full, 16, Precision::fp32).peak_bytes);
 }  // namespace
 BOOST_AUTO_TEST_CASE(a_budget_is_solved_at_compile_time) {
-  constexpr std::size_t peak =
-      make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32, Gemms::library).peak_bytes;
-  BOOST_TEST(peak == make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32, Gemms::library).peak_bytes);
+  constexpr std::size_t peak = make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32).peak_bytes;
+  BOOST_TEST(peak == make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32).peak_bytes);
 }
 
 // Annotations produce the plan of the equivalent run-time policy, step for step and byte for
@@ -1514,20 +1502,20 @@ BOOST_AUTO_TEST_CASE(annotations_equal_the_run_time_policy) {
   }
   scheduled.stages[2].annotated = true;
   scheduled.stages[2].policy = every_n_layers(2);
-  for (Gemms g : {Gemms::library, Gemms::halide}) {
+  {
     StagePolicies flag(none);
     flag.stage[1] = save_and_offload_only_these_names({"rotated"}, {"gate"});
     flag.stage[2] = every_n_layers(2) | selective;
-    expect_same_plan(make_plan(annotated_model, annotated(annotated_model, none), 8, Precision::fp32, g),
-                     make_plan(annotated_model, flag, 8, Precision::fp32, g));
+    expect_same_plan(make_plan(annotated_model, annotated(annotated_model, none), 8, Precision::fp32),
+                     make_plan(annotated_model, flag, 8, Precision::fp32));
     StagePolicies schedule(none);
     schedule.stage[2] = every_n_layers(2);
-    expect_same_plan(make_plan(scheduled, annotated(scheduled, none), 8, Precision::fp32, g),
-                     make_plan(plain, schedule, 8, Precision::fp32, g));
+    expect_same_plan(make_plan(scheduled, annotated(scheduled, none), 8, Precision::fp32),
+                     make_plan(plain, schedule, 8, Precision::fp32));
     BOOST_TEST(policies_name(annotated_model, annotated(annotated_model, none)).view() ==
                "s1:selective(save:rotated;offload:gate),s2:every_n_layers=2+selective(recompute:norm)");
     // stage 1 under selective keeps the outputs of the named layers (rope 3, swiglu 10) and the statistics
-    const Plan sel = make_plan(annotated_model, selective, 8, Precision::fp32, g);
+    const Plan sel = make_plan(annotated_model, selective, 8, Precision::fp32);
     std::set<std::string> kept;
     for (const Tensor &t : sel.tensors)
       if (t.key.stage == 1 && t.key.block == 0 && t.role == Role::internal)
@@ -1541,12 +1529,12 @@ BOOST_AUTO_TEST_CASE(annotations_equal_the_run_time_policy) {
 // fetched into a copy that its backward reads; the schedule replays clean (transfers included);
 // the activations live at once drop, against the same plan with nothing offloaded.
 BOOST_AUTO_TEST_CASE(named_internals_are_offloaded) {
-  for (Gemms g : {Gemms::library, Gemms::halide}) {
+  {
     const StagePolicies with = annotated(zoo_gated::model, selective);
     StagePolicies without = with;
     without.stage[1].selection.offloaded = 0;
-    const Plan a = make_plan(zoo_gated::model, with, 8, Precision::fp32, g);
-    const Plan b = make_plan(zoo_gated::model, without, 8, Precision::fp32, g);
+    const Plan a = make_plan(zoo_gated::model, with, 8, Precision::fp32);
+    const Plan b = make_plan(zoo_gated::model, without, 8, Precision::fp32);
     for (PlanPhase phase : {PlanPhase::train, PlanPhase::optimize, PlanPhase::eval})
       BOOST_TEST(check_schedule(a, phase) == "");
     std::set<std::string> out, in;

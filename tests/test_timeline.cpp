@@ -58,9 +58,7 @@ std::vector<TimelineCase> timeline_cases() {
   std::vector<TimelineCase> out;
   for (const TestModel &m : test_models())
     for (Precision precision : {Precision::fp32, Precision::bf16})
-      for (const PolicyCase &p :
-           policies_for(m.model, m.samples[0], precision, runtime::gemms_of(runtime::Device::cpu, precision)))
-        out.push_back({&m, precision, p});
+      for (const PolicyCase &p : policies_for(m.model, m.samples[0], precision)) out.push_back({&m, precision, p});
   return out;
 }
 

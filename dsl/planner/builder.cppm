@@ -55,7 +55,6 @@ struct Builder {
   Strategy strategy;
   int batch;
   Precision precision;
-  Gemms gemms;
   long long n_rows = 0;
   Plan plan{};
 
@@ -86,7 +85,7 @@ struct Builder {
   // the tensor bind(arg) returns.
   template <class Bind>
   constexpr void bind(Step &st, Bind bind) {
-    for (const KernelArg &a : signature(m, st.stage, st.variant, precision, gemms)) {
+    for (const KernelArg &a : signature(m, st.stage, st.variant, precision)) {
       if (a.is_scalar()) {
         st.scalars.push_back(a.scalar);
         continue;
@@ -455,7 +454,6 @@ struct Builder {
     plan.policies = policies;
     plan.strategy = strategy;
     plan.precision = precision;
-    plan.gemms = gemms;
     plan.batch = batch;
     plan.rows = n_rows;
     // ---- forward, loss, backward: the strategy's sub-problem (0, n) ----

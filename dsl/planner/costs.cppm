@@ -116,9 +116,9 @@ constexpr Link head_link(const Model &m, const detail::Builder &b, Kernel &&kern
   return l;
 }
 
-constexpr Chain chain_of(const Model &m, int batch, Precision precision, Gemms gemms, const CostModel &costs = {},
+constexpr Chain chain_of(const Model &m, int batch, Precision precision, const CostModel &costs = {},
                          const StagePolicies &policies = {}) {
-  detail::Builder b{m, policies, Strategy{}, batch, precision, gemms};
+  detail::Builder b{m, policies, Strategy{}, batch, precision};
   b.setup();
   Chain c;
   c.persistent = (long long)b.persistent_bytes();
@@ -128,14 +128,14 @@ constexpr Chain chain_of(const Model &m, int batch, Precision precision, Gemms g
   };
   // Counts the kernel's tensors by role (at `n_rows` rows); returns its estimated or measured seconds.
   auto kernel = [&](int stage, Variant v, auto &&count, long long n_rows = 0) {
-    const std::vector<KernelArg> sig = signature(m, stage, v, precision, gemms);
+    const std::vector<KernelArg> sig = signature(m, stage, v, precision);
     double moved = 0;
     for (const KernelArg &a : sig)
       if (!a.is_scalar()) {
         moved += double(bytes(a, rows));
         count(a.role, bytes(a, n_rows ? n_rows : rows));
       }
-    const double flops = stage >= 0 ? kernel_flops(m.stages[stage], v, rows, gemms) : 0;
+    const double flops = stage >= 0 ? kernel_flops(m.stages[stage], v, rows) : 0;
     return costs.seconds(kernel_key(stage, v, precision), flops, moved);
   };
   for (const Unit &u : b.units) {

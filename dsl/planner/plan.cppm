@@ -106,7 +106,6 @@ struct Plan {
   Message policy_label{};    // policies_name
   Strategy strategy{};       // what every block does (lower(policies), or the budget's solution)
   Precision precision{};
-  Gemms gemms{};
   int batch = 0;       // samples per micro-batch
   long long rows = 0;  // rows per micro-batch: samples x rows per sample
   std::vector<Tensor> tensors;

@@ -103,7 +103,7 @@ std::vector<std::int32_t> generate(const ModelInfo &info, Device device, Precisi
   const int samples = (min_kernel_rows + T - 1) / T;  // the sequence is sample 0; the rest pad the batch
   StagePolicies whole_head(none);  // the logits of the last position are read: the head runs unchunked
   whole_head.unfused_head = true;
-  Engine engine(make_plan(model, whole_head, samples, precision, gemms_of(device, precision)), info.name,
+  Engine engine(make_plan(model, whole_head, samples, precision), info.name,
                 device == Device::cuda ? info.cuda_kernels : info.kernels, {.device = device, .canary = false});
   Executor &ex = engine.executor;
   trained.download(trained.plan.params());
@@ -236,7 +236,7 @@ public:
   }
 
   Summary train() {
-    const Plan none_plan = make_plan(info.model, none, run.batch, run.precision, gemms_of(run.device, run.precision));
+    const Plan none_plan = make_plan(info.model, none, run.batch, run.precision);
     summary.activation_bytes_none = none_plan.activation_bytes;
     fmt::print(
         progress,

@@ -27,7 +27,7 @@ void print_head(std::FILE *out, const Model &model, const Plan &plan, const Cost
   for (const RowRange &r : chunks) most = std::max(most, r.rows);
   StagePolicies unfused = plan.policies;
   unfused.unfused_head = true;
-  const Planned whole = plan_for(model, unfused, plan.batch, plan.precision, plan.gemms, costs);
+  const Planned whole = plan_for(model, unfused, plan.batch, plan.precision, costs);
   const std::size_t logits =
       std::size_t(plan.rows) * model.classes() * element_bytes(activation_element(plan.precision));
   fmt::print(out, "s{}.b0    fused head: {} chunks of up to {} rows, each: forward_save, loss, backward_saved\n", s,
@@ -99,11 +99,11 @@ void print_plan_report(std::FILE *out, const Model &model, const Plan &plan, con
   for (const Step &st : plan.train) {
     flops += st.flops;
     if (!st.recompute) continue;
-    recompute_flops += is_backward(st.variant) ? st.flops - kernel_flops(model.stages[st.stage],
-                                                                         Variant::backward_saved, plan.rows, plan.gemms)
-                                               : st.flops;
+    recompute_flops += is_backward(st.variant)
+                           ? st.flops - kernel_flops(model.stages[st.stage], Variant::backward_saved, plan.rows)
+                           : st.flops;
   }
-  const Chain chain = chain_of(model, plan.batch, plan.precision, plan.gemms, costs, plan.policies);
+  const Chain chain = chain_of(model, plan.batch, plan.precision, costs, plan.policies);
   const Outcome predicted = evaluate(chain, plan.strategy, 0, chain.n());
   fmt::print(
       out,
@@ -140,10 +140,9 @@ void print_sweep(std::FILE *out, const ModelInfo &info, const Run &run, const Op
   const Precision precision = run.precision;
   const int batch = run.batch;
   const CostModel &costs = run.costs;
-  const Gemms gemms = gemms_of(device, precision);
-  const Chain chain = chain_of(m, batch, precision, gemms, costs);
-  const long long lo = (long long)smallest_plan(m, batch, precision, gemms).peak_bytes;
-  const long long hi = (long long)make_plan(m, none, batch, precision, gemms).peak_bytes;
+  const Chain chain = chain_of(m, batch, precision, costs);
+  const long long lo = (long long)smallest_plan(m, batch, precision).peak_bytes;
+  const long long hi = (long long)make_plan(m, none, batch, precision).peak_bytes;
   std::unique_ptr<DataSource> data;
   if (o.calibrate) data = data_source(info, data_options(o, batch));
   struct Row {
@@ -155,7 +154,7 @@ void print_sweep(std::FILE *out, const ModelInfo &info, const Run &run, const Op
   const int points = 9;
   for (int i = 0; i < points; ++i) {
     const long long b = lo + (hi - lo) * i / (points - 1);
-    const Planned p = plan_for(m, budget(b), batch, precision, gemms, costs);
+    const Planned p = plan_for(m, budget(b), batch, precision, costs);
     if (!p.ok()) continue;
     const double predicted = evaluate(chain, p.plan.strategy, 0, chain.n()).seconds * 1e3;
     const double measured = data ? measured_step_ms(p.plan, info, device, *data) : 0;

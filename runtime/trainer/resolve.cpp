@@ -108,8 +108,7 @@ Run resolve(const Options &o, const ModelInfo &info, const std::string &program)
   check_snapshot_flags(o);
   run.precision = o.bf16 ? Precision::bf16 : Precision::fp32;
   resolve_costs(o, info, program, run);
-  Planned planned =
-      plan_for(model, run.policies, run.batch, run.precision, gemms_of(run.device, run.precision), run.costs);
+  Planned planned = plan_for(model, run.policies, run.batch, run.precision, run.costs);
   if (!planned.ok())
     throw InputError(
         o.memory_budget.empty()
