@@ -286,15 +286,9 @@ struct Executor::Transfers {
   cuda::Event ready{};
 };
 
-Executor::Executor(const Plan &plan, std::string_view model_name, std::span<const Kernel> kernels, Arena &arena,
-                   Scalars &scalars, Checks checks_)
-    : plan(plan), arena(arena), checks(checks_) {
-  if (checks.free_memory && arena.device() == Device::cuda)
-    throw std::runtime_error("the free-memory check reads the arena on the host: not on --device cuda");
-  if (plan.rows < min_kernel_rows)
-    throw std::runtime_error(
-        fmt::format("the plan has {} rows per micro-batch; the kernels need at least {}", plan.rows, min_kernel_rows));
-  // The plan must fit the arena: every root inside it, every view inside its root.
+namespace {
+// The plan must fit the arena: every root inside it, every view inside its root.
+void check_fits(const Plan &plan, const Arena &arena) {
   if (arena.size() < std::max(plan.peak_bytes, plan.eval_peak_bytes))
     throw std::runtime_error(fmt::format("the plan needs an arena of {} bytes; this one has {}",
                                          std::max(plan.peak_bytes, plan.eval_peak_bytes), arena.size()));
@@ -305,84 +299,107 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
           fmt::format("tensor {} ({} bytes at {}) does not fit in {} ({} bytes)", name_of(t.key).view(), t.bytes(),
                       t.offset, t.view_of < 0 ? "the arena" : name_of(plan.tensors[t.view_of].key).view(), room));
   }
-  auto bind = [&](const Step &st) {
-    auto b = std::make_unique<Bound>();
-    b->rng_block = st.rng_block;
-    b->flops = st.flops;
-    b->kernel = &find_kernel(kernels, model_name, kernel_key(st.stage, st.variant, plan.precision));
-    // The kernel's arguments are the step's, position by position (its signature's order:
-    // scalars, then buffers read, then buffers written); the metadata only confirms it.
-    const halide_filter_metadata_t *md = b->kernel->metadata();
-    const int n_scalars = int(st.scalars.size());
-    if (md->num_arguments != n_scalars + int(st.args.size()))
-      throw std::runtime_error(fmt::format("{}: the kernel has {} arguments, the plan's step {} (a stale build?)",
-                                           b->kernel->name, md->num_arguments, n_scalars + st.args.size()));
-    b->buffers.resize(md->num_arguments);
-    b->shapes.resize(md->num_arguments);
-    b->argv.resize(md->num_arguments);
-    for (int a = 0; a < md->num_arguments; ++a) {
-      const halide_filter_argument_t &arg = md->arguments[a];
-      if (a < n_scalars) {
-        const Scalar which = st.scalars[a];
-        const ScalarInfo &expected = info(which);
-        if (arg.kind != halide_argument_kind_input_scalar || arg.type.bytes() != element_bytes(expected.element))
-          throw std::runtime_error(fmt::format("{}: argument {} ({}) is not the scalar {} of the signature",
-                                               b->kernel->name, a, arg.name, expected.name));
-        b->argv[a] = which == Scalar::rng_block                          ? &b->rng_block
-                     : which == Scalar::weight_decay && !st.weight_decay ? &b->no_weight_decay
-                     : which == Scalar::accumulate && st.accumulates     ? &b->accumulates
-                                                                         : scalar_field(scalars, which);
-        continue;
-      }
-      const Arg *it = &st.args[a - n_scalars];
-      const bool written = arg.kind == halide_argument_kind_output_buffer;
-      if (arg.kind == halide_argument_kind_input_scalar || written != (it->access == Access::write))
-        throw std::runtime_error(fmt::format(
-            "{}: argument {} ({}) is not the {} buffer {} of the plan", b->kernel->name, a, arg.name,
-            it->access == Access::write ? "written" : "read", name_of(plan.tensors[it->tensor].key).view()));
-      const Tensor &t = plan.tensors[it->tensor];
-      b->bytes += t.bytes();
-      if (t.dims != arg.dimensions || t.elem_bytes != arg.type.bytes())
-        throw std::runtime_error(
-            fmt::format("{}: argument {} has {} dimensions of {}-byte elements, tensor {} {} of {}", b->kernel->name,
-                        arg.name, arg.dimensions, arg.type.bytes(), name_of(t.key).view(), t.dims, t.elem_bytes));
-      const std::size_t offset = plan.arena_offset(it->tensor);
-      halide_buffer_t &buf = b->buffers[a];
-      buf = {};
-      buf.type = arg.type;
-      buf.dimensions = t.dims;
-      buf.dim = b->shapes[a].data();
-      std::int32_t stride = 1;
-      if (t.bytes() > std::size_t(INT32_MAX))
-        throw std::runtime_error(
-            fmt::format("tensor {} has {} bytes; Halide buffers hold at most 2 GiB", name_of(t.key).view(), t.bytes()));
-      for (int d = 0; d < t.dims; ++d) {
-        b->shapes[a][d] = {0, std::int32_t(t.extent[d]), stride, 0};
-        stride *= std::int32_t(t.extent[d]);
-      }
-      if (arena.device() == Device::cuda) {  // device memory only; kernels never touch the mirror
-        const auto device_ptr = reinterpret_cast<std::uint64_t>(arena.device_data() + offset);
-        if (int err = halide_cuda_wrap_device_ptr(nullptr, &buf, device_ptr); err != 0)
-          throw std::runtime_error(
-              fmt::format("{}: cannot wrap device memory for {} (Halide error {})", b->kernel->name, arg.name, err));
-      } else {
-        buf.host = reinterpret_cast<std::uint8_t *>(arena.data() + offset);
-      }
-      (arg.kind == halide_argument_kind_output_buffer ? b->outputs : b->inputs).push_back(a);
-      b->argv[a] = &buf;
-    }
-    return b;
-  };
+}
+}  // namespace
+
+Executor::Executor(const Plan &plan, std::string_view model_name, std::span<const Kernel> kernels, Arena &arena,
+                   Scalars &scalars, Checks checks_)
+    : plan(plan), arena(arena), checks(checks_) {
+  if (checks.free_memory && arena.device() == Device::cuda)
+    throw std::runtime_error("the free-memory check reads the arena on the host: not on --device cuda");
+  if (plan.rows < min_kernel_rows)
+    throw std::runtime_error(
+        fmt::format("the plan has {} rows per micro-batch; the kernels need at least {}", plan.rows, min_kernel_rows));
+  check_fits(plan, arena);
   if (kernels.empty())
     throw std::runtime_error(fmt::format("model {} has no kernels for this device in this build", model_name));
   // Halide starts its worker threads on the first parallel loop (allocating their stacks and
   // thread state): start them here, so that no training step allocates.
   halide_do_par_for(nullptr, [](void *, int, std::uint8_t *) { return 0; }, 0, 256, nullptr);
   gemm_warm_up();  // and MKL its per-thread buffers
-  for (const Step &st : plan.train) train_calls.push_back(bind(st));
-  for (const Step &st : plan.optimize) optimize_calls.push_back(bind(st));
-  for (const Step &st : plan.eval) eval_calls.push_back(bind(st));
+  auto bind_all = [&](const std::vector<Step> &steps, std::vector<std::unique_ptr<Bound>> &calls) {
+    for (const Step &st : steps)
+      calls.push_back(
+          bind(st, find_kernel(kernels, model_name, kernel_key(st.stage, st.variant, plan.precision)), scalars));
+  };
+  bind_all(plan.train, train_calls);
+  bind_all(plan.optimize, optimize_calls);
+  bind_all(plan.eval, eval_calls);
   if (plan.offload_bytes) transfers = std::make_unique<Transfers>(plan, arena);
+}
+
+// The kernel's arguments are the step's, position by position (its signature's order: scalars,
+// then buffers read, then buffers written); the metadata only confirms it.
+std::unique_ptr<Executor::Bound> Executor::bind(const Step &st, const Kernel &kernel, Scalars &scalars) const {
+  auto b = std::make_unique<Bound>();
+  b->rng_block = st.rng_block;
+  b->flops = st.flops;
+  b->kernel = &kernel;
+  const halide_filter_metadata_t *md = kernel.metadata();
+  const int n_scalars = int(st.scalars.size());
+  if (md->num_arguments != n_scalars + int(st.args.size()))
+    throw std::runtime_error(fmt::format("{}: the kernel has {} arguments, the plan's step {} (a stale build?)",
+                                         kernel.name, md->num_arguments, n_scalars + st.args.size()));
+  b->buffers.resize(md->num_arguments);
+  b->shapes.resize(md->num_arguments);
+  b->argv.resize(md->num_arguments);
+  for (int a = 0; a < md->num_arguments; ++a) {
+    const halide_filter_argument_t &arg = md->arguments[a];
+    if (a >= n_scalars) {
+      bind_buffer(*b, a, arg, st.args[a - n_scalars]);
+      continue;
+    }
+    const Scalar which = st.scalars[a];
+    const ScalarInfo &expected = info(which);
+    if (arg.kind != halide_argument_kind_input_scalar || arg.type.bytes() != element_bytes(expected.element))
+      throw std::runtime_error(fmt::format("{}: argument {} ({}) is not the scalar {} of the signature", kernel.name, a,
+                                           arg.name, expected.name));
+    b->argv[a] = which == Scalar::rng_block                          ? &b->rng_block
+                 : which == Scalar::weight_decay && !st.weight_decay ? &b->no_weight_decay
+                 : which == Scalar::accumulate && st.accumulates     ? &b->accumulates
+                                                                     : scalar_field(scalars, which);
+  }
+  return b;
+}
+
+// Buffer argument `a` of the call: the tensor the step binds there, in the arena (its device
+// memory on CUDA; kernels never touch the host mirror).
+void Executor::bind_buffer(Bound &b, int a, const halide_filter_argument_t &arg, const Arg &step_arg) const {
+  const bool written = arg.kind == halide_argument_kind_output_buffer;
+  if (arg.kind == halide_argument_kind_input_scalar || written != (step_arg.access == Access::write))
+    throw std::runtime_error(fmt::format("{}: argument {} ({}) is not the {} buffer {} of the plan", b.kernel->name, a,
+                                         arg.name, step_arg.access == Access::write ? "written" : "read",
+                                         name_of(plan.tensors[step_arg.tensor].key).view()));
+  const Tensor &t = plan.tensors[step_arg.tensor];
+  b.bytes += t.bytes();
+  if (t.dims != arg.dimensions || t.elem_bytes != arg.type.bytes())
+    throw std::runtime_error(fmt::format("{}: argument {} has {} dimensions of {}-byte elements, tensor {} {} of {}",
+                                         b.kernel->name, arg.name, arg.dimensions, arg.type.bytes(),
+                                         name_of(t.key).view(), t.dims, t.elem_bytes));
+  if (t.bytes() > std::size_t(INT32_MAX))
+    throw std::runtime_error(
+        fmt::format("tensor {} has {} bytes; Halide buffers hold at most 2 GiB", name_of(t.key).view(), t.bytes()));
+  const std::size_t offset = plan.arena_offset(step_arg.tensor);
+  halide_buffer_t &buf = b.buffers[a];
+  buf = {};
+  buf.type = arg.type;
+  buf.dimensions = t.dims;
+  buf.dim = b.shapes[a].data();
+  std::int32_t stride = 1;
+  for (int d = 0; d < t.dims; ++d) {
+    b.shapes[a][d] = {0, std::int32_t(t.extent[d]), stride, 0};
+    stride *= std::int32_t(t.extent[d]);
+  }
+  if (arena.device() == Device::cuda) {
+    const auto device_ptr = reinterpret_cast<std::uint64_t>(arena.device_data() + offset);
+    if (int err = halide_cuda_wrap_device_ptr(nullptr, &buf, device_ptr); err != 0)
+      throw std::runtime_error(
+          fmt::format("{}: cannot wrap device memory for {} (Halide error {})", b.kernel->name, arg.name, err));
+  } else {
+    buf.host = reinterpret_cast<std::uint8_t *>(arena.data() + offset);
+  }
+  (written ? b.outputs : b.inputs).push_back(a);
+  b.argv[a] = &buf;
 }
 
 // With the free-memory check: every byte of the live tensors that the step does not write (whole

@@ -204,6 +204,9 @@ private:
   struct Transfers;
   struct Untouched;
   void check_after(const Bound &b, const Step &step, std::vector<int> *live_roots, const Untouched &untouched);
+  // A step's call: its kernel with the step's scalars and arena buffers, argument by argument.
+  std::unique_ptr<Bound> bind(const Step &st, const Kernel &kernel, Scalars &scalars) const;
+  void bind_buffer(Bound &b, int a, const halide_filter_argument_t &arg, const Arg &step_arg) const;
   Arena &arena;
   Checks checks;
   std::vector<std::unique_ptr<Bound>> train_calls, optimize_calls, eval_calls;

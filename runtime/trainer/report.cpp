@@ -41,6 +41,77 @@ void print_head(std::FILE *out, const Model &model, const Plan &plan, const Cost
 }
 }  // namespace
 
+namespace {
+// Why tensor t (x) of the plan lives from its forward to a backward: a block's input (a
+// checkpoint or not) or a layer's output or statistics.
+std::string why_saved(const Model &model, const Plan &plan, const Tensor &x, int t, const std::set<int> &fetched,
+                      int head) {
+  const Block &blk = model.stages[x.key.stage];
+  std::string why;
+  if (x.role == Role::block_input) {  // a block's output: the input of the next block
+    const bool last_of_stage = x.key.block + 1 == blk.repeat;
+    const int stage = last_of_stage ? x.key.stage + 1 : x.key.stage, block = last_of_stage ? 0 : x.key.block + 1;
+    bool checkpoint = false;
+    for (const Step &st : plan.train)
+      checkpoint |= st.stage == stage && st.block == block && st.variant == Variant::backward_recompute;
+    why = checkpoint ? fmt::format("checkpoint: input of s{}.b{}, whose backward recomputes from it", stage, block)
+                     : fmt::format("input of s{}.b{}, read by its backward", stage, block);
+  } else if (x.key.layer >= 0) {
+    const Layer &l = blk.layers[x.key.layer];
+    if (x.kind == LocalTensor::Kind::statistic)
+      why = fmt::format("{} row statistics, read by its backward", op_name(l.op));
+    else
+      why = fmt::format("{} output, read by the backward of {} (layer {})", op_name(l.op),
+                        op_name(blk.layers[x.read_by].op), x.read_by);
+  }
+  if (fetched.contains(t)) why += "; waits in pinned host memory between forward and backward (offload)";
+  if (x.key.stage == head) why += "; a fused head's chunk: one chunk's rows at a time";
+  return why;
+}
+
+// The tensors saved for backward (living past the kernel that wrote it until a backward kernel
+// reads it), one line each; their total bytes.
+std::size_t print_saved(std::FILE *out, const Model &model, const Plan &plan, const std::set<int> &fetched) {
+  fmt::print(out, "saved for backward:\n");
+  fmt::print(out, "{:<8} {:<22} {:>16} {:>12}  {}\n", "block", "tensor", "shape", "bytes", "why");
+  std::size_t total = 0;
+  std::set<TensorKey> listed;  // a fused head's chunks keep the same tensors: listed once, per chunk
+  const int head = head_fused(model, plan.policies) ? head_stage(model) : -1;
+  for (const Step &st : plan.train)
+    for (int t : st.alloc) {
+      const Tensor &x = plan.tensors[t];
+      if (x.role != Role::internal && x.role != Role::block_input) continue;
+      if (x.key.stage == head && !listed.insert(x.key).second) continue;
+      bool read_by_backward = false;
+      for (const Step &later : plan.train)
+        if (is_backward(later.variant))
+          for (const Arg &a : later.args) read_by_backward |= a.tensor == t;
+      if (!read_by_backward) continue;
+      const std::string shape =
+          x.dims == 1 ? fmt::format("[{}]", x.extent[0]) : fmt::format("[{}, {}]", x.extent[1], x.extent[0]);
+      fmt::print(out, "s{}.b{:<4} {:<22} {:>16} {:>12}  {}\n", x.key.stage, x.key.block, name_of(x.key.local()).view(),
+                 shape, x.bytes(), why_saved(model, plan, x, t, fetched, head));
+      total += x.bytes();
+    }
+  return total;
+}
+
+// Data parallel, per rank: the AdamW moments (sharded or not) and how gradients are exchanged.
+void print_ranks(std::FILE *out, const Plan &plan) {
+  std::size_t exchange = 0;
+  for (const Tensor &t : plan.tensors)
+    if (t.role == Role::exchange) exchange += t.bytes();
+  const std::size_t moments = 2 * plan.tensors[plan.adam_m().index].bytes();
+  fmt::print(
+      out, "data-parallel, per rank of {}: AdamW moments {} B ({}{}), {}\n", plan.policies.ranks, moments, mib(moments),
+      plan.policies.shard_optimizer
+          ? fmt::format(", the shard of slots [{}, {}): --shard-optimizer", plan.shard_first, plan.shard_end)
+          : ", every parameter's",
+      plan.policies.exchange_buffer ? fmt::format("gradient exchange buffer {} B ({})", exchange, mib(exchange))
+                                    : "gradients summed in place by NCCL (its own buffers are outside the arena)");
+}
+}  // namespace
+
 void print_plan_report(std::FILE *out, const Model &model, const Plan &plan, const CostModel &costs,
                        std::string_view costs_from) {
   fmt::print(out, "plan under policy {} ({}, batch {}, {} rows)\n", plan.policy_label.view(),
@@ -50,51 +121,10 @@ void print_plan_report(std::FILE *out, const Model &model, const Plan &plan, con
   for (const Unit &u : units_of(model, head_fused(model, plan.policies)))
     fmt::print(out, "s{}.b{:<4} {}\n", u.stage, u.block, block_calls(plan, u));
   if (head_fused(model, plan.policies)) print_head(out, model, plan, costs);
-  fmt::print(out, "saved for backward:\n");
-  fmt::print(out, "{:<8} {:<22} {:>16} {:>12}  {}\n", "block", "tensor", "shape", "bytes", "why");
-  std::size_t total = 0;
   std::set<int> fetched;  // restored copies of offloaded tensors
   for (const Step &st : plan.train)
     for (auto [host, into] : st.fetch) fetched.insert(into);
-  std::set<TensorKey> listed;  // a fused head's chunks keep the same tensors: listed once, per chunk
-  const int head = head_fused(model, plan.policies) ? head_stage(model) : -1;
-  for (const Step &st : plan.train)
-    for (int t : st.alloc) {
-      const Tensor &x = plan.tensors[t];
-      if (x.role != Role::internal && x.role != Role::block_input) continue;
-      if (x.key.stage == head && !listed.insert(x.key).second) continue;
-      // saved = lives past the kernel that wrote it until a backward kernel reads it
-      bool read_by_backward = false;
-      for (const Step &later : plan.train)
-        if (is_backward(later.variant))
-          for (const Arg &a : later.args) read_by_backward |= a.tensor == t;
-      if (!read_by_backward) continue;
-      const Block &blk = model.stages[x.key.stage];
-      std::string why;
-      if (x.role == Role::block_input) {  // a block's output: the input of the next block
-        const bool last_of_stage = x.key.block + 1 == blk.repeat;
-        const int stage = last_of_stage ? x.key.stage + 1 : x.key.stage, block = last_of_stage ? 0 : x.key.block + 1;
-        bool checkpoint = false;
-        for (const Step &st : plan.train)
-          checkpoint |= st.stage == stage && st.block == block && st.variant == Variant::backward_recompute;
-        why = checkpoint ? fmt::format("checkpoint: input of s{}.b{}, whose backward recomputes from it", stage, block)
-                         : fmt::format("input of s{}.b{}, read by its backward", stage, block);
-      } else if (x.key.layer >= 0) {
-        const Layer &l = blk.layers[x.key.layer];
-        if (x.kind == LocalTensor::Kind::statistic)
-          why = fmt::format("{} row statistics, read by its backward", op_name(l.op));
-        else
-          why = fmt::format("{} output, read by the backward of {} (layer {})", op_name(l.op),
-                            op_name(blk.layers[x.read_by].op), x.read_by);
-      }
-      if (fetched.contains(t)) why += "; waits in pinned host memory between forward and backward (offload)";
-      if (x.key.stage == head) why += "; a fused head's chunk: one chunk's rows at a time";
-      const std::string shape =
-          x.dims == 1 ? fmt::format("[{}]", x.extent[0]) : fmt::format("[{}, {}]", x.extent[1], x.extent[0]);
-      fmt::print(out, "s{}.b{:<4} {:<22} {:>16} {:>12}  {}\n", x.key.stage, x.key.block, name_of(x.key.local()).view(),
-                 shape, x.bytes(), why);
-      total += x.bytes();
-    }
+  const std::size_t total = print_saved(out, model, plan, fetched);
   double flops = 0, recompute_flops = 0;
   for (const Step &st : plan.train) {
     flops += st.flops;
@@ -113,20 +143,7 @@ void print_plan_report(std::FILE *out, const Model &model, const Plan &plan, con
   if (plan.offload_bytes > 0)
     fmt::print(out, "offloaded {} tensors to {} B ({}) of pinned host memory\n", fetched.size(), plan.offload_bytes,
                mib(plan.offload_bytes));
-  if (plan.policies.ranks > 1) {  // per rank
-    std::size_t exchange = 0;
-    for (const Tensor &t : plan.tensors)
-      if (t.role == Role::exchange) exchange += t.bytes();
-    const std::size_t moments = 2 * plan.tensors[plan.adam_m().index].bytes();
-    fmt::print(out, "data-parallel, per rank of {}: AdamW moments {} B ({}{}), {}\n", plan.policies.ranks, moments,
-               mib(moments),
-               plan.policies.shard_optimizer
-                   ? fmt::format(", the shard of slots [{}, {}): --shard-optimizer", plan.shard_first, plan.shard_end)
-                   : ", every parameter's",
-               plan.policies.exchange_buffer
-                   ? fmt::format("gradient exchange buffer {} B ({})", exchange, mib(exchange))
-                   : "gradients summed in place by NCCL (its own buffers are outside the arena)");
-  }
+  if (plan.policies.ranks > 1) print_ranks(out, plan);
   fmt::print(
       out,
       "recompute {:.3f} GFLOP of {:.3f} per micro-batch; predicted forward + loss + backward {:.2f} ms (costs {})\n",
