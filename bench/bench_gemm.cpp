@@ -49,7 +49,7 @@ double median_ms(F run, int reps) {
 // The largest |reference - out| over a grid of out's entries, the reference summed in double from the operands as
 // floats (a_at(x, y) and b_at(x, y) read an element of a and b, x the column, as float).
 template <class A, class B>
-double worst_error(const Shape &s, A a_at, B b_at, const Halide::Buffer<float> &out) {
+double worst_error(const Shape &s, A a_at, B b_at, const Halide::Runtime::Buffer<float> &out) {
   double worst = 0;
   for (int i = 0; i < s.m; i += 7)
     for (int j = 0; j < s.n; j += 5) {
@@ -97,7 +97,7 @@ int main(int argc, char **argv) {
   std::uniform_real_distribution<float> u(-1, 1);
   for (const Shape &s : shapes) {
     // a[m, k] (or [k, m]), b[k, n] (or [n, k]), 64-byte aligned as arena tensors are
-    Halide::Buffer<float> a(s.trans_a ? s.m : s.k, s.trans_a ? s.k : s.m),
+    Halide::Runtime::Buffer<float> a(s.trans_a ? s.m : s.k, s.trans_a ? s.k : s.m),
         b(s.trans_b ? s.k : s.n, s.trans_b ? s.n : s.k), out(s.n, s.m), check(s.n, s.m);
     a.for_each_value([&](float &x) { x = u(rng); });
     b.for_each_value([&](float &x) { x = u(rng); });
@@ -114,7 +114,7 @@ int main(int argc, char **argv) {
     }
     // the same GEMM on bf16 operands (a and b rounded to nearest even), fp32 out: checked against the product of
     // the rounded operands, so the products' fp32 accumulation is all the tolerance covers, as for fp32
-    Halide::Buffer<std::uint16_t> a16(a.width(), a.height()), b16(b.width(), b.height());
+    Halide::Runtime::Buffer<std::uint16_t> a16(a.width(), a.height()), b16(b.width(), b.height());
     a16.for_each_element([&](int x, int y) { a16(x, y) = remat::float_to_bf16(a(x, y)); });
     b16.for_each_element([&](int x, int y) { b16(x, y) = remat::float_to_bf16(b(x, y)); });
     out.fill(0.f);

@@ -52,8 +52,8 @@ endfunction()
 # A trainer for model <name> (made by remat_add_model): a generated main that hands the model, its
 # default policy, its trainer defaults (`<name>::trainer`, a remat::TrainerDefaults in the model
 # module: the data folder, the batch, the schedule), its kernel tables and what it reads (DATA,
-# default text) to the shared trainer (remat::runtime::train_main: every flag of README's "Trainer
-# flags").
+# default text) to the shared trainer (remat::runtime::train_main: every flag of docs/trainer.md's
+# "Trainer flags").
 function(remat_add_trainer target)
   cmake_parse_arguments(ARG "" "MODEL;DATA" "" ${ARGN})
   if(NOT ARG_MODEL)

@@ -14,7 +14,7 @@ For each architecture (GPT2LMHeadModel, LlamaForCausalLM) at the widths its trai
 5. A config.json that differs in a shape field is refused: exit 2, one line naming the field.
 
 With --full, the full-size trainers (train-gpt2, train-smollm2) at their published configs (slow;
-outside the default ctest: README "Tests").
+outside the default ctest: docs/tests.md).
 
 Bounds (fp32 kernels against float64): each gradient entry is a sum over the batch's rows of
 products of activations that went through at most 2 L + 3 GEMMs of inner width K <= 4 C (or the
