@@ -252,7 +252,7 @@ def run_blocks(blocks, x, policy):
     return x
 
 
-def learning_rate(meta, step, max_steps):  # runtime/trainer.cpp; step counts from 1
+def learning_rate(meta, step, max_steps):  # trainer/.cpp; step counts from 1
     lr, warmup = float(meta["learning_rate"]), int(meta["warmup_steps"])
     if step <= warmup:
         return lr * step / max(1, warmup)

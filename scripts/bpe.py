@@ -5,7 +5,7 @@
       trains a byte-level BPE tokenizer (Hugging Face `tokenizers`) on the training split of a
       folder of text files and writes DIR/train.bin, DIR/val.bin (llm.c's layout: a header of 256
       int32 -- magic 20240520, version 1, token count -- then uint16 tokens) and DIR/tokenizer.json.
-      The corpus is read as the text trainer reads it (runtime/data.cpp, load_corpus): every regular
+      The corpus is read as the text trainer reads it (trainer/data.cpp, load_corpus): every regular
       file of DIR (not a link, not fortune's .dat / .u8 index files), sorted by name, concatenated;
       the first 90% of the bytes train, the rest validate. Same input, same output, byte for byte.
   bpe.py decode --tokenizer FILE

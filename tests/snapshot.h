@@ -1,4 +1,4 @@
-// Memory snapshots as --memory-timeline writes them (runtime/trainer/timeline.cpp): a reader of
+// Memory snapshots as --memory-timeline writes them (trainer/timeline.cpp): a reader of
 // the pickle (enough of protocol 2: dicts, lists, tuples as arrays, strings, integers, booleans,
 // None; PyTorch's own loader reads the same files in tests/memory_viz.py) and the replay of its
 // trace that test_trainer and test_timeline check. Everything is in remat::testing.

@@ -656,7 +656,7 @@ BOOST_AUTO_TEST_CASE(gradients_overwrite_the_buffer_without_accumulate) {
 // ---- AdamW ----
 // One AdamW step in double, the rule of generators/layers.h (decoupled weight decay):
 //   m' = b1 m + (1 - b1) g,  v' = b2 v + (1 - b2) g^2,  p' = p - lr ((m' / bias1) / (sqrt(v' / bias2) + eps) + wd p)
-// with bias1 = 1 - b1^t and bias2 = 1 - b2^t as runtime/trainer/loop.cpp (Training::step) sets them for step t.
+// with bias1 = 1 - b1^t and bias2 = 1 - b2^t as trainer/loop.cpp (Training::step) sets them for step t.
 struct AdamW {
   double lr, beta1, beta2, eps, weight_decay, bias1, bias2;
 };

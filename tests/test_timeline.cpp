@@ -1,4 +1,4 @@
-// The memory timeline (runtime/trainer/timeline.cpp, the trainer's --memory-timeline) of one
+// The memory timeline (trainer/timeline.cpp, the trainer's --memory-timeline) of one
 // training step on every test model (tests/registry.h: the examples, a model unlike them, the
 // zoo) under every policy of policies_for (offload and budgets included), fp32 and bf16: the
 // snapshot's live bytes peak at the measured peak, and what stays live is the persistent tensors.

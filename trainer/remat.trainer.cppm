@@ -1,5 +1,5 @@
 // module remat.trainer: what the trainers share on top of the runtime. Data sources (idx files, text
-// corpora), the trainer (runtime/trainer/: flags (CLI11), the resolved run, the training loop with
+// corpora), the trainer (trainer/: flags (CLI11), the resolved run, the training loop with
 // evaluation and sampling, the summary and JSON), the plan report, kernel costs, and the
 // --save-initial safetensors file.
 module;
@@ -56,7 +56,7 @@ public:
   virtual std::vector<std::int32_t> sample_prompt() const { return {}; }
 };
 
-// Data-parallel training (runtime/trainer/ranks.cpp): the ranks of an `mpirun` launch (Open
+// Data-parallel training (trainer/ranks.cpp): the ranks of an `mpirun` launch (Open
 // MPI), or one rank without it. Every rank runs the same plan on its share of each global batch;
 // the sums (GradientReducer, Ranks::sum) are the same on every rank.
 class Ranks {
@@ -229,7 +229,7 @@ void save_gradients(Executor &ex, const Plan &plan, const ModelInfo &info, const
 void stop_on_sigterm();
 
 // The trainer shared by every model: flags -> resolved run -> training loop -> summary
-// (runtime/trainer/). Returns the process exit code (bad input: 2, with one line on stderr).
+// (trainer/). Returns the process exit code (bad input: 2, with one line on stderr).
 int train_main(int argc, char **argv, const ModelInfo &info);
 
 // Prints what each block's kernels do, every tensor the plan saves for backward (block, name,
@@ -246,7 +246,7 @@ StagePolicies parse_stage_policies(const Model &model, std::string_view text, St
 // the none plan's peak (60%).
 Policy parse_budget(std::string_view text);
 
-// Kernel costs (runtime/costs.cpp). The table is JSON: {machine: {cost_key: [{stage, variant,
+// Kernel costs (trainer/costs.cpp). The table is JSON: {machine: {cost_key: [{stage, variant,
 // precision, seconds}, ...]}}, one entry per KernelKey.
 std::string machine_name(Device device);  // "CPU <model name>" or "GPU <name>"
 std::string default_cost_table();         // $XDG_CACHE_HOME/remat/costs.json, else ~/.cache/remat/costs.json
@@ -264,7 +264,7 @@ std::string block_calls(const Plan &plan, const Unit &unit);
 // The median time of a micro-batch (forward, loss, backward) of `plan` here.
 double measured_step_ms(const Plan &plan, const ModelInfo &info, Device device, DataSource &data);
 
-// --memory-timeline FILE (runtime/trainer/timeline.cpp): every allocation and free of an engine's
+// --memory-timeline FILE (trainer/timeline.cpp): every allocation and free of an engine's
 // arena over one training step (its micro-batches and the optimizer), written as the pickle
 // torch.cuda.memory._snapshot() returns (PyTorch's memory viewer opens it). Its maximum of live
 // bytes is the step's measured peak, which these add up to (the trainer's measured_peak_bytes).
@@ -289,7 +289,7 @@ private:
 
 }  // namespace remat::runtime
 
-// Not exported: the trainer's steps, one implementation unit each (runtime/trainer/).
+// Not exported: the trainer's steps, one implementation unit each (trainer/).
 namespace remat::runtime {
 
 // The flags (flags.cpp), with the model's defaults until a flag says otherwise.
