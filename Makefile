@@ -142,17 +142,21 @@ PREFIX ?= /usr/local
 install: build
 	$(VENV)/bin/cmake --install $(BUILD) --prefix $(PREFIX)
 
+# Each benchmark's output becomes a page of the manual, docs/results/<name>.md, with the command,
+# the date and the CPU (scripts/bench-page.py): tables of figures in docs/ are generated, not pasted.
+BENCH_PAGE = python3 scripts/bench-page.py
 bench: build
-	$(BUILD)/bin/bench-policies 20
-	$(BUILD)/bin/bench-budget 20
-	$(BUILD)/bin/bench-gemm 30
+	$(VENV)/bin/cmake --build $(BUILD) --target bench-budget
+	$(BENCH_PAGE) policies --title "Checkpoint policies: step time and memory" -- $(BUILD)/bin/bench-policies 20
+	$(BENCH_PAGE) budget --title "Budget plans against uniform policies" -- $(BUILD)/bin/bench-budget 20
+	$(BENCH_PAGE) gemm --title "remat's CPU GEMMs at the models' shapes" -- $(BUILD)/bin/bench-gemm 30
 	$(BUILD)/bin/bench-gpu
 
 # remat against PyTorch eager and torch.compile on this CPU, side by side (bench/cpu.py; writes
 # bench/results/cpu.json and cpu.png). PyTorch goes into $(VENV) first (bench-py-pkgs).
 bench-cpu: build bench-py-pkgs $(BPE_DATA)/tokenizer.json
-	$(VENV)/bin/python bench/gemm.py
-	$(VENV)/bin/python bench/cpu.py $(BENCH_ARGS)
+	$(BENCH_PAGE) gemm-torch --title "remat's GEMMs against torch.matmul" -- $(VENV)/bin/python bench/gemm.py
+	$(BENCH_PAGE) cpu --title "remat against PyTorch eager and torch.compile" -- $(VENV)/bin/python bench/cpu.py $(BENCH_ARGS)
 
 # What scripts/device-check.sh needs on a GPU machine without registries, in .device/.
 device-bundle: build

@@ -1,20 +1,11 @@
-// The Engine: construction, parameter init (snapshots: snapshot.cpp).
+// The Engine: construction and parameter init (snapshots: trainer/snapshot.cpp).
 module;
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
-#include <array>
-#include <bit>
 #include <cmath>
 #include <cstdint>
-#include <filesystem>
-#include <fstream>
-#include <functional>
 #include <random>
 #include <span>
 #include <string>
-#include <string_view>
 #include <vector>
 module remat.runtime;
 import remat;

@@ -1,12 +1,14 @@
 // module remat.runtime: runs a plan. One arena sized by the plan, an executor that walks the
 // plan's steps calling generated Halide kernels, and the Engine that holds them with the
-// parameter init and snapshots. No CLI, report or data code (module remat.trainer has those):
-// what another project links to run a model.
+// parameter init. No CLI, report, file or data code (module remat.trainer has those): what
+// another project links to run a model.
 module;
 #include <HalideRuntime.h>
 
 #include "bf16.h"
+#include "cuda_device.h"
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -207,27 +209,11 @@ private:
   // A step's call: its kernel with the step's scalars and arena buffers, argument by argument.
   std::unique_ptr<Bound> bind(const Step &st, const Kernel &kernel, Scalars &scalars) const;
   void bind_buffer(Bound &b, int a, const halide_filter_argument_t &arg, const Arg &step_arg) const;
+  void report_profile() const;  // with REMAT_PROFILE set (profile.cpp)
   Arena &arena;
   Checks checks;
   std::vector<std::unique_ptr<Bound>> train_calls, optimize_calls, eval_calls;
   std::unique_ptr<Transfers> transfers;
-};
-
-// What a snapshot holds besides the parameters and the AdamW moments: where the run stands and
-// what shaped it, so that a run resumed with the same flags repeats the uninterrupted one exactly
-// (a resume with other flags is refused).
-struct SnapshotState {
-  long step = 0, max_steps = 0;
-  std::uint64_t seed = 0;
-  std::string run;               // the flags that shape the run (steps, batch, schedule...); must match on resume
-  std::string data;              // DataSource::state()
-  std::string model_definition;  // definition_digest(model)
-  std::string remat_version;     // of the remat that wrote it (load_snapshot fills it)
-};
-
-// Every parameter's AdamW moments in the flat parameters' layout.
-struct Moments {
-  std::span<const float> m, v;
 };
 
 // What runs one plan: the plan, an arena sized for its training and evaluation peaks (filled
@@ -251,17 +237,6 @@ public:
   // from a 64-bit Mersenne Twister seeded with `seed`, in plan order; ones; zeros), gradients and
   // AdamW moments zero (the alignment padding between parameters too), uploaded.
   void init_params(std::uint64_t seed);
-  // A snapshot folder (snapshot.cpp): built as <folder>.tmp, every file fsync'ed, then renamed.
-  // load_snapshot() checks every CRC-32, size, name and shape, that it is of this model and that
-  // its parameters are finite, before it changes anything.
-  // With a sharded optimizer (Plan::shard_slots) the moments are every rank's, in the flat
-  // parameters' layout (the trainer gathers them); load_snapshot keeps this plan's shard.
-  void save_snapshot(const std::string &folder, const SnapshotState &state, const Moments &moments = {});
-  SnapshotState load_snapshot(const std::string &folder);
-  // --init-from: the parameters from a safetensors file of PyTorch names and layouts
-  // (named_parameters; F32, BF16 or F16; a snapshot folder means its model.safetensors), every
-  // mismatch of names, shapes and dtypes listed in one InputError.
-  void load_weights(const std::string &path);
 
   const std::string model_name;
   const Plan plan;
@@ -270,82 +245,46 @@ public:
   Executor executor;
 };
 
-// Files that survive a crash (files.cpp). write_atomically runs write(out) on <path>.tmp,
-// fsyncs it, renames it to path and fsyncs the folder, so that no file is ever half-written;
-// errors are one line (InputError) starting with `what` and the path (a full disk: "No space left
-// on device").
-void write_atomically(const std::string &path, std::string_view what, const std::function<void(std::ostream &)> &write);
-void sync_path(const std::string &path, std::string_view what);  // fsync a file or a folder
-// Before a long run that writes `path` at its end: one line (InputError) starting with `what` and
-// the path now if it is a folder or <path>.tmp cannot be created.
-void check_writable(const std::string &path, std::string_view what);
-std::vector<std::byte> read_bytes(const std::string &path);  // errors: "<path>: <problem>"
-std::string crc32_hex(std::span<const std::byte> bytes);     // zlib's CRC-32, 8 hex digits
-
-// safetensors (huggingface/safetensors): an 8-byte little-endian header length, a JSON header
-// {name: {dtype, shape, data_offsets: [begin, end)}, "__metadata__": {string: string}} padded with
-// spaces, then the tensors' data back to back.
-struct SafetensorsTensor {
-  std::string name, dtype;  // "F32", "BF16", "I32"...
-  std::vector<long long> shape;
-  std::size_t begin = 0, end = 0;  // in the data section
-};
-struct Safetensors {
-  std::map<std::string, std::string> metadata;
-  std::vector<SafetensorsTensor> tensors;  // in header order
-  std::vector<std::byte> bytes;            // the whole file
-  std::size_t data_start = 0;
-  const SafetensorsTensor *find(std::string_view name) const;
-  std::span<const std::byte> data(const SafetensorsTensor &t) const;
-};
-// Every size, offset, dtype and shape checked before use (no holes, overlaps or trailing bytes);
-// a problem is one InputError starting with `what`.
-Safetensors parse_safetensors(std::vector<std::byte> file, std::string_view what);
-Safetensors read_safetensors(const std::string &path);
-// A floating-point tensor of a file as floats (F32, BF16 or F16).
-std::vector<float> floats(const Safetensors &file, const SafetensorsTensor &t);
-// tensors[i] (dtype and shape; offsets ignored) holds data[i]; each tensor's CRC-32 goes into the
-// metadata as "crc32.<name>". Written with write_atomically.
-void write_safetensors(const std::string &path, std::string_view what, std::map<std::string, std::string> metadata,
-                       std::span<const SafetensorsTensor> tensors, std::span<const std::span<const std::byte>> data);
-
-// The plan's parameters as PyTorch names and lays them out (snapshot.cpp): layer l of block b of
-// stage s is stages.<s>.blocks.<b>.layers.<l>; a linear's weight [out, in] (nn.Linear's; remat
-// keeps [in, out]: transposed) and bias [out]; a norm's weight and bias [C]; an embedding's
-// token.weight [V, C] and position.weight [T, C].
-struct NamedParameter {
-  std::string name;
-  TensorId id;
-  std::vector<long long> shape;  // in the file
-  bool transposed = false;       // the file holds the transpose of remat's [in, out]
-};
-std::vector<NamedParameter> named_parameters(const Plan &plan);
-// A parameter's values in a buffer of the flat parameters' layout (params, grads, and adam_m,
-// adam_v unless the optimizer is sharded: Plan::shard_slots).
-template <class T>
-std::span<T> parameter_in(std::span<T> flat, const Plan &plan, TensorId param) {
-  const Tensor &t = plan.tensors[std::size_t(param.index)];
-  if (t.view_of != plan.params().index) throw std::logic_error("a parameter outside the plan's parameter buffer");
-  return flat.subspan(t.offset / sizeof(float), std::size_t(t.extent[0] * (t.dims == 2 ? t.extent[1] : 1)));
-}
-std::vector<float> to_file_layout(const NamedParameter &p, std::span<const float> values);
-void from_file_layout(const NamedParameter &p, std::span<const float> file, std::span<float> values);
-// A digest of what the parameters mean: the input, the stages and their layers (kinds and sizes;
-// not policies or names).
-std::string definition_digest(const Model &m);
-
-// Snapshot folders of an --output-dir: snapshot-<step> by step (incomplete ones are *.tmp, not
-// listed); resolve_snapshot() takes a snapshot folder, or a folder of them (then its newest);
-// remove_old_snapshots() keeps the newest `keep` and removes what interrupted saves left;
-// check_output_dir() creates the folder and probes that it is writable and has room for a snapshot.
-std::vector<std::pair<long, std::string>> snapshot_folders(const std::string &dir);
-std::string resolve_snapshot(const std::string &path);
-void remove_old_snapshots(const std::string &dir, int keep);
-std::size_t snapshot_bytes(const Plan &plan);
-std::string_view remat_version();  // the project's version (CMakeLists.txt)
-void check_output_dir(const std::string &dir, std::size_t bytes);
-
 // FNV-1a over bytes, as 16 hex digits.
 std::string digest(std::span<const std::byte> bytes);
+
+}  // namespace remat::runtime
+
+// ---- Not exported: what the executor's files share (executor.cpp binds the plan's steps,
+// executor_run.cpp runs them, offload.cpp moves checkpoints, profile.cpp reports) ----------------
+namespace remat::runtime {
+
+// One step's kernel call, bound once: the kernel, its argument vector (scalars, then halide
+// buffers pointing into the arena) and what REMAT_PROFILE and --calibrate sum over the runs.
+struct Executor::Bound {
+  const Kernel *kernel;
+  float no_weight_decay = 0;  // AdamW over parameters that are not decayed
+  bool accumulates = true;    // a backward that adds to the gradients whatever the micro-batch does
+  double seconds = 0;         // with REMAT_PROFILE set: time spent in this call
+  long calls = 0;
+  double flops = 0;       // the step's kernel_flops, per call
+  std::size_t bytes = 0;  // bytes of the tensors it reads and writes, per call
+  std::int32_t rng_block = 0;
+  std::vector<halide_buffer_t> buffers;
+  std::vector<int> inputs, outputs;  // buffer arguments by kind (Device::opencl moves them)
+  std::vector<std::array<halide_dimension_t, 2>> shapes;
+  std::vector<void *> argv;
+};
+
+// Offload: checkpoints and named internals copied to the pinned host buffer and back, before the
+// steps that say so (offload.cpp).
+struct Executor::Transfers {
+  Transfers(const Plan &plan, Arena &arena);
+  ~Transfers();
+  void before(const Step &st);  // the step's copies out and fetches into restored tensors
+  std::byte *device_at(int t) const;
+  const Plan &plan;
+  Arena &arena;
+  std::size_t bytes;
+  bool cuda_device = false;
+  std::byte *host = nullptr;
+  std::map<int, cuda::Event> done;  // by tensor: its copy-out (offloaded) or fetch (restored)
+  cuda::Event ready{};
+};
 
 }  // namespace remat::runtime

@@ -1457,13 +1457,14 @@ constexpr Model budget_model = checked([] {
                     layer_norm(), linear(16, 3), softmax_cross_entropy());
 });
 static_assert(feasible<budget_model, budget(200 * KiB), 16>());
-static_assert(make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32).peak_bytes <= 200 * KiB);
-static_assert(make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32).peak_bytes >
-              make_plan(budget_model, full, 16, Precision::fp32).peak_bytes);
+// Each compile-time solve takes clang ~20 s: the plan's peak is solved once and compared.
+constexpr std::size_t compile_time_budget_peak =
+    make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32).peak_bytes;
+static_assert(compile_time_budget_peak <= 200 * KiB);
+static_assert(compile_time_budget_peak > make_plan(budget_model, full, 16, Precision::fp32).peak_bytes);
 }  // namespace
 BOOST_AUTO_TEST_CASE(a_budget_is_solved_at_compile_time) {
-  constexpr std::size_t peak = make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32).peak_bytes;
-  BOOST_TEST(peak == make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32).peak_bytes);
+  BOOST_TEST(compile_time_budget_peak == make_plan(budget_model, budget(200 * KiB), 16, Precision::fp32).peak_bytes);
 }
 
 // Annotations produce the plan of the equivalent run-time policy, step for step and byte for

@@ -514,7 +514,7 @@ private:
       if (is_transformers_folder(o.init_from))
         hf_config = load_transformers_folder(ex, plan, info, o.init_from, program);
       else
-        engine.load_weights(o.init_from);
+        load_weights(engine, o.init_from);
     } catch (const InputError &e) { throw InputError(fmt::format("--init-from {}", e.what())); }
     fmt::print(progress, "{}: weights from {}\n", program, o.init_from);
   }
@@ -543,7 +543,7 @@ private:
     std::string folder;
     try {
       folder = resolve_snapshot(o.resume_from_snapshot);
-      snap = engine.load_snapshot(folder);
+      snap = load_snapshot(engine, folder);
     } catch (const InputError &e) { throw InputError(fmt::format("--resume-from-snapshot {}", e.what())); }
     const auto refuse = [&](std::string_view why) {
       return InputError(fmt::format("--resume-from-snapshot {}: {}", folder, why));
@@ -571,14 +571,14 @@ private:
     if (ranks.rank > 0) return;
     const std::string folder = (std::filesystem::path(o.output_dir) / fmt::format("snapshot-{}", step)).string();
     try {
-      engine.save_snapshot(folder,
-                           {.step = step,
-                            .max_steps = summary.max_steps,
-                            .seed = o.seed,
-                            .run = run_flags,
-                            .data = data->state(),
-                            .model_definition = definition_digest(info.model)},
-                           moments);
+      save_snapshot(engine, folder,
+                    {.step = step,
+                     .max_steps = summary.max_steps,
+                     .seed = o.seed,
+                     .run = run_flags,
+                     .data = data->state(),
+                     .model_definition = definition_digest(info.model)},
+                    moments);
       remove_old_snapshots(o.output_dir, o.save_total_limit > 0 ? o.save_total_limit : INT_MAX);
     } catch (const InputError &e) { throw InputError(fmt::format("--output-dir: {}", e.what())); }
     if (!o.save_hf.empty() && step < summary.max_steps)

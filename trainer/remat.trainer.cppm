@@ -1,8 +1,10 @@
 // module remat.trainer: what the trainers share on top of the runtime. Data sources (idx files, text
 // corpora), the trainer (trainer/: flags (CLI11), the resolved run, the training loop with
-// evaluation and sampling, the summary and JSON), the plan report, kernel costs, and the
-// --save-initial safetensors file.
+// evaluation and sampling, the summary and JSON), the plan report, kernel costs, snapshot folders,
+// files that survive a crash, safetensors files and the --save-initial file.
 module;
+#include <functional>
+#include <iosfwd>
 #include <cstdint>
 #include <cstdio>
 #include <map>
@@ -17,6 +19,110 @@ export import remat.runtime;
 import remat;
 
 export namespace remat::runtime {
+
+// What a snapshot holds besides the parameters and the AdamW moments: where the run stands and
+// what shaped it, so that a run resumed with the same flags repeats the uninterrupted one exactly
+// (a resume with other flags is refused).
+struct SnapshotState {
+  long step = 0, max_steps = 0;
+  std::uint64_t seed = 0;
+  std::string run;               // the flags that shape the run (steps, batch, schedule...); must match on resume
+  std::string data;              // DataSource::state()
+  std::string model_definition;  // definition_digest(model)
+  std::string remat_version;     // of the remat that wrote it (load_snapshot fills it)
+};
+
+// Every parameter's AdamW moments in the flat parameters' layout.
+struct Moments {
+  std::span<const float> m, v;
+};
+
+// Snapshot folders (snapshot.cpp): built as <folder>.tmp, every file fsync'ed, then renamed.
+// load_snapshot() checks every CRC-32, size, name and shape, that it is of this model and that
+// its parameters are finite, before it changes anything.
+// With a sharded optimizer (Plan::shard_slots) the moments are every rank's, in the flat
+// parameters' layout (the trainer gathers them); load_snapshot keeps this plan's shard.
+void save_snapshot(Engine &engine, const std::string &folder, const SnapshotState &state, const Moments &moments = {});
+SnapshotState load_snapshot(Engine &engine, const std::string &folder);
+// --init-from: the parameters from a safetensors file of PyTorch names and layouts
+// (named_parameters; F32, BF16 or F16; a snapshot folder means its model.safetensors), every
+// mismatch of names, shapes and dtypes listed in one InputError.
+void load_weights(Engine &engine, const std::string &path);
+
+// Files that survive a crash (files.cpp). write_atomically runs write(out) on <path>.tmp,
+// fsyncs it, renames it to path and fsyncs the folder, so that no file is ever half-written;
+// errors are one line (InputError) starting with `what` and the path (a full disk: "No space left
+// on device").
+void write_atomically(const std::string &path, std::string_view what, const std::function<void(std::ostream &)> &write);
+void sync_path(const std::string &path, std::string_view what);  // fsync a file or a folder
+// Before a long run that writes `path` at its end: one line (InputError) starting with `what` and
+// the path now if it is a folder or <path>.tmp cannot be created.
+void check_writable(const std::string &path, std::string_view what);
+std::vector<std::byte> read_bytes(const std::string &path);  // errors: "<path>: <problem>"
+std::string crc32_hex(std::span<const std::byte> bytes);     // zlib's CRC-32, 8 hex digits
+
+// safetensors (huggingface/safetensors): an 8-byte little-endian header length, a JSON header
+// {name: {dtype, shape, data_offsets: [begin, end)}, "__metadata__": {string: string}} padded with
+// spaces, then the tensors' data back to back.
+struct SafetensorsTensor {
+  std::string name, dtype;  // "F32", "BF16", "I32"...
+  std::vector<long long> shape;
+  std::size_t begin = 0, end = 0;  // in the data section
+};
+struct Safetensors {
+  std::map<std::string, std::string> metadata;
+  std::vector<SafetensorsTensor> tensors;  // in header order
+  std::vector<std::byte> bytes;            // the whole file
+  std::size_t data_start = 0;
+  const SafetensorsTensor *find(std::string_view name) const;
+  std::span<const std::byte> data(const SafetensorsTensor &t) const;
+};
+// Every size, offset, dtype and shape checked before use (no holes, overlaps or trailing bytes);
+// a problem is one InputError starting with `what`.
+Safetensors parse_safetensors(std::vector<std::byte> file, std::string_view what);
+Safetensors read_safetensors(const std::string &path);
+// A floating-point tensor of a file as floats (F32, BF16 or F16).
+std::vector<float> floats(const Safetensors &file, const SafetensorsTensor &t);
+// tensors[i] (dtype and shape; offsets ignored) holds data[i]; each tensor's CRC-32 goes into the
+// metadata as "crc32.<name>". Written with write_atomically.
+void write_safetensors(const std::string &path, std::string_view what, std::map<std::string, std::string> metadata,
+                       std::span<const SafetensorsTensor> tensors, std::span<const std::span<const std::byte>> data);
+
+// The plan's parameters as PyTorch names and lays them out (snapshot.cpp): layer l of block b of
+// stage s is stages.<s>.blocks.<b>.layers.<l>; a linear's weight [out, in] (nn.Linear's; remat
+// keeps [in, out]: transposed) and bias [out]; a norm's weight and bias [C]; an embedding's
+// token.weight [V, C] and position.weight [T, C].
+struct NamedParameter {
+  std::string name;
+  TensorId id;
+  std::vector<long long> shape;  // in the file
+  bool transposed = false;       // the file holds the transpose of remat's [in, out]
+};
+std::vector<NamedParameter> named_parameters(const Plan &plan);
+// A parameter's values in a buffer of the flat parameters' layout (params, grads, and adam_m,
+// adam_v unless the optimizer is sharded: Plan::shard_slots).
+template <class T>
+std::span<T> parameter_in(std::span<T> flat, const Plan &plan, TensorId param) {
+  const Tensor &t = plan.tensors[std::size_t(param.index)];
+  if (t.view_of != plan.params().index) throw std::logic_error("a parameter outside the plan's parameter buffer");
+  return flat.subspan(t.offset / sizeof(float), std::size_t(t.extent[0] * (t.dims == 2 ? t.extent[1] : 1)));
+}
+std::vector<float> to_file_layout(const NamedParameter &p, std::span<const float> values);
+void from_file_layout(const NamedParameter &p, std::span<const float> file, std::span<float> values);
+// A digest of what the parameters mean: the input, the stages and their layers (kinds and sizes;
+// not policies or names).
+std::string definition_digest(const Model &m);
+
+// Snapshot folders of an --output-dir: snapshot-<step> by step (incomplete ones are *.tmp, not
+// listed); resolve_snapshot() takes a snapshot folder, or a folder of them (then its newest);
+// remove_old_snapshots() keeps the newest `keep` and removes what interrupted saves left;
+// check_output_dir() creates the folder and probes that it is writable and has room for a snapshot.
+std::vector<std::pair<long, std::string>> snapshot_folders(const std::string &dir);
+std::string resolve_snapshot(const std::string &path);
+void remove_old_snapshots(const std::string &dir, int keep);
+std::size_t snapshot_bytes(const Plan &plan);
+std::string_view remat_version();  // the project's version (CMakeLists.txt)
+void check_output_dir(const std::string &dir, std::size_t bytes);
 
 // Fashion-MNIST style idx files (gzip or plain): images scaled to [0, 1], labels 0..classes-1. The
 // header (magic, sizes: none 0, data bytes exactly their product), the label count and every label

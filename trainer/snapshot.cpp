@@ -26,7 +26,7 @@ module;
 #include <vector>
 
 #include <sys/statvfs.h>
-module remat.runtime;
+module remat.trainer;
 import remat;
 
 #ifndef REMAT_VERSION
@@ -244,14 +244,14 @@ void write_snapshot_files(Executor &ex, std::string_view model_name, const fs::p
 }
 }  // namespace
 
-void Engine::save_snapshot(const std::string &folder, const SnapshotState &state, const Moments &moments) {
+void save_snapshot(Engine &engine, const std::string &folder, const SnapshotState &state, const Moments &moments) {
   const fs::path done(folder), tmp = folder + ".tmp", old = folder + ".old";
   std::error_code ec;
   fs::remove_all(tmp, ec);
   if (!fs::create_directories(tmp, ec) || ec)
     throw InputError(fmt::format("snapshot {}: cannot create the folder ({})", tmp.string(), ec.message()));
   try {
-    write_snapshot_files(executor, model_name, tmp, state, moments);
+    write_snapshot_files(engine.executor, engine.model_name, tmp, state, moments);
     if (fs::exists(done)) fs::rename(done, old);  // a snapshot of the same step (a repeated run) is replaced
     fs::rename(tmp, done);
     fs::remove_all(old);
@@ -304,7 +304,10 @@ Safetensors read_part(const fs::path &folder, const char *name, const nlohmann::
 }
 }  // namespace
 
-SnapshotState Engine::load_snapshot(const std::string &folder) {
+SnapshotState load_snapshot(Engine &engine, const std::string &folder) {
+  const Plan &plan = engine.plan;
+  const std::string &model_name = engine.model_name;
+  Executor &executor = engine.executor;
   const std::string &what = folder;
   const nlohmann::json j = read_state(folder, what);
   SnapshotState state;
@@ -355,7 +358,9 @@ SnapshotState Engine::load_snapshot(const std::string &folder) {
   return state;
 }
 
-void Engine::load_weights(const std::string &path) {
+void load_weights(Engine &engine, const std::string &path) {
+  const Plan &plan = engine.plan;
+  Executor &executor = engine.executor;
   std::string file = path;
   if (std::error_code ec; fs::is_directory(path, ec))
     file = (fs::path(path) / model_file).string();  // a snapshot folder
@@ -365,7 +370,7 @@ void Engine::load_weights(const std::string &path) {
   for (const NamedParameter &p : params) expected[p.name] = p.shape;
   if (const auto bad = mismatches(st, expected, false, true); !bad.empty())
     throw InputError(fmt::format("{}: {} mismatch{} with model {}: {}", file, bad.size(), bad.size() == 1 ? "" : "es",
-                                 model_name, fmt::join(bad, "; ")));
+                                 engine.model_name, fmt::join(bad, "; ")));
   executor.download(plan.params());
   for (const NamedParameter &p : params)
     from_file_layout(p, floats(st, *st.find(p.name)), in_buffer(executor, plan, plan.params(), p));

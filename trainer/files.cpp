@@ -27,7 +27,7 @@ module;
 #include <fcntl.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
-module remat.runtime;
+module remat.trainer;
 import remat;
 
 namespace remat::runtime {
