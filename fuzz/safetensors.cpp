@@ -4,7 +4,7 @@
 // Input: the file.
 #include "fuzz.h"
 
-import remat.runtime;
+import remat.trainer;
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t *data, std::size_t size) {
   namespace rt = remat::runtime;
