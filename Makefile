@@ -145,11 +145,13 @@ install: build
 # Each benchmark's output becomes a page of the manual, docs/results/<name>.md, with the command,
 # the date and the CPU (scripts/bench-page.py): tables of figures in docs/ are generated, not pasted.
 BENCH_PAGE = python3 scripts/bench-page.py
-bench: build
+bench: build $(BPE_DATA)/tokenizer.json
 	$(VENV)/bin/cmake --build $(BUILD) --target bench-budget
 	$(BENCH_PAGE) policies --title "Checkpoint policies: step time and memory" -- $(BUILD)/bin/bench-policies 20
 	$(BENCH_PAGE) budget --title "Budget plans against uniform policies" -- $(BUILD)/bin/bench-budget 20
 	$(BENCH_PAGE) gemm --title "remat's CPU GEMMs at the models' shapes" -- $(BUILD)/bin/bench-gemm 30
+	$(BENCH_PAGE) ranks --title "Data-parallel ranks against one process" -- \
+	  $(VENV)/bin/python bench/ranks.py --models gpt,mlp,gpt_bpe --policies none,full --rounds 2 --steps 20
 	$(BUILD)/bin/bench-gpu
 
 # remat against PyTorch eager and torch.compile on this CPU, side by side (bench/cpu.py; writes

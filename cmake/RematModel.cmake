@@ -6,9 +6,13 @@
 # at build time and yields the library <name>_kernels, whose C++ module `<name>.kernels` exports
 # the kernel tables (`table` for the CPU, `cuda_table` for CUDA); trainers link it and `import <name>.kernels;`.
 # OPENCL: also generate the GPU schedules for OpenCL (table `opencl_table`), for the tests that
-# run them on PoCL.
+# run them on PoCL. CPU_TARGETS: the CPU kernels' Halide targets, best first (default
+# REMAT_CPU_TARGETS; a model that only runs on CUDA needs the baseline alone, its host code).
 function(remat_add_model name)
-  cmake_parse_arguments(ARG "OPENCL" "MODULE" "" ${ARGN})
+  cmake_parse_arguments(ARG "OPENCL" "MODULE;CPU_TARGETS" "" ${ARGN})
+  if(NOT ARG_CPU_TARGETS)
+    set(ARG_CPU_TARGETS "${REMAT_CPU_TARGETS}")
+  endif()
   set(opencl_flag "")
   if(ARG_OPENCL)
     set(opencl_flag "--opencl")
@@ -30,9 +34,9 @@ int main(int argc, char **argv) { return remat::modelc::main(argc, argv, ${name}
   set(dir ${CMAKE_CURRENT_BINARY_DIR}/kernels)
   add_custom_command(
     OUTPUT ${dir}/lib${name}_kernels.a ${dir}/${name}.kernels.cppm
-    COMMAND ${name}-modelc --out ${dir} --cpu-targets ${REMAT_CPU_TARGETS} --cuda-capability ${REMAT_CUDA_CAPABILITY} ${opencl_flag}
+    COMMAND ${name}-modelc --out ${dir} --cpu-targets ${ARG_CPU_TARGETS} --cuda-capability ${REMAT_CUDA_CAPABILITY} ${opencl_flag}
     DEPENDS ${name}-modelc
-    COMMENT "Generating Halide kernels for model ${name} (${REMAT_CPU_TARGETS}; CUDA sm_${REMAT_CUDA_CAPABILITY} ${opencl_flag})")
+    COMMENT "Generating Halide kernels for model ${name} (${ARG_CPU_TARGETS}; CUDA sm_${REMAT_CUDA_CAPABILITY} ${opencl_flag})")
   add_custom_target(${name}_kernels_generated DEPENDS ${dir}/lib${name}_kernels.a ${dir}/${name}.kernels.cppm)
 
   add_library(${name}_kernels STATIC)

@@ -23,12 +23,12 @@ from cpu import cpu_info  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], usage="%(prog)s NAME [--title TITLE] -- COMMAND...")
     ap.add_argument("name", help="the page: docs/results/NAME.md")
     ap.add_argument("--title", help="the page's heading (default: NAME)")
-    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARG...]")
-    args = ap.parse_args()
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    own, command = (sys.argv[1:], []) if "--" not in sys.argv else \
+        (sys.argv[1:sys.argv.index("--")], sys.argv[sys.argv.index("--") + 1:])
+    args = ap.parse_args(own)
     if not command:
         ap.error("no command after --")
     started = datetime.datetime.now(datetime.timezone.utc)
