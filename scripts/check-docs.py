@@ -13,7 +13,7 @@ root = pathlib.Path(__file__).resolve().parent.parent
 docs = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
 sources = [p for pattern in ("examples/**/*.cppm", "examples/**/CMakeLists.txt", "tests/**/*.cppm", "tests/**/*.cpp",
                              "tests/**/CMakeLists.txt", "bench/*.cppm", "generators/kinds/*/traits.cppm",
-                             "dsl/*.cppm", "cmake/*.cmake", "runtime/*.cppm")
+                             "dsl/**/*.cppm", "cmake/*.cmake", "runtime/*.cppm", "trainer/*.cppm")
            for p in root.glob(pattern) if "build" not in p.relative_to(root).parts[:1]]
 texts = {p: [line.rstrip() for line in p.read_text().splitlines()] for p in sources}
 fence = re.compile(r"^```(c\+\+|cpp|cmake)\s*$")
