@@ -47,7 +47,8 @@ results = {}  # case -> (losses, parameters)
 
 def train(program, args, case, ranks, env=None):
     out = os.path.join(scratch, case)
-    command = [program, *args, "--max-steps", "10", "--json", "--logging-dir", out, "--output-dir", out]
+    command = [program, *args, "--max-steps", "10", "--json", "--logging-dir", out, "--output-dir", out,
+               "--sample-length", "0"]  # no sample after training: it would cost more than the steps
     if "--eval-samples" not in args:
         command += ["--eval-samples", "0"]
     r = run(MPIRUN + command if ranks > 1 else command, case, env)

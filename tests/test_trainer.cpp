@@ -426,7 +426,7 @@ BOOST_AUTO_TEST_CASE(token_files_train_with_and_without_the_header) {
   write_file("llmc/val.bin", with_header(val_tokens));
   const std::string raw_train = write_file("raw-train.bin", token_bytes(train_tokens)).string();
   const std::string raw_val = write_file("raw-val.bin", token_bytes(val_tokens)).string();
-  const std::string common = "--max-steps 3 --batch-size 4 --eval-samples 8 --json";
+  const std::string common = "--max-steps 3 --batch-size 4 --eval-samples 8 --json --sample-length 100";
   const Result llmc = run(TRAIN_GPT_BPE, common + " --data-dir " + (scratch_dir() / "tokens/llmc").string());
   const Result raw = run(TRAIN_GPT_BPE, common + " --train-file " + raw_train + " --validation-file " + raw_val);
   BOOST_TEST_REQUIRE(llmc.exit_code == 0, llmc.err);

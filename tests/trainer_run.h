@@ -53,11 +53,15 @@ inline fs::path scratch_dir() {
   return scratch.path;
 }
 
-// `program args` through /bin/sh; shell_prefix goes before it ("ulimit -f 100; ").
+// `program args` through /bin/sh; shell_prefix goes before it ("ulimit -f 100; "). A trainer
+// generates no sample after training unless args ask for one (--sample-length N): the sample
+// costs a token model's run more than a test's few steps.
 inline Result run(const std::string &program, const std::string &args, const std::string &shell_prefix = "") {
   const fs::path out = scratch_dir() / "stdout", err = scratch_dir() / "stderr";
+  const bool trainer = fs::path(program).filename().string().starts_with("train-");
+  const std::string sample = trainer && args.find("--sample-length") == std::string::npos ? " --sample-length 0" : "";
   const std::string cmd =
-      shell_prefix + program + " " + args + " >" + out.string() + " 2>" + err.string() + " </dev/null";
+      shell_prefix + program + " " + args + sample + " >" + out.string() + " 2>" + err.string() + " </dev/null";
   const int status = std::system(cmd.c_str());
   return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), slurp(out), slurp(err)};
 }

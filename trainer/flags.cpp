@@ -163,6 +163,11 @@ void add_data_options(CLI::App &app, Options &o) {
       ->check(non_negative)
       ->capture_default_str()
       ->group(group);
+  app.add_option("--sample-length", o.sample_length,
+                 "token models: tokens (characters) generated from a validation prompt after training (0: none)")
+      ->check(non_negative)
+      ->capture_default_str()
+      ->group(group);
 }
 
 void add_output_options(CLI::App &app, Options &o) {
@@ -457,6 +462,7 @@ ParsedFlags parse_flags(int argc, char **argv, const ModelInfo &info, const std:
   o.warmup_steps = d.warmup_steps;
   o.eval_samples = d.eval_samples;
   o.eval_steps = d.eval_steps;
+  o.sample_length = d.sample_length;
   o.data_dir = d.data_dir;
   try {
     Options scratch = o;

@@ -138,11 +138,10 @@ std::vector<std::int32_t> generate(const ModelInfo &info, Device device, Precisi
 // The sample after training: text as characters; token ids as numbers, the prompt first, for the
 // tokenizer to decode (scripts/bpe.py decode), since the trainer does not know it.
 void print_sample(std::FILE *progress, const ModelInfo &info, const Run &run, Executor &ex, const DataSource &data,
-                  std::uint64_t seed) {
+                  int length, std::uint64_t seed) {
   const std::vector<std::int32_t> prompt = data.sample_prompt();
-  if (info.defaults.sample_length <= 0 || prompt.empty()) return;
-  const std::vector<std::int32_t> ids =
-      generate(info, run.device, run.precision, ex, prompt, info.defaults.sample_length, seed);
+  if (length <= 0 || prompt.empty()) return;
+  const std::vector<std::int32_t> ids = generate(info, run.device, run.precision, ex, prompt, length, seed);
   if (info.data == Data::tokens)
     fmt::print(progress, "sample ids: {} {}\n", fmt::join(prompt, " "), fmt::join(ids, " "));
   else
@@ -286,7 +285,7 @@ public:
       metrics->finish(summary.last_step, epoch(summary.last_step), loss_total / steps, seconds_since(started), steps,
                       steps * run.batch * run.micro * ranks.size);
     }
-    if (ended && ranks.rank == 0) print_sample(progress, info, run, ex, *data, o.seed);
+    if (ended && ranks.rank == 0) print_sample(progress, info, run, ex, *data, o.sample_length, o.seed);
     if (ended && ranks.rank == 0 && !o.save_hf.empty()) save_hf(o.save_hf);
     return finish();
   }

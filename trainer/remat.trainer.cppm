@@ -421,6 +421,7 @@ struct Options {
   std::string train_file, validation_file;  // Data::tokens only
   int eval_samples = -1;
   int eval_steps = 0;
+  int sample_length = 0;  // token models: tokens generated after training (0: none)
   int logging_steps = 50;
   std::string logging_dir;  // metrics.jsonl and trainer_state.json
   bool json = false;
