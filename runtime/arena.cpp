@@ -1,29 +1,14 @@
 // The arena (one allocation a plan's tensors live in, with the canary and the guard) and the
 // heap counters the executor and the tests read (runtime/heap_hooks.cpp counts).
 module;
-#include <HalideRuntime.h>
-#include <HalideRuntimeCuda.h>
-
 #include "cuda_device.h"
-#include "gemm.h"
-
 #include <fmt/format.h>
-
 #include <algorithm>
-#include <chrono>
-#include <cctype>
-#include <climits>
-#include <cmath>
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <map>
-#include <memory>
-#include <span>
-#include <string>
-#include <string_view>
-#include <vector>
 module remat.runtime;
 import remat;
 

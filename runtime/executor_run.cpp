@@ -2,27 +2,16 @@
 // free-memory check, REMAT_CUDA_SYNC), the observers, the offload copies, the heap counted.
 module;
 #include <HalideRuntime.h>
-#include <HalideRuntimeCuda.h>
-
-#include "cuda_device.h"
-#include "gemm.h"
-
 #include <fmt/format.h>
-
 #include <algorithm>
-#include <chrono>
-#include <cctype>
-#include <climits>
-#include <cmath>
 #include <atomic>
-#include <cstdint>
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <map>
-#include <memory>
-#include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 module remat.runtime;
 import remat;

@@ -1,28 +1,10 @@
 // Offload: checkpoints and named internals to the pinned host buffer and back.
 module;
-#include <HalideRuntime.h>
-#include <HalideRuntimeCuda.h>
-
 #include "cuda_device.h"
-#include "gemm.h"
-
 #include <fmt/format.h>
-
-#include <algorithm>
-#include <chrono>
-#include <cctype>
-#include <climits>
-#include <cmath>
-#include <atomic>
-#include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <map>
-#include <memory>
-#include <span>
-#include <string>
-#include <string_view>
-#include <vector>
+#include <stdexcept>
 module remat.runtime;
 import remat;
 

@@ -1,27 +1,15 @@
 // REMAT_PROFILE: per kernel, its time and rates against this machine's roofs.
 module;
 #include <HalideRuntime.h>
-#include <HalideRuntimeCuda.h>
-
-#include "cuda_device.h"
 #include "gemm.h"
-
-#include <fmt/format.h>
-
 #include <algorithm>
 #include <chrono>
-#include <cctype>
-#include <climits>
-#include <cmath>
-#include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
-#include <memory>
-#include <span>
 #include <string>
-#include <string_view>
 #include <vector>
 module remat.runtime;
 import remat;
