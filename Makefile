@@ -15,7 +15,7 @@ BENCH_ARGS ?=
 TOKENIZE_PY_PKGS := tokenizers==0.23.3
 BPE_DATA := $(BUILD)/data/fortunes-bpe
 
-.PHONY: all deps build install train train-gpt train-mlp train-llama train-gpt-bpe train-gpt2 train-smollm2 test-transformers-full test test-sanitize fuzz bench bench-cpu bench-py-pkgs device-bundle clean
+.PHONY: all deps build install train train-gpt train-mlp train-llama train-gpt-bpe train-gpt2 train-smollm2 test-transformers-full test test-sanitize fuzz bench bench-cpu bench-hf bench-py-pkgs device-bundle clean
 
 all: build
 
@@ -159,6 +159,17 @@ bench: build $(BPE_DATA)/tokenizer.json
 bench-cpu: build bench-py-pkgs $(BPE_DATA)/tokenizer.json
 	$(BENCH_PAGE) gemm-torch --title "remat's GEMMs against torch.matmul" -- $(VENV)/bin/python bench/gemm.py
 	$(BENCH_PAGE) cpu --title "remat against PyTorch eager and torch.compile" -- $(VENV)/bin/python bench/cpu.py $(BENCH_ARGS)
+
+# GPT-2 124M and SmolLM2-135M against Transformers (bench/hf.py: every policy and budget plans
+# against checkpointing off and on, fp32 and bf16, a fresh process a row; its table also goes into
+# README.md) and the attention alone against PyTorch's SDPA (bench/attention.py). Flags for
+# bench/hf.py: HF_ARGS="--models gpt2 --precisions bf16" (the whole run takes about an hour on two cores).
+HF_ARGS ?=
+bench-hf: build bench-py-pkgs $(BPE_DATA)/tokenizer.json
+	$(VENV)/bin/cmake --build $(BUILD) --target train-gpt2 train-smollm2 bench-attention
+	$(BENCH_PAGE) attention --title "Causal attention against PyTorch's SDPA" -- $(VENV)/bin/python bench/attention.py
+	$(BENCH_PAGE) hf --title "GPT-2 124M and SmolLM2-135M against Transformers" --markdown --readme -- \
+	  $(VENV)/bin/python bench/hf.py $(HF_ARGS)
 
 # What scripts/device-check.sh needs on a GPU machine without registries, in .device/.
 device-bundle: build

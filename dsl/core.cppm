@@ -184,6 +184,9 @@ struct Kind {
   bool buffered = false;
   bool recomputed_by_selective = false;  // what Megatron-style selective recomputes in backward
   bool gemm = false;                     // y = x w (+ b): GEMM weight copies, starts an epilogue chain
+  // Its CPU kernels are library calls that read their input from a buffer (as GEMMs do): the
+  // planner materializes the input.
+  bool reads_input_buffer = false;
   bool chain_link = false;   // elementwise on its source, continues an epilogue chain (dropout, residual sum)
   bool draws_masks = false;  // reads the dropout counters (seed, step, block)
   // Element (c, b) of its output depends on element (c, b) of its input alone, and so does its

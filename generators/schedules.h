@@ -83,10 +83,6 @@ public:
     lanes.compute_at(f, s).reorder_storage(u, s, h, v.b).vectorize(u);
     lanes.update().reorder(u, rdo, s).vectorize(u);
   }
-  // out(c, b) = sum over positions of weights(., c / D, b) * rows(c): vectors along c.
-  void weighted_sum(Func f) {
-    if (!gpu) f.update().vectorize(v.c, vec, TailStrategy::GuardWithIf);
-  }
   // out(c) = epilogue(sum over rows of ...): `sum` is computed vector by vector inside `out`
   void column_sum(Func out, Func sum, RVar rows, int cols) {
     Var co("co"), ci("ci");
@@ -105,8 +101,6 @@ public:
     sum.update().reorder(v.c, rows).vectorize(v.c);
   }
 
-  // Whether every tile buffer ([T, T] and [T, D] floats) fits Halide's stack allocations (16 KiB:
-  // beyond that Halide's "stack" memory comes from the heap, which no kernel may use).
   // Halide keeps a constant-size buffer on the stack up to 16 KiB, and takes larger ones from the
   // heap (which no kernel may do): buffers a schedule puts on the stack must fit this.
   static bool fits_stack(long long bytes) { return bytes <= 16 * 1024; }
@@ -156,18 +150,6 @@ public:
   const Vars &v;
   int vec;
   bool gpu;
-
-  // The largest of `sizes` that divides `extent` (1 when none does).
-  static int dividing(int extent, std::initializer_list<int> sizes) {
-    for (int size : sizes)
-      if (extent % size == 0) return size;
-    return 1;
-  }
-  // f(t, ...) vectorized over query positions t where whole vectors fit.
-  template <class S>
-  void positions(S &&f) {
-    f.vectorize(Var("t"), vec, TailStrategy::GuardWithIf);
-  }
 };
 
 }  // namespace remat::gen

@@ -4,6 +4,7 @@
 // sequential GEMMs (fp32 or bf16), in row bands on Halide's threads. The OpenCL test build's GEMMs
 // run on the host too: inputs are brought to host memory, the product computed there and sent
 // back to the device, where the kernel's next stages read it.
+#include "attention.h"
 #include "bf16.h"
 #include "cuda_device.h"
 #include "gemm.h"
@@ -299,13 +300,15 @@ int warm_up_thread(void *, int, uint8_t *closure) {
     g.trans_a = t & 1, g.trans_b = t & 2;
     gemm_band(g, 0, g.m);
   }
+  attention_warm_up();
   return 0;
 }
 }  // namespace
 
 void gemm_warm_up() {
   static const bool done = [] {
-    const int threads = halide_set_num_threads(0);  // 0: Halide's default; the old value comes back
+    int threads = halide_set_num_threads(0);                // 0: Halide's default; the old value comes back
+    if (threads <= 0) threads = halide_set_num_threads(0);  // no pool yet: the default is the count
     halide_set_num_threads(threads);
     gemm_threads = std::max(1, threads);
     WarmUp w;

@@ -90,20 +90,21 @@ constexpr bool continues_chain(const Block &b, int j) {
   if (k.gemm) return true;
   return k.chain_link && b.source(j) >= 0 && continues_chain(b, b.source(j));
 }
-constexpr bool feeds_linear(const Block &b, int j) {
+// Whether a library call (a GEMM, the CPU attention) reads output j from a buffer.
+constexpr bool feeds_library(const Block &b, int j) {
   for (int k = j + 1; k < b.n_layers; ++k)
-    if (b.source(k) == j && kind(b.layers[k].op).gemm) return true;
+    if (b.source(k) == j && (kind(b.layers[k].op).gemm || kind(b.layers[k].op).reads_input_buffer)) return true;
   return false;
 }
 
 // Output j has a buffer of its own whenever it exists outside registers: GEMM, GELU and
-// attention outputs, every linear input, and the end of an epilogue chain (its dropout masks are
-// hashed once, not by each reader). Everything else (LayerNorm output, ReLU, dropout and
-// residual sums of buffered values) is rebuilt elementwise where it is used.
+// attention outputs, every input of a linear or an attention, and the end of an epilogue chain
+// (its dropout masks are hashed once, not by each reader). Everything else (LayerNorm output,
+// ReLU, dropout and residual sums of buffered values) is rebuilt elementwise where it is used.
 constexpr bool materialized(const Block &b, int j) {
   if (!b.produces(j)) return false;
   const Kind &k = kind(b.layers[j].op);
-  if (k.buffered || feeds_linear(b, j)) return true;
+  if (k.buffered || feeds_library(b, j)) return true;
   return k.chain_link && b.source(j) >= 0 && continues_chain(b, b.source(j)) && !continues_chain(b, j);
 }
 
@@ -163,8 +164,11 @@ constexpr KernelTensors forward_tensors(const Block &b, Keep keep, Precision p =
 // The input gradient of linear k is written by the GEMM into its own buffer dp<k> when the
 // linear's input also gets gradient from elsewhere (then the sum is formed after, and rounded
 // once: dp<k> stays fp32, like a statistic).
+// A library call's input gradient (a GEMM's dy w^T, the CPU attention's dqkv) has a buffer of its
+// own when other terms are added to it.
 constexpr bool product_buffer(const Block &b, int k) {
-  return kind(b.layers[k].op).gemm && consumers(b, b.source(k)) > 1;
+  const Kind &kd = kind(b.layers[k].op);
+  return (kd.gemm || kd.reads_input_buffer) && consumers(b, b.source(k)) > 1;
 }
 constexpr LocalTensor product_of(const Block &b, int k) {
   return {key::product(b, k), 2, {b.layers[k].in, -1}, false, LocalTensor::Kind::statistic};

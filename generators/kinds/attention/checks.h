@@ -1,8 +1,8 @@
 // The attention kind's float64 layer checks (tests/kind_checks.h; its algorithm JIT-compiled in
 // float64): causal multi-head and grouped-query attention forward and FlashAttention-style
-// backward, by rows and by tiles, attention dropout from the counter-based RNG; each rule against
-// central finite differences and against a plain C++ reference (naive loops, its own softmax,
-// its own copy of the documented splitmix64 hash).
+// backward (the GPU kernels' formulation; tests/test_attention.cpp checks the CPU kernels'),
+// attention dropout from the counter-based RNG; each rule against central finite differences and against a plain C++
+// reference (naive loops, its own softmax, its own copy of the documented splitmix64 hash).
 //
 // Tolerances (compare.h: atol times the tensor's largest reference magnitude; NaN fails). The
 // objective is J = sum(y * R) for a fixed random R, so dJ/dy = R. Each limit sits just above
@@ -204,12 +204,8 @@ struct AttentionBackwardCheck : AttentionFixture {
   }
 };
 
-// Both formulations (by rows and by tiles).
 struct AttentionCausalMaskCheck : AttentionFixture {
-  void run() {
-    for (Func out : {tr.attention("attn", qkvp, C, H).out, tr.attention_tiles("tiles", qkvp, C, H).out})
-      expect_causal(out, qkv, C, T, rows);
-  }
+  void run() { expect_causal(tr.attention("attn", qkvp, C, H).out, qkv, C, T, rows); }
 };
 
 // Grouped-query attention: H = 4 query heads of D = 3 sharing KV = 2 key / value heads, with
@@ -232,27 +228,16 @@ struct GroupedQueryAttentionCheck : AttentionFixture {
     const Buffer<double> ob = Buffer<double>(out.realize({C12, rows})).copy(), lse = a.lse.realize({H4, rows}),
                          expect = gref.out();
     check_ref("gqa out", ob, [&](const int *q) { return expect(q); }, out_tol);
-    const Buffer<double> tiles =
-        tr.attention_tiles("gqa_tiles", xp, C12, H4, drop, {}, {}, KV).out.realize({C12, rows});
-    check_ref("gqa tiles out", tiles, [&](const int *q) { return expect(q); }, out_tol);
     auto g = tr.attention_grad("dgqa", xp, wrap(ob, "out"), wrap(lse, "lse"), wrap(dout, "dout"), C12, H4, drop, KV);
     Buffer<double> dx = g.dqkv.realize({W, rows});
     check_fd("gqa dqkv fd", x, dx, [&] { return objective(out, dout); }, {1e-9, 0});
     const Buffer<double> edx = gref.dqkv(dout);
     check_ref("gqa dqkv", dx, [&](const int *q) { return edx(q); }, dqkv_tol);
-    // dv from a key-side chain of its own (the CPU rows' schedule)
+    // dv from a key-side chain of its own
     const Buffer<double> own_dv = tr.attention_grad("dgqa_own_dv", xp, wrap(ob, "out_own_dv"), wrap(lse, "lse_own_dv"),
                                                     wrap(dout, "dout_own_dv"), C12, H4, drop, KV, true)
                                       .dqkv.realize({W, rows});
     check_ref("gqa dqkv (dv's own chain)", own_dv, [&](const int *q) { return edx(q); }, dqkv_tol);
-    // by (sequence, key / value head) tiles, each shared head's gradient summed over its group
-    const Func tiles_out = wrap(ob, "out_tiles"), tiles_dout = wrap(dout, "dout_tiles");
-    auto tg =
-        tr.attention_tiles_grad("dgqa_tiles", xp, tr.attention_delta("dgqa_tiles", tiles_out, tiles_dout, C12, H4),
-                                wrap(lse, "lse_tiles"), tiles_dout, C12, H4, drop, Expr(rows), "dqkv_tiles", KV);
-    Buffer<double> tdx = tg.dqkv.realize({W, rows});
-    check_ref("gqa tiles dqkv", tdx, [&](const int *q) { return edx(q); }, dqkv_tol);
-    check_fd("gqa tiles dqkv fd", x, tdx, [&] { return objective(out, dout); }, {1e-9, 0});
   }
 };
 
@@ -265,8 +250,7 @@ struct RopeAttentionCausalMaskCheck : Fixture {
     Buffer<double> qkv = random({3 * C, rows}, -1.5, 1.5);
     ImageParam qkvp = param(qkv, "qkv");
     Func rotated = gen::Rope(seq).rotate("rot", qkvp, H, H, D);
-    for (Func out : {tr.attention("attn", rotated, C, H).out, tr.attention_tiles("tiles", rotated, C, H).out})
-      expect_causal(out, qkv, C, T, rows);
+    expect_causal(tr.attention("attn", rotated, C, H).out, qkv, C, T, rows);
   }
 };
 
@@ -303,39 +287,6 @@ struct AttentionDropoutMaskRecomputeCheck : AttentionFixture {
   }
 };
 
-// The forward by (sequence, head) tiles (attention_tiles, the CPU kernels'): out and lse against
-// the plain reference, undropped and dropped, with the tolerances of the row formulation; the
-// gradient by tiles (attention_tiles_grad) from its out and lse against the reference and
-// against finite differences of its out; both masks against the C++ hash, bit for bit.
-struct AttentionTilesMatchTheReferenceCheck : AttentionFixture {
-  void run() {
-    for (bool dropped : {false, true}) {
-      BOOST_TEST_CONTEXT((dropped ? "dropout" : "no dropout")) {
-        const Dropout d = dropped ? drop : Dropout{};
-        const AttentionRef r = dropped ? dropped_ref() : ref;
-        gen::AttentionTiles fwd = tr.attention_tiles("tiles", qkvp, C, H, d);
-        Buffer<double> out = fwd.out.realize({C, rows}), lse = fwd.lse.realize({H, rows});
-        const Buffer<double> expect_out = r.out();
-        check_ref("tiles out", out, [&](const int *q) { return expect_out(q); }, out_tol);
-        check_ref("tiles lse", lse, [&](const int *q) { return lse_ref(q); }, lse_tol);
-        const Func outf = wrap(out, "out"), dout = wrap(R, "dout");
-        gen::AttentionTilesGrad bwd =
-            tr.attention_tiles_grad("dtiles", qkvp, tr.attention_delta("dtiles", outf, dout, C, H), wrap(lse, "lse"),
-                                    dout, C, H, d, Expr(rows), "dqkv");
-        Buffer<double> dqkv = bwd.dqkv.realize({3 * C, rows});
-        const Buffer<double> expect_dqkv = r.dqkv(R);
-        check_ref("tiles dqkv", dqkv, [&](const int *q) { return expect_dqkv(q); }, dqkv_tol);
-        check_fd("tiles dqkv fd", qkv, dqkv, [&] { return objective(fwd.out, R); }, {2e-9, 0});
-        if (dropped) {  // keep(t, s, h, n)
-          auto by_tile = [](const int *q) { return mult_ref(q[2], q[3], q[0], q[1]); };
-          check_ref("tiles mask", Buffer<double>(fwd.keep.realize({T, T, H, N})), by_tile, exact);
-          check_ref("tiles backward mask", Buffer<double>(bwd.keep.realize({T, T, H, N})), by_tile, exact);
-        }
-      }
-    }
-  }
-};
-
 // p = 0 is exactly no dropout. A constant p = 0 builds no mask at all (the plain pipeline, which
 // the tests above check). The run-time form (threshold 0, scale 1) does evaluate the mask: every
 // factor is exactly 1, and out, lse and dqkv match the undropped reference as the plain ones do.
@@ -368,7 +319,6 @@ struct KindChecks<Op::attention> {
       {"rope_attention_causal_mask", run_check<RopeAttentionCausalMaskCheck>},
       {"attention_dropout_backward", run_check<AttentionDropoutBackwardCheck>},
       {"attention_dropout_mask_recompute", run_check<AttentionDropoutMaskRecomputeCheck>},
-      {"attention_tiles_match_the_reference", run_check<AttentionTilesMatchTheReferenceCheck>},
       {"attention_dropout_p0", run_check<AttentionDropoutP0Check>}};
 };
 
