@@ -163,7 +163,7 @@ bench-cpu: build bench-py-pkgs $(BPE_DATA)/tokenizer.json
 # GPT-2 124M and SmolLM2-135M against Transformers (bench/hf.py: every policy and budget plans
 # against checkpointing off and on, fp32 and bf16, a fresh process a row; its table also goes into
 # README.md) and the attention alone against PyTorch's SDPA (bench/attention.py). Flags for
-# bench/hf.py: HF_ARGS="--models gpt2 --precisions bf16" (the whole run takes about an hour on two cores).
+# bench/hf.py: HF_ARGS="--models gpt2 --precisions bf16" (the whole run takes about half an hour on two cores).
 HF_ARGS ?=
 bench-hf: build bench-py-pkgs $(BPE_DATA)/tokenizer.json
 	$(VENV)/bin/cmake --build $(BUILD) --target train-gpt2 train-smollm2 bench-attention

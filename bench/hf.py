@@ -132,7 +132,7 @@ def hf_row(args, model, precision, checkpointing):
 def table(model, precision, rows):
     mib = 1 << 20
     hf = {r["plan"]: r for r in rows if r["system"] == "Transformers"}
-    lines = [f"\n{MODELS[model]}, {precision}, batch 1 x 1024 tokens",
+    lines = [f"\n**{MODELS[model]}, {precision}, batch 1 x 1024 tokens**\n",
              "| system | plan | step ms | peak RSS MiB | planned = measured | heap in a step | grad_digest "
              "| Transformers / remat step | RSS above the floor, remat / Transformers |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -149,14 +149,18 @@ struct Problem {
   int sequences() const { return a.rows / a.T; }
 };
 
-// Row i of x [m, chunk] keeps columns [first(i), last(i)) as x - shift(i, j), the rest -inf;
-// then x = exp(x) over the whole block (masked entries exact zeros).
-template <class First, class Last, class Shift>
-void masked_exp(float *x, int m, First first, Last last, Shift shift) {
+// Row i of x [m, chunk] keeps columns [first(i), last(i)) as x - row_shift[i] (query rows) or
+// x - column_shift[j] (key rows), the rest -inf; then x = exp(x) over the whole block (masked
+// entries exact zeros).
+template <class First, class Last>
+void masked_exp(float *x, int m, First first, Last last, const float *row_shift, const float *column_shift) {
   for (int i = 0; i < m; ++i) {
     const int lo = first(i), hi = last(i);
     float *row = x + i * chunk;
-    for (int j = 0; j < chunk; ++j) row[j] = j >= lo && j < hi ? row[j] - shift(i, j) : minus_inf;
+    if (column_shift)
+      for (int j = 0; j < chunk; ++j) row[j] = j >= lo && j < hi ? row[j] - column_shift[j] : minus_inf;
+    else
+      for (int j = 0; j < chunk; ++j) row[j] = j >= lo && j < hi ? row[j] - row_shift[i] : minus_inf;
   }
   vmsExp(m * chunk, x, x, exp_mode);
 }
@@ -198,9 +202,7 @@ int lse_task(void *, int i, std::uint8_t *closure) {
       std::fill(row + valid, row + chunk, minus_inf);
       shift[r] = valid ? std::max(m[r], row_max(row, chunk)) : m[r];
     }
-    masked_exp(
-        s, bq, [](int) { return 0; }, [&](int r) { return std::clamp(t0 + r - c0 + 1, 0, kc); },
-        [&](int r, int) { return shift[r]; });
+    masked_exp(s, bq, [](int) { return 0; }, [&](int r) { return std::clamp(t0 + r - c0 + 1, 0, kc); }, shift, nullptr);
     for (int r = 0; r < bq; ++r) {
       if (t0 + r < c0) continue;
       l[r] = l[r] * std::exp(m[r] - shift[r]) + row_sum(s + r * chunk, chunk);
@@ -217,9 +219,9 @@ int lse_task(void *, int i, std::uint8_t *closure) {
 void query_probabilities(const Problem &p, Index row0, int t0, int bq, int c0, int kc, int h, Rows q, Rows k, bool kept,
                          float *s) {
   gemm_abt(bq, kc, p.a.D, p.scale, q, k, 0.f, s, chunk);
-  masked_exp(
-      s, bq, [](int) { return 0; }, [&](int r) { return std::clamp(t0 + r - c0 + 1, 0, kc); },
-      [&](int r, int) { return p.lse[(row0 + t0 + r) * p.a.H + h]; });
+  float lse[block_rows];
+  for (int r = 0; r < bq; ++r) lse[r] = p.lse[(row0 + t0 + r) * p.a.H + h];
+  masked_exp(s, bq, [](int) { return 0; }, [&](int r) { return std::clamp(t0 + r - c0 + 1, 0, kc); }, lse, nullptr);
   if (kept && p.mask.on)
     for (int r = 0; r < bq; ++r)
       for (int j = 0; j < kc && c0 + j <= t0 + r; ++j) s[r * chunk + j] *= p.mask.factor(row0 + t0 + r, h, c0 + j);
@@ -266,10 +268,11 @@ int dq_task(void *, int i, std::uint8_t *closure) {
     for (int r = 0; r < bq; ++r) {  // dS = P (dP keep - delta), zero where P is
       const Index row = row0 + t0 + r;
       const float delta = p.delta[row * a.H + h];
-      for (int j = 0; j < kc; ++j) {
-        const float kept_dp = p.mask.on ? dp[r * chunk + j] * p.mask.factor(row, h, c0 + j) : dp[r * chunk + j];
-        s[r * chunk + j] *= kept_dp - delta;
-      }
+      float *prob = s + r * chunk, *dprob = dp + r * chunk;
+      if (!p.mask.on)
+        for (int j = 0; j < kc; ++j) prob[j] *= dprob[j] - delta;
+      else
+        for (int j = 0; j < kc; ++j) prob[j] *= dprob[j] * p.mask.factor(row, h, c0 + j) - delta;
     }
     gemm_ab(bq, a.D, kc, s, chunk, k, c0 ? 1.f : 0.f, dq, a.D);
   }
@@ -298,21 +301,27 @@ int dkv_task(void *, int i, std::uint8_t *closure) {
       const Rows q = head_rows(a.qkv, a.bf16, p.width, row0 + q0, qc, h * a.D, a.D, q_copy);
       const Rows dout = head_rows(p.dout, a.bf16, p.C, row0 + q0, qc, h * a.D, a.D, do_copy);
       gemm_abt(bk, qc, a.D, p.scale, k, q, 0.f, st, chunk);  // S^T: key rows by query columns
-      masked_exp(                                            // P^T: queries t >= s only, lse by column
-          st, bk, [&](int r) { return std::max(0, s0 + r - q0); }, [&](int) { return qc; },
-          [&](int, int j) { return p.lse[(row0 + q0 + j) * a.H + h]; });
+      float lse[chunk], delta[chunk];                        // of the chunk's queries
+      for (int j = 0; j < qc; ++j) {
+        lse[j] = p.lse[(row0 + q0 + j) * a.H + h];
+        delta[j] = p.delta[(row0 + q0 + j) * a.H + h];
+      }
+      masked_exp(  // P^T: queries t >= s only
+          st, bk, [&](int r) { return std::max(0, s0 + r - q0); }, [&](int) { return qc; }, nullptr, lse);
       gemm_abt(bk, qc, a.D, 1.f, v, dout, 0.f, dpt, chunk);
       for (int r = 0; r < bk; ++r) {
         const Index s = s0 + r;
         const int first_query = std::max(0, int(s - q0));
         std::fill(dpt + r * chunk, dpt + r * chunk + first_query, 0.f);  // dS^T is 0 where P^T is
-        for (int j = first_query; j < qc; ++j) {
-          const Index row = row0 + q0 + j;
-          const float prob = st[r * chunk + j], f = p.mask.on ? p.mask.factor(row, h, s) : 1.f;
-          const float dpk = p.mask.on ? dpt[r * chunk + j] * f : dpt[r * chunk + j];
-          dpt[r * chunk + j] = prob * (dpk - p.delta[row * a.H + h]);  // dS^T
-          st[r * chunk + j] = p.mask.on ? prob * f : prob;             // drop(P)^T
-        }
+        float *prob = st + r * chunk, *dprob = dpt + r * chunk;
+        if (!p.mask.on)
+          for (int j = first_query; j < qc; ++j) dprob[j] = prob[j] * (dprob[j] - delta[j]);  // dS^T
+        else
+          for (int j = first_query; j < qc; ++j) {
+            const float f = p.mask.factor(row0 + q0 + j, h, s);
+            dprob[j] = prob[j] * (dprob[j] * f - delta[j]);
+            prob[j] *= f;  // drop(P)^T
+          }
       }
       gemm_ab(bk, a.D, qc, st, chunk, dout, first ? 0.f : 1.f, dv, a.D);
       gemm_ab(bk, a.D, qc, dpt, chunk, q, first ? 0.f : 1.f, dk, a.D);
