@@ -86,6 +86,13 @@ int main(int argc, char **argv) {
                                {"GPT fc proj", 512, 128},
                                {"GPT head", 128, 128}})
     add_linear(shapes, name, 2048, in, out);
+  for (auto [name, in, out] : {std::tuple{"GPT-2 qkv", 768, 2304},
+                               {"GPT-2 attn proj", 768, 768},
+                               {"GPT-2 fc", 768, 3072},
+                               {"GPT-2 fc proj", 3072, 768},
+                               {"SmolLM2 gate_up", 576, 3072},
+                               {"SmolLM2 down", 1536, 576}})
+    add_linear(shapes, name, 1024, in, out);
 
   if (!json)
     fmt::print(

@@ -7,6 +7,7 @@
 #include "attention.h"
 #include "bf16.h"
 #include "cuda_device.h"
+#include "dot_bf16.h"
 #include "gemm.h"
 
 #include <HalideRuntime.h>
@@ -114,7 +115,7 @@ __attribute__((target_clones("avx512bw", "avx2", "default"))) void round_row(std
 }
 
 void bf16_gemm_band(const GemmCall &g, int first, int count) {
-  const auto *a = static_cast<const MKL_BF16 *>(g.a), *b = static_cast<const MKL_BF16 *>(g.b);
+  const auto *a = static_cast<const std::uint16_t *>(g.a), *b = static_cast<const std::uint16_t *>(g.b);
   const int lda = g.trans_a ? g.m : g.k, ldb = g.trans_b ? g.k : g.n;
   float *workspace = bf16_out_workspace().data();
   for (int i = first; i < first + count; i += panel_rows)
@@ -126,11 +127,16 @@ void bf16_gemm_band(const GemmCall &g, int first, int count) {
         start_from_bias(c, ldc, rows, cols, static_cast<const float *>(g.bias) + j, g.accumulate);
       const float beta = !g.bf16_out && (g.bias || g.accumulate) ? 1.f : 0.f;  // fp32 out: MKL adds to it
       for (int p = 0; p < g.k; p += panel_depth) {
-        const MKL_BF16 *ap = g.trans_a ? a + std::size_t(p) * lda + i : a + std::size_t(i) * lda + p;
-        const MKL_BF16 *bp = g.trans_b ? b + std::size_t(j) * ldb + p : b + std::size_t(p) * ldb + j;
-        cblas_gemm_bf16bf16f32(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans,
-                               g.trans_b ? CblasTrans : CblasNoTrans, rows, cols, std::min(panel_depth, g.k - p), 1.f,
-                               ap, lda, bp, ldb, p ? 1.f : beta, c, ldc);
+        const std::uint16_t *ap = g.trans_a ? a + std::size_t(p) * lda + i : a + std::size_t(i) * lda + p;
+        const std::uint16_t *bp = g.trans_b ? b + std::size_t(j) * ldb + p : b + std::size_t(p) * ldb + j;
+        if (dot_bf16_available())
+          dot_bf16_gemm(g.trans_a, g.trans_b, rows, cols, std::min(panel_depth, g.k - p), ap, lda, bp, ldb,
+                        p || beta != 0.f, c, ldc);
+        else
+          cblas_gemm_bf16bf16f32(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans,
+                                 g.trans_b ? CblasTrans : CblasNoTrans, rows, cols, std::min(panel_depth, g.k - p), 1.f,
+                                 reinterpret_cast<const MKL_BF16 *>(ap), lda, reinterpret_cast<const MKL_BF16 *>(bp),
+                                 ldb, p ? 1.f : beta, c, ldc);
       }
       if (!g.bf16_out) continue;
       const auto *bias = static_cast<const std::uint16_t *>(g.bias);

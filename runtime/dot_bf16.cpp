@@ -1,0 +1,132 @@
+// A bf16 GEMM on AVX512_BF16's dot product (vdpbf16ps: two bf16 products added to an fp32 lane), for
+// CPUs that have it but no AMX: MKL's cblas_gemm_bf16bf16f32 runs there at the fp32 rate (it widens the
+// operands), this one at up to twice it. Blocked as BLIS blocks: both operands packed into micro-panels
+// of 16 rows (a) and 16 columns (b), each a run of k-pairs (32-bit words holding elements k and k + 1),
+// zero-padded past the edges; a 16 x 16 tile of fp32 accumulators sums a panel's whole depth in order,
+// so the sum's order depends on the shape only (a recompute gets the same bits).
+#include "dot_bf16.h"
+
+#include <immintrin.h>
+
+#include <cpuid.h>
+#include <cstddef>
+#include <stdexcept>
+#include <vector>
+
+namespace remat {
+
+namespace {
+
+constexpr int tile = 16;  // rows of an a micro-panel, columns of a b micro-panel
+
+bool cpu_has_dot_without_amx() {
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool avx512 = (ebx >> 16) & 1 && (ebx >> 30) & 1 && (ebx >> 31) & 1;  // F, BW, VL
+  const bool amx_bf16 = (edx >> 22) & 1;
+  if (!avx512 || amx_bf16 || !__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return false;
+  const bool avx512_bf16 = (eax >> 5) & 1;
+  unsigned xcr0_lo, xcr0_hi;  // the OS saves the zmm registers
+  __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  return avx512_bf16 && (xcr0_lo & 0xe6) == 0xe6;
+}
+
+// Packed panels: a as [row tile][k-pair][16 rows], b as [column tile][k-pair][16 columns], 32-bit words.
+struct Packed {
+  std::vector<std::uint32_t> a, b;
+};
+Packed &packed() {
+  thread_local Packed p{std::vector<std::uint32_t>(std::size_t(dot_bf16_max_m) * dot_bf16_max_k / 2),
+                        std::vector<std::uint32_t>(std::size_t(dot_bf16_max_n) * dot_bf16_max_k / 2)};
+  return p;
+}
+
+// The element (row, depth) of an operand stored row-major with leading dimension ld, or transposed.
+struct Operand {
+  const std::uint16_t *p;
+  int ld;
+  bool trans;
+  std::uint32_t at(int row, int depth) const {
+    return trans ? p[std::size_t(depth) * ld + row] : p[std::size_t(row) * ld + depth];
+  }
+};
+
+// One micro-panel: 16 lines (rows of a, columns of b) from `first`, `lines` of them real (the rest
+// zero), k-pairs 0 .. k/2 rounded up. Lines stored along the depth (a, or b transposed) are read
+// a pair (one 32-bit word) at a time, gathered across the 16 lines; lines stored across the depth
+// are two rows of 16 elements interleaved.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void pack(const Operand &op, int first, int lines, int k,
+                                                               std::uint32_t *to) {
+  const int pairs = k / 2;
+  const __mmask16 live = __mmask16((1u << lines) - 1);
+  if (!op.trans && op.ld % 2 == 0 && reinterpret_cast<std::uintptr_t>(op.p) % 4 == 0) {
+    const auto *words = reinterpret_cast<const int *>(op.p + std::size_t(first) * op.ld);
+    const __m512i line = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(op.ld / 2));
+    for (int q = 0; q < pairs; ++q)
+      _mm512_storeu_si512(to + tile * q,
+                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live,
+                                                      _mm512_add_epi32(line, _mm512_set1_epi32(q)), words, 4));
+  } else if (op.trans) {
+    for (int q = 0; q < pairs; ++q) {
+      const std::uint16_t *even = op.p + std::size_t(2 * q) * op.ld + first, *odd = even + op.ld;
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, even));
+      const __m512i hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, odd));
+      _mm512_storeu_si512(to + tile * q, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  } else {
+    for (int q = 0; q < pairs; ++q)
+      for (int l = 0; l < tile; ++l)
+        to[tile * q + l] = l < lines ? op.at(first + l, 2 * q) | op.at(first + l, 2 * q + 1) << 16 : 0;
+  }
+  if (k % 2)
+    for (int l = 0; l < tile; ++l) to[tile * pairs + l] = l < lines ? op.at(first + l, k - 1) : 0;
+}
+
+// c[rows, 16 masked columns] = (c +) the tile's product over `pairs` k-pairs.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void micro_tile(int pairs, const std::uint32_t *a,
+                                                                                const std::uint32_t *b, float *c,
+                                                                                int ldc, int rows, __mmask16 cols,
+                                                                                bool add) {
+  __m512 acc[tile];
+#pragma GCC unroll 16
+  for (int r = 0; r < tile; ++r) acc[r] = _mm512_setzero_ps();
+  for (int q = 0; q < pairs; ++q) {
+    const __m512bh bq = (__m512bh)_mm512_loadu_si512(b + tile * q);
+#pragma GCC unroll 16
+    for (int r = 0; r < tile; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(int(a[tile * q + r])), bq);
+  }
+  for (int r = 0; r < rows; ++r) {
+    float *row = c + std::size_t(r) * ldc;
+    const __m512 sum = add ? _mm512_add_ps(_mm512_maskz_loadu_ps(cols, row), acc[r]) : acc[r];
+    _mm512_mask_storeu_ps(row, cols, sum);
+  }
+}
+
+}  // namespace
+
+bool dot_bf16_available() {
+  static const bool available = cpu_has_dot_without_amx();
+  return available;
+}
+
+void dot_bf16_gemm(bool trans_a, bool trans_b, int m, int n, int k, const std::uint16_t *a, int lda,
+                   const std::uint16_t *b, int ldb, bool add, float *c, int ldc) {
+  if (m > dot_bf16_max_m || n > dot_bf16_max_n || k > dot_bf16_max_k)
+    throw std::runtime_error("dot_bf16_gemm: a panel larger than the packing buffers");
+  Packed &p = packed();
+  const int pairs = (k + 1) / 2;
+  // b's columns are a's rows when b is stored [n, k] (trans_b), and its transpose when stored [k, n]
+  const Operand ao{a, lda, trans_a}, bo{b, ldb, !trans_b};
+  for (int j = 0; j < n; j += tile) pack(bo, j, std::min(tile, n - j), k, p.b.data() + std::size_t(j) * pairs);
+  for (int i = 0; i < m; i += tile) pack(ao, i, std::min(tile, m - i), k, p.a.data() + std::size_t(i) * pairs);
+  for (int j = 0; j < n; j += tile) {
+    const __mmask16 cols = __mmask16((1u << std::min(tile, n - j)) - 1);
+    for (int i = 0; i < m; i += tile)
+      micro_tile(pairs, p.a.data() + std::size_t(i) * pairs, p.b.data() + std::size_t(j) * pairs,
+                 c + std::size_t(i) * ldc + j, ldc, std::min(tile, m - i), cols, add);
+  }
+}
+
+}  // namespace remat

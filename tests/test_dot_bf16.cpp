@@ -1,0 +1,83 @@
+// The bf16 GEMM on AVX512_BF16's dot product (runtime/dot_bf16.cpp) against a float64 product of the
+// same bf16 operands: every transpose case, shapes on and off its 16 x 16 tiles, odd depths (a last
+// k-pair half zero), odd leading dimensions (the packing's scalar path), accumulation into c, and a
+// repeated call's bits. Skipped (ctest's skip code) on a CPU without AVX512_BF16 or with AMX, where
+// the host GEMMs do not call it.
+//
+// Limit, per element: the products of bf16 values are exact in fp32, so the only error is the
+// rounding of k fp32 additions (k + 1 with c added), each at most u = 2^-24 of the running sum,
+// which is at most sum |a b| (+ |c|): (k + 1) u (sum |a b| + |c|). A wrong pair (a swapped or
+// dropped element) is off by a whole product, far above it.
+#include <boost/test/unit_test.hpp>
+
+#include "bf16.h"
+#include "dot_bf16.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+using namespace remat;
+
+namespace {
+
+struct Case {
+  int m, n, k;
+  bool trans_a, trans_b, add;
+  int pad;  // added to every leading dimension (odd: the packing's scalar path)
+};
+
+double check(const Case &c, std::mt19937 &rng) {  // the worst error, of its limit
+  std::uniform_real_distribution<float> u(-1, 1);
+  const int lda = (c.trans_a ? c.m : c.k) + c.pad, ldb = (c.trans_b ? c.k : c.n) + c.pad, ldc = c.n + c.pad;
+  std::vector<std::uint16_t> a(std::size_t(lda) * (c.trans_a ? c.k : c.m)),
+      b(std::size_t(ldb) * (c.trans_b ? c.n : c.k));
+  for (auto &x : a) x = float_to_bf16(u(rng));
+  for (auto &x : b) x = float_to_bf16(u(rng));
+  std::vector<float> c0(std::size_t(ldc) * c.m);
+  for (auto &x : c0) x = u(rng);
+  auto at_a = [&](int i, int p) {
+    return double(bf16_to_float(c.trans_a ? a[std::size_t(p) * lda + i] : a[std::size_t(i) * lda + p]));
+  };
+  auto at_b = [&](int p, int j) {
+    return double(bf16_to_float(c.trans_b ? b[std::size_t(j) * ldb + p] : b[std::size_t(p) * ldb + j]));
+  };
+  std::vector<float> out = c0, again = c0;
+  dot_bf16_gemm(c.trans_a, c.trans_b, c.m, c.n, c.k, a.data(), lda, b.data(), ldb, c.add, out.data(), ldc);
+  dot_bf16_gemm(c.trans_a, c.trans_b, c.m, c.n, c.k, a.data(), lda, b.data(), ldb, c.add, again.data(), ldc);
+  BOOST_TEST_INFO("m " << c.m << " n " << c.n << " k " << c.k << " trans_a " << c.trans_a << " trans_b " << c.trans_b
+                       << " add " << c.add << " pad " << c.pad);
+  BOOST_TEST(std::memcmp(out.data(), again.data(), out.size() * sizeof(float)) == 0);
+  double worst = 0;  // error / limit
+  for (int i = 0; i < c.m; ++i)
+    for (int j = 0; j < c.n; ++j) {
+      double sum = c.add ? c0[std::size_t(i) * ldc + j] : 0, scale = std::abs(sum);
+      for (int p = 0; p < c.k; ++p) sum += at_a(i, p) * at_b(p, j), scale += std::abs(at_a(i, p) * at_b(p, j));
+      const double limit = (c.k + 1) * std::ldexp(1.0, -24) * scale + 1e-30;
+      worst = std::max(worst, std::abs(out[std::size_t(i) * ldc + j] - sum) / limit);
+    }
+  for (int i = 0; i < c.m; ++i)  // c's padding is left alone
+    for (int j = c.n; j < ldc; ++j) BOOST_TEST(out[std::size_t(i) * ldc + j] == c0[std::size_t(i) * ldc + j]);
+  BOOST_TEST(worst <= 1.0);
+  return worst;
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(products_within_fp32_rounding, *boost::unit_test::precondition([](boost::unit_test::test_unit_id) {
+                       return boost::test_tools::assertion_result(dot_bf16_available());
+                     })) {
+  std::mt19937 rng(3);
+  const int shapes[][3] = {{1, 1, 1},      {16, 16, 2},     {17, 33, 3},   {100, 7, 64},
+                           {37, 500, 511}, {256, 512, 512}, {64, 128, 64}, {255, 511, 510}};
+  double worst = 0;
+  for (auto [m, n, k] : shapes)
+    for (int t = 0; t < 4; ++t)
+      for (int pad : {0, 1, 2})
+        worst = std::max(worst, check({m, n, k, bool(t & 1), bool(t & 2), bool((t + pad) & 1), pad}, rng));
+  std::printf("worst error: %.3g of the limit\n", worst);
+}
