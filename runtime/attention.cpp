@@ -8,10 +8,13 @@
 // the chunks, so that the output pass reads them as a recompute reads the saved ones.
 // Backward as FlashAttention-2 without atomics: dq by (sequence, head, block of query rows), dk
 // and dv by (sequence, key / value head, block of key rows), each rebuilding P from lse and
-// dP = dout v^T per chunk; dS = P (dP - delta).
+// dP = dout v^T per chunk; dS = P (dP - delta). bf16: the products of two bf16 blocks (scores and
+// dP) run on AVX512_BF16's dot product where the CPU has it (runtime/dot_bf16.cpp), the products
+// with P or dS (fp32) in MKL's sgemm on widened copies.
 #include "attention.h"
 
 #include "bf16.h"
+#include "dot_bf16.h"
 
 #include <HalideRuntime.h>
 #include <mkl.h>
@@ -40,18 +43,24 @@ constexpr MKL_INT64 exp_mode = VML_LA | VML_ERRMODE_IGNORE | VML_FTZDAZ_CURRENT;
 
 using Index = std::ptrdiff_t;
 
-// A [count, D] block of one head's columns as fp32 rows: the tensor itself (fp32), or a widened
-// copy in `copy` (bf16), row stride ld.
+// A [count, D] block of one head's columns: as fp32 rows (row stride ld), the tensor itself (fp32)
+// or a widened copy in `copy` (bf16); and bf16's own rows (row stride bf16_ld). A bf16 block is
+// widened only when an fp32 product reads it: its products with another bf16 block run on
+// AVX512_BF16's dot product where the CPU has it (gemm_abt).
 struct Rows {
   const float *p;
   int ld;
+  const std::uint16_t *bf16 = nullptr;
+  int bf16_ld = 0;
 };
-Rows head_rows(const void *base, bool bf16, int width, Index row0, int count, int col, int D, float *copy) {
+Rows head_rows(const void *base, bool bf16, int width, Index row0, int count, int col, int D, float *copy,
+               bool widened = true) {
   if (!bf16) return {static_cast<const float *>(base) + row0 * width + col, width};
   const auto *src = static_cast<const std::uint16_t *>(base) + row0 * width + col;
+  if (!widened && dot_bf16_available()) return {nullptr, 0, src, width};
   for (int i = 0; i < count; ++i)
     for (int d = 0; d < D; ++d) copy[i * D + d] = bf16_to_float(src[Index(i) * width + d]);
-  return {copy, D};
+  return {copy, D, src, width};
 }
 // Writes a [count, D] fp32 block times `scale` into the head's columns of a stored tensor.
 void store_rows(const float *x, float scale, void *base, bool bf16, int width, Index row0, int count, int col, int D) {
@@ -68,6 +77,13 @@ void store_rows(const float *x, float scale, void *base, bool bf16, int width, I
 
 // c [m, n] = alpha a b^T + beta c, a [m, k] and b [n, k] as rows
 void gemm_abt(int m, int n, int k, float alpha, Rows a, Rows b, float beta, float *c, int ldc) {
+  if (!a.p || !b.p) {  // bf16 blocks, not widened: beta is 0 in every such call
+    dot_bf16_gemm(false, true, m, n, k, a.bf16, a.bf16_ld, b.bf16, b.bf16_ld, false, c, ldc);
+    if (alpha != 1.f)
+      for (int i = 0; i < m; ++i)
+        for (int j = 0; j < n; ++j) c[i * ldc + j] *= alpha;
+    return;
+  }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, alpha, a.p, a.ld, b.p, b.ld, beta, c, ldc);
 }
 // c [m, n] = a b + beta c, a [m, k] (row stride lda) and b [k, n] as rows
@@ -190,10 +206,10 @@ int lse_task(void *, int i, std::uint8_t *closure) {
   float m[block_rows], l[block_rows];
   std::fill(m, m + bq, minus_inf);
   std::fill(l, l + bq, 0.f);
-  const Rows q = head_rows(a.qkv, a.bf16, p.width, row0 + t0, bq, h * a.D, a.D, q_copy);
+  const Rows q = head_rows(a.qkv, a.bf16, p.width, row0 + t0, bq, h * a.D, a.D, q_copy, false);
   for (int c0 = 0; c0 < t0 + bq; c0 += chunk) {
     const int kc = std::min(chunk, t0 + bq - c0);
-    const Rows k = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc, p.k_col(kv), a.D, k_copy);
+    const Rows k = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc, p.k_col(kv), a.D, k_copy, false);
     gemm_abt(bq, kc, a.D, p.scale, q, k, 0.f, s, chunk);
     float shift[block_rows];
     for (int r = 0; r < bq; ++r) {
@@ -235,10 +251,10 @@ int out_task(void *, int i, std::uint8_t *closure) {
   const Index row0 = Index(task.n) * a.T;
   alignas(64) float q_copy[block_rows * max_head_dim], k_copy[chunk * max_head_dim], v_copy[chunk * max_head_dim],
       s[block_rows * chunk], o[block_rows * max_head_dim];
-  const Rows q = head_rows(a.qkv, a.bf16, p.width, row0 + t0, bq, h * a.D, a.D, q_copy);
+  const Rows q = head_rows(a.qkv, a.bf16, p.width, row0 + t0, bq, h * a.D, a.D, q_copy, false);
   for (int c0 = 0; c0 < t0 + bq; c0 += chunk) {
     const int kc = std::min(chunk, t0 + bq - c0);
-    const Rows k = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc, p.k_col(kv), a.D, k_copy);
+    const Rows k = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc, p.k_col(kv), a.D, k_copy, false);
     query_probabilities(p, row0, t0, bq, c0, kc, h, q, k, true, s);
     const Rows v = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc, p.v_col(kv), a.D, v_copy);
     gemm_ab(bq, a.D, kc, s, chunk, v, c0 ? 1.f : 0.f, o, a.D);
@@ -257,12 +273,12 @@ int dq_task(void *, int i, std::uint8_t *closure) {
   const Index row0 = Index(task.n) * a.T;
   alignas(64) float q_copy[block_rows * max_head_dim], do_copy[block_rows * max_head_dim], k_copy[chunk * max_head_dim],
       v_copy[chunk * max_head_dim], s[block_rows * chunk], dp[block_rows * chunk], dq[block_rows * max_head_dim];
-  const Rows q = head_rows(a.qkv, a.bf16, p.width, row0 + t0, bq, h * a.D, a.D, q_copy);
-  const Rows dout = head_rows(p.dout, a.bf16, p.C, row0 + t0, bq, h * a.D, a.D, do_copy);
+  const Rows q = head_rows(a.qkv, a.bf16, p.width, row0 + t0, bq, h * a.D, a.D, q_copy, false);
+  const Rows dout = head_rows(p.dout, a.bf16, p.C, row0 + t0, bq, h * a.D, a.D, do_copy, false);
   for (int c0 = 0; c0 < t0 + bq; c0 += chunk) {
     const int kc = std::min(chunk, t0 + bq - c0);
     const Rows k = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc, p.k_col(kv), a.D, k_copy);
-    const Rows v = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc, p.v_col(kv), a.D, v_copy);
+    const Rows v = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc, p.v_col(kv), a.D, v_copy, false);
     query_probabilities(p, row0, t0, bq, c0, kc, h, q, k, false, s);
     gemm_abt(bq, kc, a.D, 1.f, dout, v, 0.f, dp, chunk);
     for (int r = 0; r < bq; ++r) {  // dS = P (dP keep - delta), zero where P is
@@ -292,8 +308,8 @@ int dkv_task(void *, int i, std::uint8_t *closure) {
   alignas(64) float k_copy[block_rows * max_head_dim], v_copy[block_rows * max_head_dim], q_copy[chunk * max_head_dim],
       do_copy[chunk * max_head_dim], st[block_rows * chunk], dpt[block_rows * chunk], dk[block_rows * max_head_dim],
       dv[block_rows * max_head_dim];
-  const Rows k = head_rows(a.qkv, a.bf16, p.width, row0 + s0, bk, p.k_col(kv), a.D, k_copy);
-  const Rows v = head_rows(a.qkv, a.bf16, p.width, row0 + s0, bk, p.v_col(kv), a.D, v_copy);
+  const Rows k = head_rows(a.qkv, a.bf16, p.width, row0 + s0, bk, p.k_col(kv), a.D, k_copy, false);
+  const Rows v = head_rows(a.qkv, a.bf16, p.width, row0 + s0, bk, p.v_col(kv), a.D, v_copy, false);
   bool first = true;
   for (int h = kv * p.G; h < (kv + 1) * p.G; ++h)
     for (int q0 = s0; q0 < a.T; q0 += chunk) {

@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include <cpuid.h>
+#include <algorithm>
 #include <cstddef>
 #include <stdexcept>
 #include <vector>
@@ -51,25 +52,57 @@ struct Operand {
   }
 };
 
+// 16 rows of 16 32-bit words, transposed: row q of the result holds word q of every row.
+__attribute__((target("avx512f"))) void transpose(__m512i r[tile]) {
+  __m512i t[tile];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+  }
+}
+
 // One micro-panel: 16 lines (rows of a, columns of b) from `first`, `lines` of them real (the rest
 // zero), k-pairs 0 .. k/2 rounded up. Lines stored along the depth (a, or b transposed) are read
-// a pair (one 32-bit word) at a time, gathered across the 16 lines; lines stored across the depth
+// a pair (one 32-bit word) at a time, 16 pairs of 16 lines transposed in registers; lines stored across the depth
 // are two rows of 16 elements interleaved.
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void pack(const Operand &op, int first, int lines, int k,
                                                                std::uint32_t *to) {
   const int pairs = k / 2;
   const __mmask16 live = __mmask16((1u << lines) - 1);
   if (!op.trans && op.ld % 2 == 0 && reinterpret_cast<std::uintptr_t>(op.p) % 4 == 0) {
-    const auto *words = reinterpret_cast<const int *>(op.p + std::size_t(first) * op.ld);
-    const __m512i line = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(op.ld / 2));
-    for (int q = 0; q < pairs; ++q)
-      _mm512_storeu_si512(to + tile * q,
-                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live,
-                                                      _mm512_add_epi32(line, _mm512_set1_epi32(q)), words, 4));
+    const auto *words = reinterpret_cast<const std::uint32_t *>(op.p + std::size_t(first) * op.ld);
+    for (int q0 = 0; q0 < pairs; q0 += tile) {  // 16 lines x 16 pairs, transposed in registers
+      const int count = std::min(tile, pairs - q0);
+      __m512i block[tile];
+      for (int l = 0; l < tile; ++l)
+        block[l] = l < lines ? _mm512_maskz_loadu_epi32(__mmask16((1u << count) - 1),
+                                                        words + std::size_t(l) * (op.ld / 2) + q0)
+                             : _mm512_setzero_si512();
+      transpose(block);
+      for (int q = 0; q < count; ++q) _mm512_storeu_si512(to + tile * (q0 + q), block[q]);
+    }
   } else if (op.trans) {
     for (int q = 0; q < pairs; ++q) {
       const std::uint16_t *even = op.p + std::size_t(2 * q) * op.ld + first, *odd = even + op.ld;
+      if (q + 8 < pairs) {  // the rows lie far apart: fetched ahead, not one cache miss at a time
+        _mm_prefetch(reinterpret_cast<const char *>(even + 16 * std::size_t(op.ld)), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char *>(odd + 16 * std::size_t(op.ld)), _MM_HINT_T0);
+      }
       const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, even));
       const __m512i hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, odd));
       _mm512_storeu_si512(to + tile * q, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
@@ -91,6 +124,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void micro_tile(
   __m512 acc[tile];
 #pragma GCC unroll 16
   for (int r = 0; r < tile; ++r) acc[r] = _mm512_setzero_ps();
+  for (int r = 0; r < rows; ++r)  // c's rows lie far apart: in cache by the time the sums are done
+    _mm_prefetch(reinterpret_cast<const char *>(c + std::size_t(r) * ldc), _MM_HINT_T0);
   for (int q = 0; q < pairs; ++q) {
     const __m512bh bq = (__m512bh)_mm512_loadu_si512(b + tile * q);
 #pragma GCC unroll 16
