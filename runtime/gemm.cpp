@@ -282,8 +282,10 @@ int run(halide_buffer_t *a, halide_buffer_t *b, halide_buffer_t *bias, int k, in
 // a 4096-token LM head (n = 4096) grows it past what 2048 x 2048 x 512 takes, and none grows it
 // past the cap (m 64 and 2048, n up to 16384, k up to 2048, every transpose case: no allocation
 // after this). The bf16 GEMMs (bf16 and fp32 outputs) run at the same shape, in full panels
-// (bf16_gemm_band): MKL's buffers for a panel and each thread's bf16-output workspace. The threads meet first, so that
-// no thread runs two warm-ups.
+// (bf16_gemm_band): MKL's buffers for a panel and each thread's bf16-output workspace; where the
+// bf16 panels run on the dot product instead (dot_bf16.cpp), a small product makes its packing
+// buffers and the workspace, which have their full size from the first use. The threads meet
+// first, so that no thread runs two warm-ups.
 namespace {
 struct WarmUp {
   static constexpr int m = 512, n = 8192, k = 512;
@@ -303,6 +305,7 @@ int warm_up_thread(void *, int, uint8_t *closure) {
     g.a = g.bf16_in ? static_cast<const void *>(w.a16.data()) : w.a.data();
     g.b = g.bf16_in ? static_cast<const void *>(w.b16.data()) : w.b.data();
     g.out = out.data(), g.m = WarmUp::m, g.n = WarmUp::n, g.k = WarmUp::k;
+    if (g.bf16_in && dot_bf16_available()) g.m = g.n = g.k = 16;  // no MKL: buffers made whole on first use
     g.trans_a = t & 1, g.trans_b = t & 2;
     gemm_band(g, 0, g.m);
   }
