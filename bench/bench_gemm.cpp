@@ -1,6 +1,7 @@
 // remat's CPU GEMM (runtime/gemm.cpp's host_gemm: sequential MKL in row bands on Halide's threads, what the
 // library-GEMM kernels call) at every GEMM shape the example models run, forward and backward: with fp32 operands
-// (sgemm) and with bf16 operands, fp32 out (cblas_gemm_bf16bf16f32; the bf16 operands are the fp32 ones rounded to
+// (sgemm) and with bf16 operands, fp32 out (remat::bf16_gemm_kernel(): remat's AVX512_BF16 kernel or MKL's
+// cblas_gemm_bf16bf16f32; the bf16 operands are the fp32 ones rounded to
 // nearest even), each product checked against a double-precision one. `--json` prints the rows as JSON for
 // bench/gemm.py, which puts torch.matmul (fp32 and bf16) beside them.
 #include <HalideBuffer.h>
@@ -96,9 +97,10 @@ int main(int argc, char **argv) {
 
   if (!json)
     fmt::print(
-        "out[m, n] = op(a) op(b) over k, fp32 out; remat with fp32 and with bf16 operands; median of {} runs, {} "
-        "threads\n{:<20} {:>5} {:>5} {:>5} {:>9} {:>9} {:>11} {:>11}\n",
-        reps, remat::gemm_thread_count(), "shape", "m", "n", "k", "remat ms", "bf16 ms", "remat GF/s", "bf16 GF/s");
+        "out[m, n] = op(a) op(b) over k, fp32 out; remat with fp32 and with bf16 operands (bf16: {}); median of {} "
+        "runs, {} threads\n{:<20} {:>5} {:>5} {:>5} {:>9} {:>9} {:>11} {:>11}\n",
+        remat::bf16_gemm_kernel(), reps, remat::gemm_thread_count(), "shape", "m", "n", "k", "remat ms", "bf16 ms",
+        "remat GF/s", "bf16 GF/s");
   nlohmann::json rows = nlohmann::json::array();
   std::mt19937 rng(1);
   std::uniform_real_distribution<float> u(-1, 1);
@@ -150,6 +152,10 @@ int main(int argc, char **argv) {
       fmt::print("{:<20} {:>5} {:>5} {:>5} {:>9.3f} {:>9.3f} {:>11.1f} {:>11.1f}\n", s.where, s.m, s.n, s.k, remat_ms,
                  bf16_ms, gflop / (remat_ms / 1e3), gflop / (bf16_ms / 1e3));
   }
-  if (json) fmt::print("{}\n", nlohmann::json{{"threads", remat::gemm_thread_count()}, {"shapes", rows}}.dump());
+  if (json)
+    fmt::print("{}\n", nlohmann::json{{"threads", remat::gemm_thread_count()},
+                                      {"bf16_kernel", remat::bf16_gemm_kernel()},
+                                      {"shapes", rows}}
+                           .dump());
   return 0;
 }

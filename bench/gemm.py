@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""remat's CPU GEMM beside torch.matmul at every GEMM shape of the example models, fp32 and bf16, in one run.
+"""remat's CPU GEMM beside torch.matmul at every GEMM shape of the example models and of the GPT-2 and SmolLM2 blocks, fp32 and bf16, in one run.
 
 Runs build/bin/bench-gemm --json (remat's host GEMM: sequential MKL in row bands on Halide's threads, what the
 kernels call, with fp32 operands and with bf16 operands and fp32 out), then times torch.matmul on the same shapes, transposes and thread count in fp32 and in bf16
@@ -90,7 +90,7 @@ def main():
         print("note: this CPU has neither avx512_bf16 nor amx_bf16, so MKL and PyTorch convert bf16 operands to fp32: "
               "bf16 cannot be faster than fp32 here")
     print(f"{remat['threads']} threads, median of {args.reps}, best of {args.rounds} alternating rounds; remat: "
-          f"sequential MKL in row bands on Halide's threads (fp32: sgemm; bf16: gemm_bf16bf16f32, fp32 out); torch "
+          f"row bands on Halide's threads (fp32: MKL's sequential sgemm; bf16: {remat['bf16_kernel']}, fp32 out); torch "
           f"{torch.__version__} matmul (fp32; bf16 with bf16 out)")
     print(f"{'shape':<20} {'m':>5} {'n':>5} {'k':>5} {'remat GF/s':>10} {'torch GF/s':>10} {'remat/torch':>11} "
           f"{'remat bf16 GF/s':>15} {'torch bf16 GF/s':>15} {'bf16/fp32 (remat)':>17} {'remat/torch bf16':>16}")

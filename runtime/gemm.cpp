@@ -180,6 +180,10 @@ void host_gemm(const GemmCall &g) {
 
 int gemm_thread_count() { return gemm_threads; }
 
+const char *bf16_gemm_kernel() {
+  return dot_bf16_available() ? "AVX512_BF16 dot product (dot_bf16.cpp)" : "MKL gemm_bf16bf16f32";
+}
+
 namespace {
 bool on_cuda(const halide_buffer_t *b) {
   return b->device && &halide_cuda_device_interface && b->device_interface == halide_cuda_device_interface();

@@ -34,11 +34,14 @@ std::size_t address_alignment(const void *p);
 // gemm_alignment-byte aligned.
 void require_gemm_alignment(const GemmCall &g);
 
-// One GEMM in host memory: sequential MKL (sgemm, or gemm_bf16bf16f32 for bf16 operands) in
-// row bands on Halide's threads.
+// One GEMM in host memory: sequential MKL's sgemm, or for bf16 operands remat's AVX512_BF16 kernel
+// (dot_bf16.h) or MKL's gemm_bf16bf16f32, in row bands on Halide's threads.
 void host_gemm(const GemmCall &g);
 // The threads the row bands run on (Halide's count; set by gemm_warm_up).
 int gemm_thread_count();
+// What runs host GEMMs of bf16 operands on this CPU: "AVX512_BF16 dot product (dot_bf16.cpp)" or
+// "MKL gemm_bf16bf16f32".
+const char *bf16_gemm_kernel();
 // Runs MKL once per transpose case on every Halide thread (once per process; the executor calls
 // it), so that the buffers MKL keeps per thread exist before any training step.
 void gemm_warm_up();
