@@ -36,6 +36,8 @@ namespace {
 constexpr int block_rows = 64;  // query rows of a dq / out / lse task, key rows of a dk / dv task
 constexpr int chunk = 128;      // positions a GEMM runs over (the other side of a task's block)
 constexpr int max_head_dim = 128;
+// the dot kernel takes a block by a chunk over the head's features in one call
+static_assert(block_rows <= dot_bf16_max_m && chunk <= dot_bf16_max_n && max_head_dim <= dot_bf16_max_k);
 constexpr int lanes = 16;  // partial sums of a row reduction (a vector's width), added in order at the end
 constexpr float minus_inf = -std::numeric_limits<float>::infinity();
 // MKL's vector exp: at most 4 ulp, errors ignored (exp(-inf) = 0 is how the mask reaches P)

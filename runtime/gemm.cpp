@@ -1,7 +1,8 @@
 // Extern stages of library-GEMM kernels (generators/modelc.cpp, library_gemm): Halide calls them
 // with the kernel's buffers, on the kernel's device, and leaves device transitions of the inputs
 // to them. CUDA buffers go to cuBLASLt on the runtime's compute stream. Host buffers go to MKL's
-// sequential GEMMs (fp32 or bf16), in row bands on Halide's threads. The OpenCL test build's GEMMs
+// sequential GEMMs (fp32; bf16 on CPUs with AMX or without bf16 arithmetic) or remat's AVX512_BF16
+// kernel (bf16 elsewhere), in row bands on Halide's threads. The OpenCL test build's GEMMs
 // run on the host too: inputs are brought to host memory, the product computed there and sent
 // back to the device, where the kernel's next stages read it.
 #include "attention.h"
@@ -88,14 +89,16 @@ void sgemm_band(const GemmCall &g, int first, int count) {
               bias || g.accumulate ? 1.f : 0.f, out, g.n);
 }
 
-// bf16 operands go to MKL's cblas_gemm_bf16bf16f32 (AMX or AVX512_BF16 where the CPU has them;
-// elsewhere MKL converts to fp32), which accumulates and writes fp32, in panels of at most
-// panel_rows x panel_cols x panel_depth: MKL's buffers for a call grow with its operands (without
+// bf16 operands go to remat's AVX512_BF16 kernel (dot_bf16.h) where the CPU has it and no AMX, else
+// to MKL's cblas_gemm_bf16bf16f32 (AMX; without bf16 arithmetic MKL converts to fp32); both
+// accumulate and write fp32, in panels of at most panel_rows x panel_cols x panel_depth (the dot
+// kernel's packing buffers hold one): MKL's buffers for a call grow with its operands (without
 // bf16 arithmetic it converts the whole of b, 64 MiB at k = n = 4096), a panel's stay the size
 // the warm-up makes. k sums over panels in order. A bf16 output's panel is summed in this thread's
 // workspace and rounded once. Panel boundaries depend on the shape and the band only: a
 // recomputed product has the same bits.
 constexpr int panel_rows = 256, panel_cols = 512, panel_depth = 512;
+static_assert(panel_rows <= dot_bf16_max_m && panel_cols <= dot_bf16_max_n && panel_depth <= dot_bf16_max_k);
 std::vector<float> &bf16_out_workspace() {
   thread_local std::vector<float> workspace(std::size_t(panel_rows) * panel_cols);
   return workspace;
