@@ -201,7 +201,9 @@ def print_table(rows, cpu, references, args):
           f"(after {args.warmup} warm-up), pooled over the rounds; "
           "x remat: step / remat's step; x none: step / the same system's none;\n"
           "train MiB: remat's measured arena peak, PyTorch's peak RSS minus its RSS after import torch; "
-          "others: cores other processes kept busy during the run")
+          "others: cores other processes kept busy during the run;\n"
+          "PyTorch's steps: torch.optim.AdamW(fused=True), F.scaled_dot_product_attention(is_causal=True), "
+          "bf16 under torch.autocast (eager and torch.compile), as many threads as remat's")
     print(f"{'model':<7} {'prec':<4} {'policy':<22} {'system':<13} {'step ms':>9} {'min ms':>8} {'tokens/s':>9} "
           f"{'samples/s':>9} {'x remat':>7} {'x none':>7} {'peak RSS MiB':>12} {'train MiB':>9} {'others':>6}")
     last = None

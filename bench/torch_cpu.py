@@ -308,7 +308,7 @@ def main():
     lr = torch.tensor(0.0)  # a tensor, so that a compiled step is not recompiled when it changes
     opt = torch.optim.AdamW([{"params": decayed, "weight_decay": float(meta["weight_decay"])},
                              {"params": plain, "weight_decay": 0.0}], lr=lr,
-                            betas=(float(meta["beta1"]), float(meta["beta2"])), eps=float(meta["eps"]))
+                            betas=(float(meta["beta1"]), float(meta["beta2"])), eps=float(meta["eps"]), fused=True)
 
     def train_step(x, y):
         loss = loss_of(x, y)

@@ -1,7 +1,7 @@
 // A fuzz target without libFuzzer (ctest: fuzz_replay_<target>): every file named on the command
 // line, and every file under each folder named (sorted), goes through the target's
 // LLVMFuzzerTestOneInput once. A crash, an exception other than a one-line InputError or a failed
-// check aborts; otherwise it prints how many inputs it ran.
+// check aborts; no input at all fails; otherwise it prints how many inputs it ran.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -25,6 +25,10 @@ int main(int argc, char **argv) {
       if (e.is_regular_file() && e.path().filename().string()[0] != '.') inputs.push_back(e.path());
   }
   std::sort(inputs.begin(), inputs.end());
+  if (inputs.empty()) {  // a replay of nothing would pass whatever the target does
+    std::fprintf(stderr, "no inputs to replay (a seed folder is empty or missing)\n");
+    return 1;
+  }
   for (const fs::path &p : inputs) {
     std::ifstream in(p, std::ios::binary);
     if (!in) {

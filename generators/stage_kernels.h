@@ -231,6 +231,7 @@ public:
         L(Float(32), v, precision == Precision::bf16),
         seq(L, model.rows_per_sample()),
         sched(target, v) {
+    for (int k = 0; k < blk.n_layers; ++k) shared_later.push_back(shared_by_later_stage(model, stage, k));
     for (int k = 0; k < blk.n_layers; ++k)
       if (kind(blk.layers[k].op).draws_masks) {
         drop = gen::Dropout(args.scalar(Scalar::seed), args.scalar(Scalar::step), args.scalar(Scalar::rng_block),
@@ -282,10 +283,17 @@ public:
     const std::string base = std::string(stem) + std::to_string(j);
     return what.empty() ? base : gen::part(base, what);
   }
-  // Accumulating parameter gradient: g = (accumulate ? g_prev : 0) + new.
+  // Whether parameter gradient `gradient` adds to what it holds: in a micro-batch after the first
+  // (the scalar accumulate), and always for a table a later stage shares (tied_to), whose backward
+  // ran first and wrote it in this micro-batch.
+  Expr adds_to(const TensorKey &gradient) const {
+    return gradient.index == 0 && shared_later[std::size_t(gradient.layer)] ? Expr(true)
+                                                                            : args.scalar(Scalar::accumulate);
+  }
+  // Accumulating parameter gradient: g = (adds_to(g) ? g_prev : 0) + new.
   Expr accumulated(const TensorKey &gradient, Expr value, std::vector<Expr> at) {
     ImageParam prev = args.tensor(key::gradient(gradient, true));
-    return select(args.scalar(Scalar::accumulate), prev(at), L.constant(0)) + value;
+    return select(adds_to(gradient), prev(at), L.constant(0)) + value;
   }
   // Writes the gradient of 1-D parameter `index` of layer j, made of a column sum over rows (`sum`,
   // scheduled here).
@@ -364,6 +372,7 @@ public:
   gen::Sequences seq;
   Scheduler sched;
   gen::Dropout drop;
+  std::vector<bool> shared_later;  // by layer: its table is shared by a later stage (adds_to)
   // the kernel being built
   const KernelTensors *kt = nullptr;
   bool building_backward = false;

@@ -7,6 +7,12 @@
 //   allocation on any thread is counted with its bytes. free is not interposed: every block still
 //   comes from glibc's allocator. Under AddressSanitizer (make test-sanitize, make fuzz), whose
 //   allocator must see every block, nothing is interposed: its malloc hook counts instead.
+// - Anonymous mmap by the program or a library (MKL's, Halide's own pools) is counted the same
+//   way; glibc's calls its internal __mmap, which is not interposed (malloc's large blocks were
+//   counted at malloc; thread stacks that pthread_create maps are not seen).
+// - REMAT_HEAP_STACKS=1: the first 8 counted allocations of the process also print their call
+//   stacks to stderr (what a failing "no heap in a step" check needs; backtrace_symbols_fd does
+//   not allocate).
 #include <HalideRuntime.h>
 
 #include <atomic>
@@ -14,6 +20,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+
+#include <execinfo.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #if defined(__has_feature)
 #if __has_feature(address_sanitizer)
@@ -34,11 +45,26 @@ std::atomic<size_t> remat_heap_allocations{0}, remat_heap_bytes{0};
 // Called for each counted allocation: `break remat_heap_counted` in gdb shows who allocated.
 __attribute__((noinline)) void remat_heap_counted(size_t bytes) { asm volatile("" ::"r"(bytes)); }
 
+static const bool print_stacks = std::getenv("REMAT_HEAP_STACKS") != nullptr;
+static thread_local bool in_stack = false;  // what backtrace() itself allocates (its first call) is not counted
+
+static void print_stack(size_t bytes) {
+  in_stack = true;
+  char head[96];
+  const int n = std::snprintf(head, sizeof head, "remat: %zu bytes allocated in a step, from:\n", bytes);
+  if (n > 0 && ::write(2, head, size_t(n)) < 0) std::abort();
+  void *frames[48];
+  backtrace_symbols_fd(frames, backtrace(frames, 48), 2);
+  in_stack = false;
+}
+
 static inline void count(size_t bytes) {
-  if (!remat_heap_counting.load(std::memory_order_relaxed)) return;
+  if (!remat_heap_counting.load(std::memory_order_relaxed) || in_stack) return;
   remat_heap_counted(bytes);
   remat_heap_allocations.fetch_add(1, std::memory_order_relaxed);
   remat_heap_bytes.fetch_add(bytes, std::memory_order_relaxed);
+  static std::atomic<int> printed{0};  // the first few: a library compiling in a step allocates millions of times
+  if (print_stacks && printed.fetch_add(1, std::memory_order_relaxed) < 8) print_stack(bytes);
 }
 
 #ifdef REMAT_ASAN
@@ -77,6 +103,22 @@ void *aligned_alloc(size_t alignment, size_t bytes) {
 void *memalign(size_t alignment, size_t bytes) {
   count(bytes);
   return __libc_memalign(alignment, bytes);
+}
+void *valloc(size_t bytes) {
+  count(bytes);
+  return __libc_memalign(size_t(sysconf(_SC_PAGESIZE)), bytes);
+}
+void *pvalloc(size_t bytes) {
+  const size_t page = size_t(sysconf(_SC_PAGESIZE));
+  count(bytes);
+  return __libc_memalign(page, (bytes + page - 1) / page * page);
+}
+void *mmap(void *address, size_t bytes, int protection, int flags, int fd, off_t offset) {
+  if (flags & MAP_ANONYMOUS) count(bytes);
+  return reinterpret_cast<void *>(syscall(SYS_mmap, address, bytes, protection, flags, fd, offset));
+}
+void *mmap64(void *address, size_t bytes, int protection, int flags, int fd, off_t offset) {
+  return mmap(address, bytes, protection, flags, fd, offset);
 }
 int posix_memalign(void **out, size_t alignment, size_t bytes) {
   if (alignment == 0 || alignment % sizeof(void *) != 0 || (alignment & (alignment - 1)) != 0) return EINVAL;

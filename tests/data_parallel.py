@@ -28,6 +28,8 @@ import numpy as np
 from safetensors.numpy import load_file
 
 mlp, gpt, scratch = sys.argv[1:4]
+if shutil.which("mpirun") is None:  # required (`make` installs Open MPI): a failure naming it, not a skip
+    sys.exit("data_parallel: mpirun is not on the PATH (Debian: openmpi-bin; make installs it)")
 shutil.rmtree(scratch, ignore_errors=True)
 os.makedirs(scratch)
 failures = []

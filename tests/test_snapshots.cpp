@@ -35,10 +35,11 @@ using remat::testing::summary;
 
 namespace {
 
-// The snapshot-<step> folders of an --output-dir, by name.
+// What an --output-dir holds but its lock file (.remat-lock), by name.
 std::set<std::string> snapshots_in(const fs::path &dir) {
   std::set<std::string> out;
-  for (const auto &e : fs::directory_iterator(dir)) out.insert(e.path().filename().string());
+  for (const auto &e : fs::directory_iterator(dir))
+    if (e.path().filename() != ".remat-lock") out.insert(e.path().filename().string());
   return out;
 }
 
@@ -166,7 +167,6 @@ pid_t spawn(const std::string &command) {
   }
   return pid;
 }
-// Waits until `path` exists or the process ends; whether it still runs.
 // Waits until the run's first save has begun (a snapshot-* entry in `dir`, complete or not); false
 // if the process ended first.
 bool wait_for_first_save(const fs::path &dir, pid_t pid, int &status) {
@@ -243,6 +243,32 @@ BOOST_AUTO_TEST_CASE(a_kill_at_any_moment_leaves_a_complete_snapshot) {
                                         << finished);
   BOOST_TEST(resumed >= trials / 3);  // about 3 in 5 resume (the rest: killed in the first save)
   BOOST_TEST(mid_save >= 5);
+}
+
+// One run per --output-dir: a second run into the folder of a running trainer stops at once, one
+// line naming the first run's pid and host, exit 2, having written nothing; once the first is
+// killed, the next run takes its lock over and says so; a normal end leaves the lock file empty.
+BOOST_AUTO_TEST_CASE(a_second_run_into_the_same_output_dir_is_refused) {
+  const fs::path dir = scratch_dir() / "locked";
+  const std::string flags = "--eval-samples 0 --batch-size 64 --output-dir " + dir.string();
+  const pid_t first = spawn(std::string(TRAIN_MLP) + " --max-steps 1000000 " + flags);
+  const std::string holder = "pid " + std::to_string(first) + " host ";
+  int status = 0;
+  while (slurp(dir / ".remat-lock").find(holder) == std::string::npos) {
+    BOOST_TEST_REQUIRE(::waitpid(first, &status, WNOHANG) == 0, "the first run ended: status " << status);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  expect_one_line_error(TRAIN_MLP, "--max-steps 1 " + flags, {dir.string(), "in use by another run (" + holder});
+  BOOST_TEST(snapshots_in(dir).empty());
+  ::kill(first, SIGKILL);
+  ::waitpid(first, &status, 0);
+  const Result next = run(TRAIN_MLP, "--max-steps 1 " + flags);
+  BOOST_TEST(next.exit_code == 0, next.err);
+  BOOST_TEST(
+      next.err.find("taking over the lock of a run that ended without releasing it (" + holder) != std::string::npos,
+      next.err);
+  BOOST_TEST(fs::exists(dir / "snapshot-1/model.safetensors"));
+  BOOST_TEST(slurp(dir / ".remat-lock").empty());
 }
 
 // Damage of every kind is found before anything trains: one line, exit code 2.

@@ -12,6 +12,7 @@ For each architecture (GPT2LMHeadModel, LlamaForCausalLM) at the widths its trai
 4. --save-hf after a step of learning rate 0 is the folder read, tensor for tensor, bit for bit;
    Transformers loads it with no missing or unexpected keys, and the logits of both are equal.
 5. A config.json that differs in a shape field is refused: exit 2, one line naming the field.
+6. At learning rate 0 on a file of one repeated token, a second step's gradients are the first's, bit for bit.
 
 With --full, the full-size trainers (train-gpt2, train-smollm2) at their published configs (slow;
 outside the default ctest: docs/tests.md).
@@ -228,6 +229,27 @@ def check_bf16(arch, trainer, d, folder, common, inputs, labels, config, params,
     return loss_err <= BF16_LOSS_LIMIT and remat_worst <= limit
 
 
+def check_second_step(arch, trainer, config, work, T):
+    """At learning rate 0, on a token file of one repeated token (every window, so every batch, the same), the
+    last of two steps' gradients are the first step's, bit for bit: no gradient keeps a part of an earlier step
+    (a table shared with a later stage, the tied token table, once made its stage's other gradients, the
+    position table's, add up over steps)."""
+    d = os.path.join(work, arch + "-repeat")
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    for split in ("train", "val"):
+        write_tokens(os.path.join(d, f"{split}.bin"), [config.vocab_size // 2] * (8 * (T + 1)))
+    grads = []
+    for steps in (1, 2):
+        run(trainer, "--data-dir", d, "--batch-size", BATCH, "--max-steps", steps, "--learning-rate", 0,
+            "--eval-samples", 0, "--save-gradients", os.path.join(d, f"grads{steps}"))
+        grads.append(load_file(os.path.join(d, f"grads{steps}", "gradients.safetensors")))
+    differ = sorted(n for n in grads[0] if not np.array_equal(grads[0][n], grads[1][n]))
+    print(f"{arch}: a second step on the same batch at learning rate 0: {len(grads[0]) - len(differ)} of "
+          f"{len(grads[0])} gradients bit-equal to the first step's" + (f"; differ: {differ}" if differ else ""))
+    return not differ
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gpt2")
@@ -242,6 +264,7 @@ def main():
     for arch, trainer in (("gpt2", a.gpt2), ("llama", a.llama)):
         if trainer:
             ok = check(arch, trainer, configs[arch], a.work, T[arch]) and ok
+            ok = check_second_step(arch, trainer, configs[arch], a.work, T[arch]) and ok
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -214,8 +214,8 @@ void add_output_options(CLI::App &app, Options &o) {
       ->capture_default_str()
       ->group(group);
   app.add_option("--save-gradients", o.save_gradients,
-                 "after the first step, every parameter's gradient as DIR/gradients.safetensors (Transformers' names "
-                 "for a model of a Transformers architecture)")
+                 "after the run's last step, every parameter's gradient as DIR/gradients.safetensors (Transformers' "
+                 "names for a model of a Transformers architecture)")
       ->group(group);
   app.add_option("--skip-nonfinite-steps", o.skip_nonfinite_steps,
                  "skip up to N steps whose loss or gradients are NaN or infinite (each reported) before stopping")

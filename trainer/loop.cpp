@@ -185,6 +185,7 @@ public:
         run(run),
         plan(run.plan),
         program(program),
+        output_lock(o.output_dir.empty() || ranks.rank > 0 ? OutputDirLock() : OutputDirLock(o.output_dir)),
         progress(ranks.rank > 0 ? null_stream()
                  : o.json       ? stderr
                                 : stdout),
@@ -249,11 +250,11 @@ public:
     started = std::chrono::steady_clock::now();
     for (long step = summary.first_step; step <= summary.max_steps; ++step) {
       if (this->step(step)) log(step);
-      if (step == summary.first_step && !o.save_gradients.empty()) try {
-          save_gradients(ex, plan, info, o.save_gradients);
-        } catch (const InputError &e) { throw InputError(fmt::format("--save-gradients {}", e.what())); }
       summary.last_step = step;
       const std::string stop = step < summary.max_steps ? stop_reason(step) : "";
+      if ((step == summary.max_steps || !stop.empty()) && !o.save_gradients.empty()) try {  // the run's last step
+          save_gradients(ex, plan, info, o.save_gradients);
+        } catch (const InputError &e) { throw InputError(fmt::format("--save-gradients {}", e.what())); }
       const bool save_now = step == summary.max_steps || (o.save_steps > 0 && step % o.save_steps == 0);
       if (!o.output_dir.empty() && (save_now || !stop.empty())) save(step);
       std::optional<Evaluation> e;
@@ -627,6 +628,7 @@ private:
   const Run &run;
   const Plan &plan;
   const std::string &program;
+  OutputDirLock output_lock;  // --output-dir, first of all
   std::FILE *progress;
   std::unique_ptr<DataSource> data;
   // checked before the engine allocates anything

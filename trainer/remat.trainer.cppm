@@ -13,6 +13,7 @@ module;
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 export module remat.trainer;
 export import remat.runtime;
@@ -123,6 +124,20 @@ void remove_old_snapshots(const std::string &dir, int keep);
 std::size_t snapshot_bytes(const Plan &plan);
 std::string_view remat_version();  // the project's version (CMakeLists.txt)
 void check_output_dir(const std::string &dir, std::size_t bytes);
+// One run per --output-dir: DIR/.remat-lock, flock'ed for the run's life and naming its holder
+// ("pid P host H"), emptied at a normal end. A second run into DIR is an InputError naming the
+// holder; a name left by a run that died (its flock went with it) is taken over, and said so.
+class OutputDirLock {
+public:
+  OutputDirLock() = default;  // none (no --output-dir, or not rank 0)
+  explicit OutputDirLock(const std::string &dir);
+  OutputDirLock(OutputDirLock &&other) noexcept : fd(std::exchange(other.fd, -1)) {}
+  OutputDirLock &operator=(OutputDirLock &&) = delete;
+  ~OutputDirLock();
+
+private:
+  int fd = -1;
+};
 
 // Fashion-MNIST style idx files (gzip or plain): images scaled to [0, 1], labels 0..classes-1. The
 // header (magic, sizes: none 0, data bytes exactly their product), the label count and every label

@@ -13,6 +13,7 @@ module;
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
@@ -25,7 +26,10 @@ module;
 #include <system_error>
 #include <vector>
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/statvfs.h>
+#include <unistd.h>
 module remat.trainer;
 import remat;
 
@@ -436,6 +440,45 @@ void check_output_dir(const std::string &dir, std::size_t bytes) {
   if (::statvfs(dir.c_str(), &s) == 0 && std::size_t(s.f_bavail) * s.f_frsize < bytes)
     throw InputError(fmt::format("--output-dir {}: {} B free, a snapshot needs {} B", dir,
                                  std::size_t(s.f_bavail) * s.f_frsize, bytes));
+}
+
+OutputDirLock::OutputDirLock(const std::string &dir) {
+  const std::string path = (fs::path(dir) / ".remat-lock").string();
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec || !fs::is_directory(dir, ec)) throw InputError(fmt::format("--output-dir {}: cannot create it", dir));
+  fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) throw InputError(fmt::format("--output-dir {}: cannot open {}: {}", dir, path, std::strerror(errno)));
+  char text[256] = {};
+  const auto holder = [&] {
+    const ssize_t n = ::pread(fd, text, sizeof text - 1, 0);
+    std::string_view name(text, std::size_t(std::max<ssize_t>(n, 0)));
+    while (name.ends_with('\n')) name.remove_suffix(1);
+    return std::string(name);
+  };
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int error = errno;
+    const std::string name = holder();
+    ::close(std::exchange(fd, -1));
+    if (error == EWOULDBLOCK)
+      throw InputError(fmt::format("--output-dir {} is in use by another run ({}); give this run another folder", dir,
+                                   name.empty() ? "it has not yet written its pid" : name));
+    throw InputError(fmt::format("--output-dir {}: cannot lock {}: {}", dir, path, std::strerror(error)));
+  }
+  if (const std::string stale = holder(); !stale.empty())
+    fmt::print(stderr, "--output-dir {}: taking over the lock of a run that ended without releasing it ({})\n", dir,
+               stale);
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  const std::string name = fmt::format("pid {} host {}\n", ::getpid(), host);
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, name.data(), name.size(), 0) != ssize_t(name.size()))
+    throw InputError(fmt::format("--output-dir {}: cannot write {}: {}", dir, path, std::strerror(errno)));
+}
+
+OutputDirLock::~OutputDirLock() {
+  if (fd < 0) return;
+  [[maybe_unused]] const int emptied = ::ftruncate(fd, 0);  // a normal end: no run to report
+  ::close(fd);                                              // (and the flock with it)
 }
 
 }  // namespace remat::runtime

@@ -233,7 +233,6 @@ struct Builder {
                          int dx_into = -1) {
     Step st = step(u.stage, backward_variant(keep), u.block, u.rng);
     st.recompute = keep != Keep::all;
-    st.accumulates = shares_parameter(m, u.stage);  // a later stage wrote the shared gradient first
     int dx = -1, n_saved = 0;
     // a gradient inside the block and those written over it (gradient_memory) are one tensor,
     // made by whichever binds first

@@ -45,12 +45,13 @@ constexpr LocalTensor tensor_of(Slot slot, int index, const Block &b, int k, Loc
 constexpr bool tied_weight(const Block &b, const TensorKey &k) {
   return k.slot == Slot::parameter && k.index == 0 && b.layers[k.layer].tied();
 }
-// Whether a later stage's layer shares a parameter of `stage`: its backward then adds to a
-// gradient that the later stage's backward wrote first in the same micro-batch.
-constexpr bool shares_parameter(const Model &m, int stage) {
+// Whether a later stage's layer shares parameter 0 of layer `layer` of `stage` (a tied table): the
+// later stage's backward, which runs first, writes its gradient in every micro-batch, and this
+// stage's backward adds to it whatever the micro-batch (its other gradients follow the micro-batch).
+constexpr bool shared_by_later_stage(const Model &m, int stage, int layer) {
   for (int s = stage + 1; s < m.n_stages; ++s)
     for (int k = 0; k < m.stages[s].n_layers; ++k)
-      if (m.stages[s].layers[k].tie_stage == stage) return true;
+      if (m.stages[s].layers[k].tie_stage == stage && m.stages[s].layers[k].tie_layer == layer) return true;
   return false;
 }
 constexpr void add_tensors(std::vector<LocalTensor> &to, Slot slot, const Block &b, int k, LocalTensor::Kind kind,

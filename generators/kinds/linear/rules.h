@@ -31,9 +31,9 @@ struct KindRules<Op::linear> {
     const std::string gw_name = k.name(gw_key);
     // a tied weight's gradient in its target's layout [O, K]: dy^T x
     Func gw = l.tied() ? k.library_gemm(gw_name, d_stored, l.out, true, k.stored(src), l.in, false, std::nullopt,
-                                        k.batch, k.args.scalar(Scalar::accumulate), Float(32))
+                                        k.batch, k.adds_to(gw_key), Float(32))
                        : k.library_gemm(gw_name, k.stored(src), l.in, true, d_stored, l.out, false, std::nullopt,
-                                        k.batch, k.args.scalar(Scalar::accumulate), Float(32));
+                                        k.batch, k.adds_to(gw_key), Float(32));
     k.output(gw_key, gw);
     if (l.bias)
       k.write_column_sum_grad(j, 1, k.L.column_sum(gen::part(k.name(k.gradient(j, 1)), "sum"), d, k.batch), l.out);
