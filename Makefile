@@ -15,7 +15,7 @@ BENCH_ARGS ?=
 TOKENIZE_PY_PKGS := tokenizers==0.23.3
 BPE_DATA := $(BUILD)/data/fortunes-bpe
 
-.PHONY: all deps build install train train-gpt train-mlp train-llama train-gpt-bpe train-gpt2 train-smollm2 test-transformers-full test test-sanitize fuzz bench bench-cpu bench-hf bench-py-pkgs device-bundle clean
+.PHONY: all deps build install train train-gpt train-mlp train-llama train-gpt-bpe train-gpt2 train-smollm2 test-transformers-full test test-sanitize fuzz bench bench-cpu bench-hf bench-hf-context bench-py-pkgs device-bundle clean
 
 all: build
 
@@ -170,6 +170,16 @@ bench-hf: build bench-py-pkgs $(BPE_DATA)/tokenizer.json
 	$(BENCH_PAGE) attention --title "Causal attention against PyTorch's SDPA" -- $(VENV)/bin/python bench/attention.py
 	$(BENCH_PAGE) hf --title "GPT-2 124M and SmolLM2-135M against Transformers" --markdown --readme -- \
 	  $(VENV)/bin/python bench/hf.py $(HF_ARGS)
+
+# The context sweep (bench/hf.py --sweep): the longest context Transformers with checkpointing on
+# and remat's full plan each train under RSS caps of 4 and 8 GiB, both models and precisions, with
+# remat's trainers generated at contexts 2048-8192 (bench/CMakeLists.txt). About an hour on two cores.
+SWEEP_CONTEXTS := 2048 4096 8192
+bench-hf-context: build bench-py-pkgs $(BPE_DATA)/tokenizer.json
+	$(VENV)/bin/cmake --build $(BUILD) --target train-gpt2 train-smollm2 \
+	  $(foreach t,$(SWEEP_CONTEXTS),train-gpt2-t$(t) train-smollm2-t$(t))
+	$(BENCH_PAGE) hf-context --title "The longest context under an RSS cap, against Transformers" --markdown --readme -- \
+	  $(VENV)/bin/python bench/hf.py --sweep $(HF_ARGS)
 
 # What scripts/device-check.sh needs on a GPU machine without registries, in .device/.
 device-bundle: build

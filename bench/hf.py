@@ -14,6 +14,12 @@ Prints the CPU, then per model and precision a table: every row's median step an
 Transformers / remat of step times (remat's none against checkpointing off, every other plan against
 checkpointing on; goal >= 1.0) and of peak RSS above the floor both share (16 bytes a parameter). Writes
 bench/results/hf.json and a plot of step time against peak RSS (--plot).
+
+--sweep (make bench-hf-context) instead: the longest context each side trains at batch 1 under each RSS cap
+(--caps, GiB): Transformers with checkpointing on and remat's full plan (build/bin/train-<model>-t<T>, generated
+for each context by bench/CMakeLists.txt) at --contexts, shortest first, 2 steps a process (the second step's peak
+holds AdamW's moments), until a process's RSS passes the largest cap (a watchdog stops it there). Writes
+bench/results/hf-context.json.
 """
 import argparse
 import json
@@ -42,7 +48,8 @@ def hf_config(model, context):
                           use_cache=False)
     return LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                        num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
-                       rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True, use_cache=False)
+                       rope_theta=100000.0, max_position_embeddings=max(8192, context), tie_word_embeddings=True,
+                       use_cache=False)
 
 
 def token_windows(path, context, count, seed=0):
@@ -82,17 +89,40 @@ def hf_worker(args):
     print(json.dumps({"step_ms": step_ms, "loss": losses, "params": sum(p.numel() for p in model.parameters())}))
 
 
-def spawn(cmd):
-    """Runs cmd in a fresh process: (exit code, stdout, stderr, its peak RSS in bytes, from wait4)."""
+def spawn(cmd, kill_above=None, timeout=None):
+    """Runs cmd in a fresh process: (exit code, stdout, stderr, its peak RSS in bytes, from wait4). With kill_above
+    (bytes), a watchdog reading /proc/<pid>/status kills the process once its RSS passes that; with timeout
+    (seconds), once it runs longer: the exit code is then "killed: rss" or "killed: time"."""
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    err = []
-    reader = threading.Thread(target=lambda: err.append(p.stderr.read()))
-    reader.start()
-    out = p.stdout.read()
-    reader.join()
+    err, out, killed = [], [], []
+    readers = [threading.Thread(target=lambda: err.append(p.stderr.read())),
+               threading.Thread(target=lambda: out.append(p.stdout.read()))]
+    for r in readers:
+        r.start()
+    start = time.monotonic()
+    while kill_above or timeout:
+        if not any(r.is_alive() for r in readers):
+            break
+        rss = current_rss(p.pid)
+        if (kill_above and rss > kill_above) or (timeout and time.monotonic() - start > timeout):
+            killed.append("rss" if kill_above and rss > kill_above else "time")
+            p.kill()
+            break
+        time.sleep(0.05)
+    for r in readers:
+        r.join()
     _, status, usage = os.wait4(p.pid, 0)
     p.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
-    return p.returncode, out, err[0], usage.ru_maxrss * 1024
+    code = f"killed: {killed[0]}" if killed else p.returncode
+    return code, out[0], err[0], usage.ru_maxrss * 1024
+
+
+def current_rss(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0
 
 
 def median_after_warmup(step_ms):
@@ -100,14 +130,16 @@ def median_after_warmup(step_ms):
     return statistics.median(timed)
 
 
-def remat_row(args, model, precision, plan_flags, label):
-    cmd = [str(ROOT / f"build/bin/train-{model}"), "--data-dir", args.data_dir, "--max-steps", str(args.steps + 1),
-           "--eval-samples", "0", "--sample-length", "0", "--warmup-steps", "0", "--json", *plan_flags]
+def remat_row(args, model, precision, plan_flags, label, context=1024, steps=None, **limits):
+    trainer = f"train-{model}" if context == 1024 else f"train-{model}-t{context}"
+    cmd = [str(ROOT / "build/bin" / trainer), "--data-dir", args.data_dir, "--max-steps",
+           str((steps or args.steps) + 1), "--eval-samples", "0", "--sample-length", "0", "--warmup-steps", "0",
+           "--json", *plan_flags]
     if precision == "bf16":
         cmd.append("--bf16")
-    code, out, err, rss = spawn(cmd)
+    code, out, err, rss = spawn(cmd, **limits)
     if code:
-        return {"system": "remat", "plan": label, "error": (err.strip().splitlines() or ["exit %d" % code])[-1]}
+        return {"system": "remat", "plan": label, "error": failure(code, err), "rss": rss}
     s = json.loads(out.strip().splitlines()[-1])
     return {"system": "remat", "plan": label, "step_ms": median_after_warmup(s["step_ms"]), "rss": rss,
             "planned": s["planned_peak_bytes"], "measured": s["measured_peak_bytes"],
@@ -115,18 +147,82 @@ def remat_row(args, model, precision, plan_flags, label):
             "grad_digest": s["grad_digest"], "loss_first": s["loss_first"]}
 
 
-def hf_row(args, model, precision, checkpointing):
+def hf_row(args, model, precision, checkpointing, context=1024, steps=None, **limits):
     cmd = [sys.executable, __file__, "--worker", "--model", model, "--precision", precision, "--steps",
-           str(args.steps + 1), "--context", str(args.context), "--tokens", args.tokens]
+           str((steps or args.steps) + 1), "--context", str(context), "--tokens", args.tokens]
     if checkpointing:
         cmd.append("--checkpointing")
     label = "checkpointing " + ("on" if checkpointing else "off")
-    code, out, err, rss = spawn(cmd)
+    code, out, err, rss = spawn(cmd, **limits)
     if code:
-        return {"system": "Transformers", "plan": label, "error": (err.strip().splitlines() or ["exit %d" % code])[-1]}
+        return {"system": "Transformers", "plan": label, "error": failure(code, err), "rss": rss}
     s = json.loads(out.strip().splitlines()[-1])
     return {"system": "Transformers", "plan": label, "step_ms": median_after_warmup(s["step_ms"]), "rss": rss,
             "params": s["params"]}
+
+
+def failure(code, err):
+    if code == "killed: rss":
+        return "over the largest RSS cap (stopped)"
+    if code == "killed: time":
+        return "over the time limit (stopped)"
+    return (err.strip().splitlines() or [f"exit {code}"])[-1]
+
+
+def context_sweep(args, model, precision):
+    """The longest context Transformers with checkpointing on and remat's full plan train under each RSS cap, at
+    batch 1: each side at args.contexts, shortest first, 2 steps a process (the second step's peak holds AdamW's
+    moments, made at the first), until its peak RSS passes the largest cap (the process is stopped there)."""
+    caps = [int(c * 2**30) for c in args.caps]
+    limits = {"kill_above": max(caps), "timeout": args.sweep_timeout}
+    rows = []
+    for system in ("Transformers", "remat"):
+        for context in args.contexts:
+            if system == "Transformers":
+                r = hf_row(args, model, precision, True, context=context, steps=1, **limits)
+            else:
+                r = remat_row(args, model, precision, ["--checkpoint-policy", "full"], "full", context=context,
+                              steps=1, **limits)
+            rows.append(dict(r, context=context, model=model, precision=precision))
+            print(f"  {system} {r['plan']} at {context}: " + (r["error"] if "error" in r else
+                  f"{r['rss'] / 2**20:.0f} MiB, {r['step_ms']:.0f} ms"), file=sys.stderr, flush=True)
+            if "error" in r or r["rss"] > max(caps):  # a longer context needs more
+                break
+    return rows
+
+
+def sweep_table(model, precision, rows, args):
+    mib = 1 << 20
+    lines = [f"\n**{MODELS[model]}, {precision}: peak RSS by context, batch 1**\n",
+             "| context | Transformers, checkpointing on: peak RSS MiB | step ms "
+             "| remat full: peak RSS MiB | step ms |",
+             "|---|---|---|---|---|"]
+    by = {(r["system"], r["context"]): r for r in rows}
+
+    def cells(system, context):
+        r = by.get((system, context))
+        if r is None:
+            return "not run (a shorter context failed) | "
+        if "error" in r:
+            return f"{r['error']} | "
+        return f"{r['rss'] / mib:.0f} | {r['step_ms']:.0f}"
+    for context in args.contexts:
+        lines.append(f"| {context} | {cells('Transformers', context)} | {cells('remat', context)} |")
+    lines += ["", "| RSS cap | longest context, Transformers checkpointing on | longest context, remat full "
+              "| remat / Transformers |", "|---|---|---|---|"]
+    for cap in args.caps:
+        longest = {}
+        for system in ("Transformers", "remat"):
+            fits = [r["context"] for r in rows
+                    if r["system"] == system and "error" not in r and r["rss"] <= cap * 2**30]
+            longest[system] = max(fits, default=0)
+        label = {s: ("none" if not c else f"{c}" + (" (the longest tried)" if c == args.contexts[-1] else ""))
+                 for s, c in longest.items()}
+        ratio = f"{longest['remat'] / longest['Transformers']:.1f}" if longest["Transformers"] else "n/a"
+        if longest["remat"] == args.contexts[-1] and longest["Transformers"]:
+            ratio = "≥ " + ratio
+        lines.append(f"| {cap:g} GiB | {label['Transformers']} | {label['remat']} | {ratio} |")
+    return "\n".join(lines)
 
 
 def table(model, precision, rows):
@@ -190,6 +286,12 @@ def main():
     ap.add_argument("--data-dir", default=str(ROOT / "build/data/fortunes-bpe"))
     ap.add_argument("--out", default=str(ROOT / "bench/results/hf.json"))
     ap.add_argument("--plot", default=str(ROOT / "docs/results/hf.png"))
+    ap.add_argument("--sweep", action="store_true",
+                    help="instead: the context sweep, the longest context each side trains under each RSS cap")
+    ap.add_argument("--contexts", default="1024,2048,4096,8192",
+                    help="the sweep's contexts (remat's trainers: train-<model> at 1024, train-<model>-t<T>)")
+    ap.add_argument("--caps", default="4,8", help="the sweep's RSS caps in GiB")
+    ap.add_argument("--sweep-timeout", type=float, default=1800, help="seconds a sweep process may run")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--precision", help=argparse.SUPPRESS)
@@ -207,10 +309,18 @@ def main():
     args.tokens = os.path.join(args.data_dir, "train.bin")
     if not os.path.exists(args.tokens):
         sys.exit(f"hf.py: no token file {args.tokens} (make train-gpt2 writes it)")
+    args.contexts = sorted(int(c) for c in args.contexts.split(","))
+    args.caps = sorted(float(c) for c in args.caps.split(","))
+    if args.contexts[0] < 1 or args.caps[0] <= 0:
+        sys.exit("hf.py: --contexts and --caps are positive")
     for m in models:
-        if not os.access(ROOT / f"build/bin/train-{m}", os.X_OK):
-            sys.exit(f"hf.py: build/bin/train-{m} is missing (cmake --build build --target train-{m})")
+        for context in (args.contexts if args.sweep else [1024]):
+            trainer = f"train-{m}" if context == 1024 else f"train-{m}-t{context}"
+            if not os.access(ROOT / "build/bin" / trainer, os.X_OK):
+                sys.exit(f"hf.py: build/bin/{trainer} is missing (cmake --build build --target {trainer})")
     print(f"CPU: {cpu_line()[0]}; {os.cpu_count()} threads")
+    if args.sweep:
+        return sweep_main(args, models, precisions)
     results = []
     for model in models:
         for precision in precisions:
@@ -234,6 +344,20 @@ def main():
     if args.plot:
         plot(results, args.plot)
         print(f"\nplot: {os.path.relpath(args.plot, ROOT)}")
+
+
+def sweep_main(args, models, precisions):
+    print(f"Context sweep: the longest context trained under each RSS cap, at batch 1 (contexts {args.contexts}; "
+          f"a process is stopped once its RSS passes {args.caps[-1]:g} GiB or after {args.sweep_timeout:g} s)")
+    results = []
+    for model in models:
+        for precision in precisions:
+            rows = context_sweep(args, model, precision)
+            print(sweep_table(model, precision, rows, args), flush=True)
+            results += rows
+    out = pathlib.Path(args.out).with_name("hf-context.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -8,17 +8,23 @@
 # OPENCL: also generate the GPU schedules for OpenCL (table `opencl_table`), for the tests that
 # run them on PoCL. CPU_TARGETS: the CPU kernels' Halide targets, best first (default
 # REMAT_CPU_TARGETS; a model that only runs on CUDA needs the baseline alone, its host code).
+# CUDA_CAPABILITY: the CUDA kernels' compute capability (default REMAT_CUDA_CAPABILITY; 0: none).
 function(remat_add_model name)
-  cmake_parse_arguments(ARG "OPENCL" "MODULE;CPU_TARGETS" "" ${ARGN})
+  cmake_parse_arguments(ARG "OPENCL" "MODULE;CPU_TARGETS;CUDA_CAPABILITY" "" ${ARGN})
   if(NOT ARG_CPU_TARGETS)
     set(ARG_CPU_TARGETS "${REMAT_CPU_TARGETS}")
+  endif()
+  if(NOT DEFINED ARG_CUDA_CAPABILITY)
+    set(ARG_CUDA_CAPABILITY "${REMAT_CUDA_CAPABILITY}")
   endif()
   set(opencl_flag "")
   if(ARG_OPENCL)
     set(opencl_flag "--opencl")
   endif()
   add_library(${name}_model STATIC)
-  target_sources(${name}_model PUBLIC FILE_SET CXX_MODULES FILES ${ARG_MODULE})
+  cmake_path(ABSOLUTE_PATH ARG_MODULE BASE_DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR} OUTPUT_VARIABLE module)
+  cmake_path(GET module PARENT_PATH module_dir)  # (a module may be generated in the build tree)
+  target_sources(${name}_model PUBLIC FILE_SET CXX_MODULES BASE_DIRS ${module_dir} FILES ${module})
   target_link_libraries(${name}_model PUBLIC remat::language)
 
   set(main ${CMAKE_CURRENT_BINARY_DIR}/${name}_modelc_main.cpp)
@@ -34,9 +40,9 @@ int main(int argc, char **argv) { return remat::modelc::main(argc, argv, ${name}
   set(dir ${CMAKE_CURRENT_BINARY_DIR}/kernels)
   add_custom_command(
     OUTPUT ${dir}/lib${name}_kernels.a ${dir}/${name}.kernels.cppm
-    COMMAND ${name}-modelc --out ${dir} --cpu-targets ${ARG_CPU_TARGETS} --cuda-capability ${REMAT_CUDA_CAPABILITY} ${opencl_flag}
+    COMMAND ${name}-modelc --out ${dir} --cpu-targets ${ARG_CPU_TARGETS} --cuda-capability ${ARG_CUDA_CAPABILITY} ${opencl_flag}
     DEPENDS ${name}-modelc
-    COMMENT "Generating Halide kernels for model ${name} (${ARG_CPU_TARGETS}; CUDA sm_${REMAT_CUDA_CAPABILITY} ${opencl_flag})")
+    COMMENT "Generating Halide kernels for model ${name} (${ARG_CPU_TARGETS}; CUDA sm_${ARG_CUDA_CAPABILITY} ${opencl_flag})")
   add_custom_target(${name}_kernels_generated DEPENDS ${dir}/lib${name}_kernels.a ${dir}/${name}.kernels.cppm)
 
   add_library(${name}_kernels STATIC)

@@ -257,7 +257,9 @@ int main(int argc, char **argv, const Model &model, std::string_view model_name)
         int(name.size()) + name_of("", kernel_key(max_stages - 1, Variant::backward_selective, Precision::bf16)).size();
     if (longest + 1 >= int(Name{}.chars.size()))
       throw std::runtime_error("model name '" + name + "' is too long for kernel names");
-    Emitter e{std::filesystem::path(out_dir) / "staging"};
+    // a staging folder of its own: models generated into one folder at once (tests/kernels) each
+    // write a halide_runtime.o, of other features (OpenCL or not)
+    Emitter e{std::filesystem::path(out_dir) / ("staging-" + name)};
     std::filesystem::create_directories(e.staging);
     // CPU kernels: one variant per target, the running CPU picks; the last (the baseline) is
     // also the host code of the GPU kernels and the runtime's target.

@@ -28,6 +28,13 @@ void *dlopen_first(const std::vector<std::string> &candidates, const std::string
 
 #include <cstdint>
 #include <cstdlib>
+
+// Halide's CUDA runtime is in the kernels' archives when they were generated with CUDA
+// (REMAT_CUDA_CAPABILITY != 0): weak here, so that the runtime links with kernels without it.
+#pragma weak halide_cuda_device_interface
+#pragma weak halide_set_cuda_acquire_context
+#pragma weak halide_set_cuda_release_context
+#pragma weak halide_set_cuda_get_stream
 #include <map>
 #include <tuple>
 #include <vector>
@@ -108,6 +115,8 @@ void release_halide() {
 
 void init() {
   if (state.ready) return;
+  if (!&halide_set_cuda_acquire_context)
+    throw std::runtime_error("CUDA: the kernels linked here were generated without CUDA (REMAT_CUDA_CAPABILITY 0)");
   // Halide's CUDA runtime finds the driver with dlsym(RTLD_DEFAULT) or dlopen("libcuda.so"), but
   // containers often have only libcuda.so.1, which the static CUDA runtime opens privately: made
   // global here, the driver's symbols are visible to Halide.

@@ -25,6 +25,10 @@ module;
 #include <string>
 #include <string_view>
 #include <vector>
+
+// In the kernels' archives only when they were generated with CUDA (a cuda arena exists only then:
+// cuda::init() checks).
+#pragma weak halide_cuda_wrap_device_ptr
 module remat.runtime;
 import remat;
 
