@@ -28,6 +28,9 @@ void *dlopen_first(const std::vector<std::string> &candidates, const std::string
 
 #include <cstdint>
 #include <cstdlib>
+#include <map>
+#include <tuple>
+#include <vector>
 
 // Halide's CUDA runtime is in the kernels' archives when they were generated with CUDA
 // (REMAT_CUDA_CAPABILITY != 0): weak here, so that the runtime links with kernels without it.
@@ -35,9 +38,6 @@ void *dlopen_first(const std::vector<std::string> &candidates, const std::string
 #pragma weak halide_set_cuda_acquire_context
 #pragma weak halide_set_cuda_release_context
 #pragma weak halide_set_cuda_get_stream
-#include <map>
-#include <tuple>
-#include <vector>
 
 namespace remat::cuda {
 namespace {

@@ -117,7 +117,8 @@ std::string definition_digest(const Model &m);
 // Snapshot folders of an --output-dir: snapshot-<step> by step (incomplete ones are *.tmp, not
 // listed); resolve_snapshot() takes a snapshot folder, or a folder of them (then its newest);
 // remove_old_snapshots() keeps the newest `keep` and removes what interrupted saves left;
-// check_output_dir() creates the folder and probes that it is writable and has room for a snapshot.
+// check_output_dir() probes that the folder (made by OutputDirLock) is writable and has room for a
+// snapshot.
 std::vector<std::pair<long, std::string>> snapshot_folders(const std::string &dir);
 std::string resolve_snapshot(const std::string &path);
 void remove_old_snapshots(const std::string &dir, int keep);

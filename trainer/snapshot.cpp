@@ -431,10 +431,7 @@ void remove_old_snapshots(const std::string &dir, int keep) {
 
 std::size_t snapshot_bytes(const Plan &plan) { return 3 * std::size_t(plan.param_count) * sizeof(float) + (1u << 20); }
 
-void check_output_dir(const std::string &dir, std::size_t bytes) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec || !fs::is_directory(dir, ec)) throw InputError(fmt::format("--output-dir {}: cannot create it", dir));
+void check_output_dir(const std::string &dir, std::size_t bytes) {  // (OutputDirLock made the folder)
   check_writable((fs::path(dir) / ".remat-probe").string(), "--output-dir");
   struct statvfs s{};
   if (::statvfs(dir.c_str(), &s) == 0 && std::size_t(s.f_bavail) * s.f_frsize < bytes)
