@@ -137,6 +137,7 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
   bind_all(plan.train, train_calls);
   bind_all(plan.optimize, optimize_calls);
   bind_all(plan.eval, eval_calls);
+  break_on_purpose();
   if (plan.offload_bytes) transfers = std::make_unique<Transfers>(plan, arena);
 }
 

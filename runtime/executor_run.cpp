@@ -111,7 +111,7 @@ void Executor::run(Phase phase) {
     const bool host_driven = arena.device() == Device::opencl;
     if (host_driven)  // the host copy is the truth: Halide copies it to the device
       for (int a : b->inputs) b->buffers[a].flags |= halide_buffer_flag_host_dirty;
-    int err = b->kernel->argv(b->argv.data());
+    int err = b->skipped ? 0 : b->kernel->argv(b->argv.data());
     if (host_driven)
       for (int a : b->outputs) err = err ? err : halide_copy_to_host(nullptr, &b->buffers[a]);
     if (err != 0) {

@@ -210,6 +210,7 @@ private:
   std::unique_ptr<Bound> bind(const Step &st, const Kernel &kernel, Scalars &scalars) const;
   void bind_buffer(Bound &b, int a, const halide_filter_argument_t &arg, const Arg &step_arg) const;
   void report_profile() const;  // with REMAT_PROFILE set (profile.cpp)
+  void break_on_purpose();      // with REMAT_MUTATION set: tests/mutations.py's faults (mutation.cpp)
   Arena &arena;
   Checks checks;
   std::vector<std::unique_ptr<Bound>> train_calls, optimize_calls, eval_calls;
@@ -265,6 +266,7 @@ struct Executor::Bound {
   double flops = 0;       // the step's kernel_flops, per call
   std::size_t bytes = 0;  // bytes of the tensors it reads and writes, per call
   std::int32_t rng_block = 0;
+  bool skipped = false;  // REMAT_MUTATION=skip_recompute: the kernel is not called
   std::vector<halide_buffer_t> buffers;
   std::vector<int> inputs, outputs;  // buffer arguments by kind (Device::opencl moves them)
   std::vector<std::array<halide_dimension_t, 2>> shapes;
