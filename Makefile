@@ -15,7 +15,7 @@ BENCH_ARGS ?=
 TOKENIZE_PY_PKGS := tokenizers==0.23.3
 BPE_DATA := $(BUILD)/data/fortunes-bpe
 
-.PHONY: all deps build install train train-gpt train-mlp train-llama train-gpt-bpe train-gpt2 train-smollm2 test-transformers-full test test-sanitize fuzz bench bench-cpu bench-hf bench-hf-context bench-py-pkgs device-bundle clean
+.PHONY: all deps build install train train-gpt train-mlp train-llama train-gpt-bpe train-gpt2 train-smollm2 test-transformers-full test-witness-full test test-sanitize fuzz bench bench-cpu bench-hf bench-hf-context bench-py-pkgs device-bundle clean
 
 all: build
 
@@ -88,6 +88,12 @@ test-transformers-full: build bench-py-pkgs
 	$(VENV)/bin/cmake --build $(BUILD) --target train-gpt2 train-smollm2
 	$(VENV)/bin/python tests/transformers_models.py --full --gpt2 $(BUILD)/bin/train-gpt2 \
 	  --llama $(BUILD)/bin/train-smollm2 --work $(BUILD)/transformers_full
+
+# The outside witness at full size (slow, outside the default ctest): GPT-2 124M and SmolLM2-135M,
+# every policy and a budget, fp32 and bf16: peak RSS from outside against the plan.
+test-witness-full: build
+	$(VENV)/bin/cmake --build $(BUILD) --target train-gpt2 train-smollm2
+	$(VENV)/bin/python tests/outside_witness.py $(BUILD)/bin/train-gpt2 $(BUILD)/bin/train-smollm2
 
 # PyTorch, safetensors, matplotlib and Transformers in $(VENV), when missing.
 bench-py-pkgs: | deps

@@ -1,6 +1,7 @@
 // --save-initial: the parameters and the first batch as a safetensors file, for repeating a run's
-// first steps in another implementation.
+// first steps in another implementation; its metadata "remat.model" describes the model (JSON).
 module;
+#include <nlohmann/json.hpp>
 #include <cstdint>
 #include <map>
 #include <span>
@@ -10,6 +11,39 @@ module remat.trainer;
 import remat;
 
 namespace remat::runtime {
+
+namespace {
+// The model as the user wrote it: its input, its stages (each a layer list, repeated), the
+// classes. A layer's parameters are stages.<s>.blocks.<b>.layers.<index in "layers">.<name>.
+nlohmann::json model_description(const Model &model) {
+  nlohmann::json stages = nlohmann::json::array();
+  for (int s = 0; s < model.n_stages; ++s) {
+    const Block &b = model.stages[s];
+    nlohmann::json layers = nlohmann::json::array();
+    for (int k = 0; k < b.n_layers; ++k) {
+      const Layer &l = b.layers[k];
+      nlohmann::json j = {{"kind", kind(l.op).name}, {"in", l.in}, {"out", l.out}, {"bias", l.bias}};
+      if (l.heads) j.update({{"heads", l.heads}, {"kv_heads", l.kv_heads}});
+      if (l.vocab) j.update({{"vocab", l.vocab}, {"block_size", l.block_size}});
+      if (l.eps) j["eps"] = l.eps;
+      if (l.rope_theta) j["rope_theta"] = l.rope_theta;
+      if (const auto &r = l.rope_scaling; r.enabled())
+        j["rope_llama3"] = {{"factor", r.factor},
+                            {"low_freq_factor", r.low_freq_factor},
+                            {"high_freq_factor", r.high_freq_factor},
+                            {"original_max_position_embeddings", r.original_context}};
+      if (l.op == Op::gelu) j["exact"] = l.gelu_exact;
+      if (l.tied()) j["tied_to"] = {{"stage", l.tie_stage}, {"layer", l.tie_layer}};
+      layers.push_back(std::move(j));
+    }
+    stages.push_back({{"repeat", b.repeat}, {"layers", std::move(layers)}});
+  }
+  return {
+      {"input", {{"width", model.input.width}, {"vocab", model.input.vocab}, {"block_size", model.input.block_size}}},
+      {"stages", std::move(stages)},
+      {"classes", model.classes()}};
+}
+}  // namespace
 
 // The parameters as model.safetensors holds them (named_parameters), then "inputs" and "labels".
 void save_initial(const std::string &path, const Model &model, const Plan &plan, Executor &ex,
@@ -38,6 +72,7 @@ void save_initial(const std::string &path, const Model &model, const Plan &plan,
   data.push_back(std::as_bytes(ex.tensor<std::int32_t>(plan.labels())));
   auto meta = metadata;
   meta["format"] = "pt";
+  meta["remat.model"] = model_description(model).dump();
   write_safetensors(path, "--save-initial", meta, tensors, data);
 }
 

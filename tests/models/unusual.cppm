@@ -23,4 +23,7 @@ inline constexpr remat::Model model = remat::checked([] {
       remat::residual(remat::causal_self_attention(heads), remat::linear(width, 3 * width)),
       remat::linear(3 * width, vocab), remat::softmax_cross_entropy(vocab));
 });
+// Its trainer (train-unusual, tests/CMakeLists.txt): none where the model names no policy; one step.
+inline constexpr remat::Policy policy = remat::none;
+inline constexpr remat::TrainerDefaults trainer{.batch = 8, .max_steps = 1, .eval_samples = 0};
 }  // namespace unusual

@@ -36,4 +36,7 @@ inline constexpr remat::Model model = remat::checked([] {
                     remat::every_n_layers(2) | remat::recompute_modules(remat::norm)),
       remat::rms_norm(), remat::linear(width, vocab, remat::no_bias), remat::softmax_cross_entropy(vocab));
 });
+// Its trainer (train-zoo-gated, tests/CMakeLists.txt): none where the model names no policy; one step.
+inline constexpr remat::Policy policy = remat::none;
+inline constexpr remat::TrainerDefaults trainer{.batch = 8, .max_steps = 1, .eval_samples = 0};
 }  // namespace zoo_gated
