@@ -4,14 +4,12 @@
 // removed) are the I/O interposer's (tests/io_witness.cpp), not the runtime's.
 module;
 #include <HalideRuntime.h>
-#include <fmt/format.h>
-#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <memory>
 #include <string_view>
+#include <utility>
 #include <vector>
 module remat.runtime;
 import remat;
@@ -74,7 +72,7 @@ void Executor::break_on_purpose() {
     for (int a = n_scalars; a < int(b.argv.size()); ++a)
       if (const Arg &arg = st.args[a - n_scalars]; arg.access == Access::read && saved(plan.tensors[arg.tensor].role))
         reads.push_back(a);
-    if (m == Mutation::shift_offset && !reads.empty()) {
+    if (m == Mutation::shift_offset && !reads.empty() && b.buffers[reads.front()].host) {  // host arenas
       halide_buffer_t &buf = b.buffers[reads.front()];
       const long elem = buf.type.bytes();
       const bool room =
