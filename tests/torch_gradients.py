@@ -18,8 +18,11 @@ bf16 (--bf16: activations, their gradients and GEMM operands in bf16, fp32 accum
 weights): the reference rounds where remat rounds (every layer's output and the gradient flowing into
 it, each GEMM's input and weight, to bf16 by round-to-nearest-even; float64 otherwise), so what
 is left is the order of float32 sums and a rounding flipped by them: BF16_LIMIT 2e-2.
-The GPT-2 and SmolLM2 trainers (Transformers' names and layouts) are checked against Transformers
-itself (transformers_models.py).
+The GPT-2 and SmolLM2 trainers at small widths (train-gpt2-tiny, train-smol-tiny) save their
+gradients by Transformers' names and layouts: the reference's are renamed, transposed (GPT-2's Conv1D)
+and split (Llama's q/k/v and gate/up projections, fused in remat) to them here, independently of the
+trainer's own mapping (trainer/transformers.cpp). transformers_models.py compares the same trainers
+with Transformers itself.
 """
 import json
 import os
@@ -122,6 +125,46 @@ def forward(model, P, inputs, labels, bf16):
     return F.cross_entropy(x, labels.reshape(-1).long())
 
 
+def transformers_names(model, grads, architecture):  # the reference's gradients as Transformers saves them
+    out, stages = {}, model["stages"]
+    embedding = "transformer.w{}e.weight" if architecture == "gpt2" else "model.embed_{}.weight"
+    out[embedding.format("t" if architecture == "gpt2" else "tokens")] = grads["stages.0.blocks.0.layers.0.token.weight"]
+    if "stages.0.blocks.0.layers.0.position.weight" in grads:
+        out["transformer.wpe.weight"] = grads["stages.0.blocks.0.layers.0.position.weight"]
+    if architecture == "gpt2":
+        parts = [["ln_1"], ["attn.c_attn"], ["attn.c_proj"], ["ln_2"], ["mlp.c_fc"], ["mlp.c_proj"]]
+        prefix, final = "transformer.h.{}.", "transformer.ln_f"
+    else:
+        parts = [["input_layernorm"], ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                 ["self_attn.o_proj"], ["post_attention_layernorm"], ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+        prefix, final = "model.layers.{}.", "model.norm"
+    for b in range(stages[1]["repeat"]):
+        params = [k for k, layer in enumerate(stages[1]["layers"]) if layer["kind"] in ("layer_norm", "rms_norm", "linear")]
+        for k, names in zip(params, parts):
+            layer = stages[1]["layers"][k]
+            for suffix in ("weight", "bias"):
+                g = grads.get(f"stages.1.blocks.{b}.layers.{k}.{suffix}")
+                if g is None:
+                    continue
+                if len(names) == 3:  # q, k, v rows of the fused projection
+                    H, KV = stages[1]["layers"][k + 1]["heads"], stages[1]["layers"][k + 1]["kv_heads"]
+                    D = layer["out"] // (H + 2 * KV)
+                    pieces = np.split(g, [H * D, (H + KV) * D])
+                elif len(names) == 2:  # gate, up
+                    pieces = np.split(g, 2)
+                else:
+                    pieces = [g.T if architecture == "gpt2" and layer["kind"] == "linear" and suffix == "weight" else g]
+                for name, piece in zip(names, pieces):
+                    out[prefix.format(b) + name + "." + suffix] = piece
+    last = len(stages) - 1
+    out[final + ".weight"] = grads[f"stages.{last}.blocks.0.layers.0.weight"]
+    if f"stages.{last}.blocks.0.layers.0.bias" in grads:
+        out[final + ".bias"] = grads[f"stages.{last}.blocks.0.layers.0.bias"]
+    if f"stages.{last}.blocks.0.layers.1.weight" in grads:  # an untied head
+        out["lm_head.weight"] = grads[f"stages.{last}.blocks.0.layers.1.weight"]
+    return out
+
+
 def tokens(path, vocab, count, seed):  # llm.c's layout (scripts/bpe.py)
     ids = np.random.default_rng(seed).integers(0, vocab, count, dtype=np.uint16)
     with open(path, "wb") as f:
@@ -150,11 +193,15 @@ def check(trainer, work, bf16):
     loss = forward(model, P, inputs, torch.tensor(initial["labels"]), bf16)
     loss.backward()
     limit, worst, ok = (BF16_LIMIT if bf16 else FP32_LIMIT), (0.0, ""), True
-    if set(got) != {k for k in P if k != "inputs"}:
-        print(f"{name}: gradients of {sorted(set(got) ^ {k for k in P if k != 'inputs'})} on one side only")
+    reference = {k: t.grad.numpy() for k, t in P.items() if k != "inputs"}
+    architecture = TRANSFORMERS.get(os.path.basename(trainer))
+    if architecture:
+        reference = transformers_names(model, reference, architecture)
+    if set(got) != set(reference):
+        print(f"{name}: gradients of {sorted(set(got) ^ set(reference))} on one side only")
         return False
     for k, g in got.items():
-        ref = P[k].grad.numpy()
+        ref = reference[k]
         error = float(np.abs(g.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-30))
         worst = max(worst, (error, k))
         if error > limit:
@@ -165,6 +212,7 @@ def check(trainer, work, bf16):
     return ok
 
 
+TRANSFORMERS = {"train-gpt2-tiny": "gpt2", "train-smol-tiny": "llama"}  # trainers saving Transformers' names
 DATA = {}  # trainer -> its data flags (token models get a file of random tokens of their vocabulary)
 
 
@@ -173,11 +221,12 @@ def main():
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     for trainer in trainers:
-        vocab = {"train-gpt-bpe": 4096, "train-zoo-gated": 11, "train-unusual": 40}.get(os.path.basename(trainer))
+        vocab = {"train-gpt-bpe": 4096, "train-zoo-gated": 11, "train-unusual": 40, "train-gpt2-tiny": 37,
+                 "train-smol-tiny": 41}.get(os.path.basename(trainer))
         if vocab:
             files = [os.path.join(work, f"{os.path.basename(trainer)}-{part}.bin") for part in ("train", "val")]
             for i, path in enumerate(files):
-                tokens(path, vocab, 4096, i)
+                tokens(path, vocab, 16 * 1025, i)  # 16 windows of GPT-2 tiny's 1024
             DATA[os.path.basename(trainer)] = ["--train-file", files[0], "--validation-file", files[1]]
     results = [check(t, work, bf16) for t in trainers for bf16 in (False, True)]
     print(f"{sum(results)} of {len(results)} runs within their limits")
