@@ -34,11 +34,16 @@ shutil.rmtree(scratch, ignore_errors=True)
 os.makedirs(scratch)
 failures = []
 MPIRUN = ["mpirun", "--oversubscribe", "-np", "2"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+# make test-sanitize: Open MPI unloads its components before LeakSanitizer looks, so what they keep
+# shows as leaks of an unknown module no suppression can name; ranks skip the leak check (the
+# 1-rank runs of the same code keep it)
+MPI_ENV = {**os.environ, **({"ASAN_OPTIONS": os.environ["ASAN_OPTIONS"] + ":detect_leaks=0"}
+                            if "ASAN_OPTIONS" in os.environ else {})}
 
 
 def run(command, case, env=None):
-    r = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=600,
-                       env={**os.environ, **(env or {})})
+    env = {**(MPI_ENV if command[0] == "mpirun" else os.environ), **(env or {})}
+    r = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=600, env=env)
     if r.returncode != 0:
         failures.append(f"{case}: exit {r.returncode}: {r.stderr.strip()[-2000:]}")
     return r
@@ -169,7 +174,7 @@ if moments[0].keys() != moments[1].keys() or any(not np.array_equal(moments[0][k
 # ranks with other flags: one line naming the rank, exit 2, no step
 r = subprocess.run(MPIRUN[:2] + MPIRUN[4:] + ["-np", "1", mlp, "--max-steps", "2", "--batch-size", "16", ":", "-np",
                                               "1", mlp, "--max-steps", "2", "--batch-size", "8"],
-                   capture_output=True, text=True, errors="replace", timeout=300)
+                   capture_output=True, text=True, errors="replace", timeout=300, env=MPI_ENV)
 named = [line for line in r.stderr.splitlines() if "rank 1 of 2 runs with other builds or flags" in line]
 if r.returncode == 0 or not named or "step" in r.stdout:
     failures.append(f"other flags on rank 1: exit {r.returncode}, stderr {r.stderr.strip()[-1500:]}")
@@ -179,7 +184,7 @@ if r.returncode == 0 or not named or "step" in r.stdout:
 try:
     r = subprocess.run(MPIRUN[:2] + MPIRUN[4:] + ["-np", "1", mlp, "--max-steps", "2", ":", "-np", "1", mlp,
                                                   "--max-steps", "2", "--data-dir", os.path.join(scratch, "none")],
-                       capture_output=True, text=True, errors="replace", timeout=60)
+                       capture_output=True, text=True, errors="replace", timeout=60, env=MPI_ENV)
     if r.returncode == 0 or "train-mlp (rank 1 of 2): error: " not in r.stderr:
         failures.append(f"a rank failing alone: exit {r.returncode}, stderr {r.stderr.strip()[-1500:]}")
 except subprocess.TimeoutExpired:
@@ -202,7 +207,8 @@ def rank_process(rank):
 def long_job(*flags):
     """A 2-rank run of 100000 steps, once both ranks train: (mpirun's process, rank 1's pid or None)."""
     launcher = subprocess.Popen(MPIRUN + [mlp, "--max-steps", "100000", "--eval-samples", "0", *flags],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace")
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+                                env=MPI_ENV)
     victim = None
     for _ in range(100):  # both ranks up and training
         time.sleep(0.1)
