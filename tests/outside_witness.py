@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import tempfile
 
 import numpy as np
 
@@ -53,12 +54,13 @@ def main():
 
 
 def peak_rss(args):
-    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out = p.stdout.read()
-    err = p.stderr.read()
-    _, status, usage = os.wait4(p.pid, 0)
-    if status != 0:
-        sys.exit(f"{' '.join(args)}: exit status {status}: {err.strip()[-300:]}")
+    with tempfile.TemporaryFile(mode="w+") as err:  # a file: a full stderr pipe would block the trainer
+        p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
+        out = p.stdout.read()
+        _, status, usage = os.wait4(p.pid, 0)
+        if status != 0:
+            err.seek(0)
+            sys.exit(f"{' '.join(args)}: exit status {status}: {err.read().strip()[-300:]}")
     return usage.ru_maxrss * 1024, json.loads(out.strip().splitlines()[-1])
 
 
