@@ -36,8 +36,8 @@ nlohmann::json measure(int T, int H, int KV, int D, bool bf16, int reps) {
   const std::size_t width = std::size_t(H + 2 * KV) * D, rows = T;
   std::mt19937 rng(1);
   std::normal_distribution<float> normal;
-  std::vector<float> qkv(rows * width), dout(rows * H * D), out(rows * H * D), dqkv(rows * width), lse(rows * H),
-      delta(rows * H);
+  std::vector<float> qkv(rows * width), dout(rows * H * D), out(rows * H * D), dqkv(rows * width),
+      per_head(rows * 3 * H * D), lse(rows * H), delta(rows * H);
   for (float &x : qkv) x = normal(rng);
   for (float &x : dout) x = normal(rng);
   // bf16 tensors live in the first half of the same vectors
@@ -53,8 +53,8 @@ nlohmann::json measure(int T, int H, int KV, int D, bool bf16, int reps) {
         remat::attention_out(call, lse.data(), out.data());
       },
       reps);
-  const double backward =
-      median_ms([&] { remat::attention_grad(call, lse.data(), dout.data(), delta.data(), dqkv.data()); }, reps);
+  const double backward = median_ms(
+      [&] { remat::attention_grad(call, lse.data(), dout.data(), delta.data(), per_head.data(), dqkv.data()); }, reps);
   // causal: T (T + 1) / 2 scores a head; forward 2 GEMM-sized products, backward 4 (dq, dk, dv, dP)
   const double products = double(T) * (T + 1) / 2 * D * 2 * H;
   return {{"T", T},

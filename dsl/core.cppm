@@ -131,7 +131,8 @@ constexpr Layer::RopeScaling rope_llama3(double factor, double low_freq_factor, 
 enum class Module : std::uint8_t { none, core_attn, activation, norm, projection, rope };
 
 // The dimensions of a layer's tensors, in terms of the layer.
-enum class Dim : std::uint8_t { none, rows, in, out, vocab, block_size, heads };
+// per_head_qkv: an attention's gradient of q, k and v for each query head, 3 x heads x head dim
+enum class Dim : std::uint8_t { none, rows, in, out, vocab, block_size, heads, per_head_qkv };
 constexpr long long dim_of(const Layer &l, Dim d) {
   switch (d) {
   case Dim::none: return 0;
@@ -141,6 +142,7 @@ constexpr long long dim_of(const Layer &l, Dim d) {
   case Dim::vocab: return l.vocab;
   case Dim::block_size: return l.block_size;
   case Dim::heads: return l.heads;
+  case Dim::per_head_qkv: return 3LL * l.out;
   }
   return 0;
 }

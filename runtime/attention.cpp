@@ -1,25 +1,28 @@
 // Causal self-attention on the host (attention.h): the extern stages remat_attention_lse,
-// remat_attention_out and remat_attention_grad that the CPU kernels call, and the blocked
-// algorithm behind them.
+// remat_attention_out, remat_attention_grad and remat_attention_grad_sum that the CPU kernels
+// call, and the blocked algorithm behind them.
 //
 // Forward, a task per (sequence, head, block of query rows): the scores of a chunk of key
-// positions are one GEMM (q k^T), exp(score - lse) one call of MKL's vector exp, and the chunk's
+// positions are one GEMM (q k^T), exp(score - lse) a vectorized loop of its own, and the chunk's
 // share of the output one more GEMM (P v). The statistics (lse) are their own pass, online over
 // the chunks, so that the output pass reads them as a recompute reads the saved ones.
-// Backward as FlashAttention-2 without atomics: dq by (sequence, head, block of query rows), dk
-// and dv by (sequence, key / value head, block of key rows), each rebuilding P from lse and
-// dP = dout v^T per chunk; dS = P (dP - delta). bf16: the products of two bf16 blocks (scores and
-// dP) run on AVX512_BF16's dot product where the CPU has it (runtime/dot_bf16.cpp), the products
-// with P or dS (fp32) in MKL's sgemm on widened copies.
+// Backward in one pass over the causal triangle a (sequence, query head), by blocks of key rows:
+// P rebuilt from lse, dP = dout v^T, dS = P (dP - delta) once per block and chunk, five products
+// (the forward's two and dv, dk, dq); the per-head sums go to a planned fp32 workspace, and a
+// second pass adds the query heads of a group (grouped-query) and rounds. bf16: every product
+// runs on AVX512_BF16's dot product where the CPU has it (runtime/dot_bf16.cpp), P and dS rounded
+// to bf16 before theirs; elsewhere in MKL's sgemm on widened copies.
 #include "attention.h"
 
 #include "bf16.h"
+#include "cpu_variant.h"
 #include "dot_bf16.h"
 
 #include <HalideRuntime.h>
 #include <mkl.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
@@ -27,6 +30,9 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+
+// No contraction of a * b + c into an fma: the same bits on every CPU and vector width.
+#pragma clang fp contract(off)
 
 extern "C" char remat_halide_error[1024];
 
@@ -40,26 +46,22 @@ constexpr int max_head_dim = 128;
 static_assert(block_rows <= dot_bf16_max_m && chunk <= dot_bf16_max_n && max_head_dim <= dot_bf16_max_k);
 constexpr int lanes = 16;  // partial sums of a row reduction (a vector's width), added in order at the end
 constexpr float minus_inf = -std::numeric_limits<float>::infinity();
-// MKL's vector exp: at most 4 ulp, errors ignored (exp(-inf) = 0 is how the mask reaches P)
-constexpr MKL_INT64 exp_mode = VML_LA | VML_ERRMODE_IGNORE | VML_FTZDAZ_CURRENT;
 
 using Index = std::ptrdiff_t;
 
 // A [count, D] block of one head's columns: as fp32 rows (row stride ld), the tensor itself (fp32)
 // or a widened copy in `copy` (bf16); and bf16's own rows (row stride bf16_ld). A bf16 block is
-// widened only when an fp32 product reads it: its products with another bf16 block run on
-// AVX512_BF16's dot product where the CPU has it (gemm_abt).
+// widened only without AVX512_BF16's dot product.
 struct Rows {
   const float *p;
   int ld;
   const std::uint16_t *bf16 = nullptr;
   int bf16_ld = 0;
 };
-Rows head_rows(const void *base, bool bf16, int width, Index row0, int count, int col, int D, float *copy,
-               bool widened = true) {
+Rows head_rows(const void *base, bool bf16, int width, Index row0, int count, int col, int D, float *copy) {
   if (!bf16) return {static_cast<const float *>(base) + row0 * width + col, width};
   const auto *src = static_cast<const std::uint16_t *>(base) + row0 * width + col;
-  if (!widened && dot_bf16_available()) return {nullptr, 0, src, width};
+  if (dot_bf16_available()) return {nullptr, 0, src, width};
   for (int i = 0; i < count; ++i)
     for (int d = 0; d < D; ++d) copy[i * D + d] = bf16_to_float(src[Index(i) * width + d]);
   return {copy, D, src, width};
@@ -88,9 +90,21 @@ void gemm_abt(int m, int n, int k, float alpha, Rows a, Rows b, float beta, floa
   }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, alpha, a.p, a.ld, b.p, b.ld, beta, c, ldc);
 }
-// c [m, n] = a b + beta c, a [m, k] (row stride lda) and b [k, n] as rows
-void gemm_ab(int m, int n, int k, const float *a, int lda, Rows b, float beta, float *c, int ldc) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.f, a, lda, b.p, b.ld, beta, c, ldc);
+// A block of P or dS [rows, cols] (row stride chunk) as a GEMM operand: fp32, and rounded to bf16
+// into `bits` when the products run on the dot kernel (`dot`: bf16 rows are not widened), as
+// PyTorch's bf16 attention rounds P and dS before their products.
+Rows operand(const float *x, int rows, int cols, bool dot, std::uint16_t *bits) {
+  if (!dot) return {x, chunk};
+  for (int i = 0; i < rows; ++i)
+    for (int j = 0; j < cols; ++j) bits[i * chunk + j] = float_to_bf16(x[i * chunk + j]);
+  return {x, chunk, bits, chunk};
+}
+// c [m, n] = op(a) b (+ c when add), a [m, k] (stored [k, m] when trans_a) and b [k, n] as rows:
+// on the dot kernel when b is bf16 rows only (then a has its bf16 copy), else sgemm.
+void gemm_ab(bool trans_a, int m, int n, int k, Rows a, Rows b, bool add, float *c, int ldc) {
+  if (!b.p) return dot_bf16_gemm(trans_a, false, m, n, k, a.bf16, a.bf16_ld, b.bf16, b.bf16_ld, add, c, ldc);
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, CblasNoTrans, m, n, k, 1.f, a.p, a.ld, b.p, b.ld,
+              add ? 1.f : 0.f, c, ldc);
 }
 
 // Sums (maxima) of a row of `lanes`-multiple length, in `lanes` partial sums added in order.
@@ -150,16 +164,19 @@ struct Problem {
   AttentionCall a;
   int width, C, G;  // qkv row width, query width H D, query heads a key / value head
   float scale;      // 1 / sqrt(D)
+  bool dot;         // bf16 products on the dot kernel (bf16 rows are never widened)
   Mask mask;
   const float *lse = nullptr, *delta = nullptr;
   const void *dout = nullptr;
-  void *result = nullptr;  // lse, out or dqkv
+  float *per_head = nullptr;  // the gradient's per-head sums (attention_grad_heads)
+  void *result = nullptr;     // lse, out or dqkv
   explicit Problem(const AttentionCall &call)
       : a(call),
         width((call.H + 2 * call.KV) * call.D),
         C(call.H * call.D),
         G(call.H / call.KV),
         scale(float(1 / std::sqrt(double(call.D)))),
+        dot(call.bf16 && dot_bf16_available()),
         mask(call) {}
   int k_col(int kv) const { return C + kv * a.D; }
   int v_col(int kv) const { return C + (a.KV + kv) * a.D; }
@@ -167,20 +184,51 @@ struct Problem {
   int sequences() const { return a.rows / a.T; }
 };
 
-// Row i of x [m, chunk] keeps columns [first(i), last(i)) as x - row_shift[i] (query rows) or
-// x - column_shift[j] (key rows), the rest -inf; then x = exp(x) over the whole block (masked
-// entries exact zeros).
+// exp(x) without a library call, so that it fuses with the mask and the shift and vectorizes:
+// evaluated in double (x = n ln 2 + r, |r| <= ln 2 / 2, exp(r) by its Taylor polynomial of degree
+// 9, relative error below 1e-10, times 2^n) and rounded once to float, so every result is the
+// float nearest exp(x) but in rare ties (no bias for sums of probabilities to pile up). Below -87
+// (and -inf, the mask) it is exactly 0, so that no result is subnormal and the bits do not depend
+// on a thread's denormal mode. The same IEEE operations in the same order whatever the vector
+// width (this file compiles without contraction), so every CPU gives the same bits.
+[[gnu::always_inline]] inline float exp_of(float x) {
+  const double y = std::max(x, -87.f);
+  const double n = (y * 1.4426950408889634 + 6755399441055744.0) - 6755399441055744.0;  // round to nearest
+  const double r = (y - n * 0.6931471803691238) - n * 1.9082149292705877e-10;           // ln 2 in two parts
+  double p = 1.0 / 362880;
+  for (double c : {1.0 / 40320, 1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0}) p = p * r + c;
+  const double two_n = std::bit_cast<double>((std::int64_t(n) + 1023) << 52);
+  return x < -87.f ? 0.f : float(p * two_n);
+}
+
+// Row i of x [m, chunk] becomes exp(x - row_shift[i]) (query rows) or exp(x - column_shift[j])
+// (key rows) in columns [first(i), last(i)), exact zeros elsewhere (the mask).
+template <class First, class Last>
+[[gnu::always_inline]] inline void masked_exp_rows(float *x, int m, First first, Last last, const float *row_shift,
+                                                   const float *column_shift) {
+  for (int i = 0; i < m; ++i) {
+    const int lo = std::max(first(i), 0), hi = std::max(std::min(last(i), chunk), lo);
+    float *row = x + i * chunk;
+    std::fill(row, row + lo, 0.f);
+    if (column_shift)
+      for (int j = lo; j < hi; ++j) row[j] = exp_of(row[j] - column_shift[j]);
+    else
+      for (int j = lo; j < hi; ++j) row[j] = exp_of(row[j] - row_shift[i]);
+    std::fill(row + hi, row + chunk, 0.f);
+  }
+}
+template <class First, class Last>
+__attribute__((target("avx512f"))) void masked_exp_avx512(float *x, int m, First first, Last last,
+                                                          const float *row_shift, const float *column_shift) {
+  masked_exp_rows(x, m, first, last, row_shift, column_shift);
+}
 template <class First, class Last>
 void masked_exp(float *x, int m, First first, Last last, const float *row_shift, const float *column_shift) {
-  for (int i = 0; i < m; ++i) {
-    const int lo = first(i), hi = last(i);
-    float *row = x + i * chunk;
-    if (column_shift)
-      for (int j = 0; j < chunk; ++j) row[j] = j >= lo && j < hi ? row[j] - column_shift[j] : minus_inf;
-    else
-      for (int j = 0; j < chunk; ++j) row[j] = j >= lo && j < hi ? row[j] - row_shift[i] : minus_inf;
-  }
-  vmsExp(m * chunk, x, x, exp_mode);
+  static const bool avx512 = __builtin_cpu_supports("avx512f") && !cpu_avx2_forced();
+  if (avx512)
+    masked_exp_avx512(x, m, first, last, row_shift, column_shift);
+  else
+    masked_exp_rows(x, m, first, last, row_shift, column_shift);
 }
 
 // Task order: the blocks with the most work first (the causal triangle's long rows), so that the
@@ -191,10 +239,6 @@ struct Task {
 Task query_task(const Problem &p, int i, int heads) {
   const int per_block = p.sequences() * heads, rest = i % per_block;
   return {rest / heads, rest % heads, p.blocks() - 1 - i / per_block};
-}
-Task key_task(const Problem &p, int i, int heads) {
-  const int per_block = p.sequences() * heads, rest = i % per_block;
-  return {rest / heads, rest % heads, i / per_block};
 }
 
 // ---- forward ----
@@ -208,10 +252,10 @@ int lse_task(void *, int i, std::uint8_t *closure) {
   float m[block_rows], l[block_rows];
   std::fill(m, m + bq, minus_inf);
   std::fill(l, l + bq, 0.f);
-  const Rows q = head_rows(a.qkv, a.bf16, p.width, row0 + t0, bq, h * a.D, a.D, q_copy, false);
+  const Rows q = head_rows(a.qkv, a.bf16, p.width, row0 + t0, bq, h * a.D, a.D, q_copy);
   for (int c0 = 0; c0 < t0 + bq; c0 += chunk) {
     const int kc = std::min(chunk, t0 + bq - c0);
-    const Rows k = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc, p.k_col(kv), a.D, k_copy, false);
+    const Rows k = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc, p.k_col(kv), a.D, k_copy);
     gemm_abt(bq, kc, a.D, p.scale, q, k, 0.f, s, chunk);
     float shift[block_rows];
     for (int r = 0; r < bq; ++r) {
@@ -253,100 +297,105 @@ int out_task(void *, int i, std::uint8_t *closure) {
   const Index row0 = Index(task.n) * a.T;
   alignas(64) float q_copy[block_rows * max_head_dim], k_copy[chunk * max_head_dim], v_copy[chunk * max_head_dim],
       s[block_rows * chunk], o[block_rows * max_head_dim];
-  const Rows q = head_rows(a.qkv, a.bf16, p.width, row0 + t0, bq, h * a.D, a.D, q_copy, false);
+  alignas(64) std::uint16_t s16[block_rows * chunk];
+  const Rows q = head_rows(a.qkv, a.bf16, p.width, row0 + t0, bq, h * a.D, a.D, q_copy);
   for (int c0 = 0; c0 < t0 + bq; c0 += chunk) {
     const int kc = std::min(chunk, t0 + bq - c0);
-    const Rows k = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc, p.k_col(kv), a.D, k_copy, false);
+    const Rows k = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc, p.k_col(kv), a.D, k_copy);
     query_probabilities(p, row0, t0, bq, c0, kc, h, q, k, true, s);
     const Rows v = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc, p.v_col(kv), a.D, v_copy);
-    gemm_ab(bq, a.D, kc, s, chunk, v, c0 ? 1.f : 0.f, o, a.D);
+    gemm_ab(false, bq, a.D, kc, operand(s, bq, kc, p.dot, s16), v, c0 > 0, o, a.D);
   }
   store_rows(o, 1.f, p.result, a.bf16, p.C, row0 + t0, bq, h * a.D, a.D);
   return 0;
 }
 
 // ---- backward ----
-// dq of a block of query rows of head h: sum over key chunks of dS k / sqrt(D).
-int dq_task(void *, int i, std::uint8_t *closure) {
+// The gradients of one query head h (a task per sequence and query head), one pass over the
+// forward's tiles (blocks of query rows by chunks of keys), chunks of keys outer: P rebuilt from lse
+// exactly as the forward's output pass built it (the same products, so each row sums as lse says),
+// dP = dout v^T, dS = P (dP keep - delta); dv += drop(P)^T dout and dk += dS^T q over the chunk's
+// query blocks (on the stack, written to the head's columns of `per_head` when the chunk ends), and
+// dq += dS k in the head's dq columns of `per_head`, each query row's sum over the chunks in order.
+// dq and dk without 1 / sqrt(D).
+int grad_task(void *, int i, std::uint8_t *closure) {
   const Problem &p = *reinterpret_cast<const Problem *>(closure);
   const AttentionCall &a = p.a;
-  const Task task = query_task(p, i, a.H);
-  const int t0 = task.block * block_rows, bq = std::min(block_rows, a.T - t0), h = task.head, kv = h / p.G;
-  const Index row0 = Index(task.n) * a.T;
-  alignas(64) float q_copy[block_rows * max_head_dim], do_copy[block_rows * max_head_dim], k_copy[chunk * max_head_dim],
-      v_copy[chunk * max_head_dim], s[block_rows * chunk], dp[block_rows * chunk], dq[block_rows * max_head_dim];
-  const Rows q = head_rows(a.qkv, a.bf16, p.width, row0 + t0, bq, h * a.D, a.D, q_copy, false);
-  const Rows dout = head_rows(p.dout, a.bf16, p.C, row0 + t0, bq, h * a.D, a.D, do_copy, false);
-  for (int c0 = 0; c0 < t0 + bq; c0 += chunk) {
-    const int kc = std::min(chunk, t0 + bq - c0);
-    const Rows k = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc, p.k_col(kv), a.D, k_copy);
-    const Rows v = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc, p.v_col(kv), a.D, v_copy, false);
-    query_probabilities(p, row0, t0, bq, c0, kc, h, q, k, false, s);
-    gemm_abt(bq, kc, a.D, 1.f, dout, v, 0.f, dp, chunk);
-    for (int r = 0; r < bq; ++r) {  // dS = P (dP keep - delta), zero where P is
-      const Index row = row0 + t0 + r;
-      const float delta = p.delta[row * a.H + h];
-      float *prob = s + r * chunk, *dprob = dp + r * chunk;
-      if (!p.mask.on)
-        for (int j = 0; j < kc; ++j) prob[j] *= dprob[j] - delta;
-      else
-        for (int j = 0; j < kc; ++j) prob[j] *= dprob[j] * p.mask.factor(row, h, c0 + j) - delta;
+  const int n = i / a.H, h = i % a.H, kv = h / p.G, D = a.D, ld = 3 * p.C;
+  const Index row0 = Index(n) * a.T;
+  float *const dq_of = p.per_head + row0 * ld + h * D, *const dk_of = dq_of + p.C, *const dv_of = dk_of + p.C;
+  alignas(64) float k_copy[chunk * max_head_dim], v_copy[chunk * max_head_dim], q_copy[block_rows * max_head_dim],
+      do_copy[block_rows * max_head_dim], s[block_rows * chunk], dp[block_rows * chunk], dk[chunk * max_head_dim],
+      dv[chunk * max_head_dim];
+  alignas(64) std::uint16_t s16[block_rows * chunk], dp16[block_rows * chunk];
+  for (int c0 = 0; c0 < a.T; c0 += chunk) {
+    const int kc_all = std::min(chunk, a.T - c0);
+    const Rows k = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc_all, p.k_col(kv), D, k_copy);
+    const Rows v = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc_all, p.v_col(kv), D, v_copy);
+    std::fill(dk, dk + kc_all * D, 0.f);  // the diagonal tile reaches only the chunk's first keys
+    std::fill(dv, dv + kc_all * D, 0.f);
+    for (int t0 = c0; t0 < a.T; t0 += block_rows) {
+      const int bq = std::min(block_rows, a.T - t0), kc = std::min(chunk, t0 + bq - c0);  // the forward's tile
+      const Rows q = head_rows(a.qkv, a.bf16, p.width, row0 + t0, bq, h * D, D, q_copy);
+      const Rows dout = head_rows(p.dout, a.bf16, p.C, row0 + t0, bq, h * D, D, do_copy);
+      query_probabilities(p, row0, t0, bq, c0, kc, h, q, k, false, s);
+      gemm_abt(bq, kc, D, 1.f, dout, v, 0.f, dp, chunk);
+      for (int r = 0; r < bq; ++r) {  // dS = P (dP keep - delta), zero where P is
+        const Index row = row0 + t0 + r;
+        const float delta = p.delta[row * a.H + h];
+        float *prob = s + r * chunk, *dprob = dp + r * chunk;
+        if (!p.mask.on)
+          for (int j = 0; j < kc; ++j) dprob[j] = prob[j] * (dprob[j] - delta);
+        else
+          for (int j = 0; j < kc; ++j) {
+            const float f = p.mask.factor(row, h, c0 + j);
+            dprob[j] = prob[j] * (dprob[j] * f - delta);
+            prob[j] *= f;  // drop(P)
+          }
+      }
+      gemm_ab(true, kc, D, bq, operand(s, bq, kc, p.dot, s16), dout, true, dv, D);
+      const Rows ds = operand(dp, bq, kc, p.dot, dp16);
+      gemm_ab(true, kc, D, bq, ds, q, true, dk, D);
+      // dq of the block's rows += dS k: the first chunk writes every query row first
+      gemm_ab(false, bq, D, kc, ds, k, c0 > 0, dq_of + Index(t0) * ld, ld);
     }
-    gemm_ab(bq, a.D, kc, s, chunk, k, c0 ? 1.f : 0.f, dq, a.D);
+    for (int r = 0; r < kc_all; ++r)
+      for (int d = 0; d < D; ++d) {
+        dk_of[Index(c0 + r) * ld + d] = dk[r * D + d];
+        dv_of[Index(c0 + r) * ld + d] = dv[r * D + d];
+      }
   }
-  store_rows(dq, p.scale, p.result, a.bf16 && !a.fp32_dqkv, p.width, row0 + t0, bq, h * a.D, a.D);
   return 0;
 }
 
-// dk and dv of a block of key rows of key / value head kv: sums over the query heads of its
-// group (in order) and over the chunks of queries at or after the block of dS^T q / sqrt(D) and
-// drop(P)^T dout.
-int dkv_task(void *, int i, std::uint8_t *closure) {
+// dqkv of a block of rows from `per_head`: dq / sqrt(D); dk / sqrt(D) and dv, each the sum of its
+// group's query heads in head order.
+constexpr int sum_rows = 16;
+int sum_task(void *, int i, std::uint8_t *closure) {
   const Problem &p = *reinterpret_cast<const Problem *>(closure);
   const AttentionCall &a = p.a;
-  const Task task = key_task(p, i, a.KV);
-  const int s0 = task.block * block_rows, bk = std::min(block_rows, a.T - s0), kv = task.head;
-  const Index row0 = Index(task.n) * a.T;
-  alignas(64) float k_copy[block_rows * max_head_dim], v_copy[block_rows * max_head_dim], q_copy[chunk * max_head_dim],
-      do_copy[chunk * max_head_dim], st[block_rows * chunk], dpt[block_rows * chunk], dk[block_rows * max_head_dim],
-      dv[block_rows * max_head_dim];
-  const Rows k = head_rows(a.qkv, a.bf16, p.width, row0 + s0, bk, p.k_col(kv), a.D, k_copy, false);
-  const Rows v = head_rows(a.qkv, a.bf16, p.width, row0 + s0, bk, p.v_col(kv), a.D, v_copy, false);
-  bool first = true;
-  for (int h = kv * p.G; h < (kv + 1) * p.G; ++h)
-    for (int q0 = s0; q0 < a.T; q0 += chunk) {
-      const int qc = std::min(chunk, a.T - q0);
-      const Rows q = head_rows(a.qkv, a.bf16, p.width, row0 + q0, qc, h * a.D, a.D, q_copy);
-      const Rows dout = head_rows(p.dout, a.bf16, p.C, row0 + q0, qc, h * a.D, a.D, do_copy);
-      gemm_abt(bk, qc, a.D, p.scale, k, q, 0.f, st, chunk);  // S^T: key rows by query columns
-      float lse[chunk], delta[chunk];                        // of the chunk's queries
-      for (int j = 0; j < qc; ++j) {
-        lse[j] = p.lse[(row0 + q0 + j) * a.H + h];
-        delta[j] = p.delta[(row0 + q0 + j) * a.H + h];
+  const int D = a.D, ld = 3 * p.C;
+  const bool stored = a.bf16 && !a.fp32_dqkv;
+  const auto put = [&](Index b, int c, float x) {
+    if (stored)
+      static_cast<std::uint16_t *>(p.result)[b * p.width + c] = float_to_bf16(x);
+    else
+      static_cast<float *>(p.result)[b * p.width + c] = x;
+  };
+  for (Index b = Index(i) * sum_rows; b < std::min(Index(a.rows), Index(i + 1) * sum_rows); ++b) {
+    const float *src = p.per_head + b * ld;
+    for (int c = 0; c < p.C; ++c) put(b, c, src[c] * p.scale);
+    for (int kv = 0; kv < a.KV; ++kv)
+      for (int d = 0; d < D; ++d) {
+        float dk = 0, dv = 0;
+        for (int g = 0; g < p.G; ++g) {
+          dk += src[p.C + (kv * p.G + g) * D + d];
+          dv += src[2 * p.C + (kv * p.G + g) * D + d];
+        }
+        put(b, p.k_col(kv) + d, dk * p.scale);
+        put(b, p.v_col(kv) + d, dv);
       }
-      masked_exp(  // P^T: queries t >= s only
-          st, bk, [&](int r) { return std::max(0, s0 + r - q0); }, [&](int) { return qc; }, nullptr, lse);
-      gemm_abt(bk, qc, a.D, 1.f, v, dout, 0.f, dpt, chunk);
-      for (int r = 0; r < bk; ++r) {
-        const Index s = s0 + r;
-        const int first_query = std::max(0, int(s - q0));
-        std::fill(dpt + r * chunk, dpt + r * chunk + first_query, 0.f);  // dS^T is 0 where P^T is
-        float *prob = st + r * chunk, *dprob = dpt + r * chunk;
-        if (!p.mask.on)
-          for (int j = first_query; j < qc; ++j) dprob[j] = prob[j] * (dprob[j] - delta[j]);  // dS^T
-        else
-          for (int j = first_query; j < qc; ++j) {
-            const float f = p.mask.factor(row0 + q0 + j, h, s);
-            dprob[j] = prob[j] * (dprob[j] * f - delta[j]);
-            prob[j] *= f;  // drop(P)^T
-          }
-      }
-      gemm_ab(bk, a.D, qc, st, chunk, dout, first ? 0.f : 1.f, dv, a.D);
-      gemm_ab(bk, a.D, qc, dpt, chunk, q, first ? 0.f : 1.f, dk, a.D);
-      first = false;
-    }
-  store_rows(dk, p.scale, p.result, a.bf16 && !a.fp32_dqkv, p.width, row0 + s0, bk, p.k_col(kv), a.D);
-  store_rows(dv, 1.f, p.result, a.bf16 && !a.fp32_dqkv, p.width, row0 + s0, bk, p.v_col(kv), a.D);
+  }
   return 0;
 }
 
@@ -378,20 +427,29 @@ void attention_out(const AttentionCall &a, const float *lse, void *out) {
   run_tasks(out_task, p.sequences() * a.H * p.blocks(), p);
 }
 
-void attention_grad(const AttentionCall &a, const float *lse, const void *dout, const float *delta, void *dqkv) {
+void attention_grad_heads(const AttentionCall &a, const float *lse, const void *dout, const float *delta,
+                          float *per_head) {
   check(a);
   Problem p(a);
   p.lse = lse;
   p.dout = dout;
   p.delta = delta;
-  p.result = dqkv;
-  run_tasks(dq_task, p.sequences() * a.H * p.blocks(), p);
-  run_tasks(dkv_task, p.sequences() * a.KV * p.blocks(), p);
+  p.per_head = per_head;
+  run_tasks(grad_task, p.sequences() * a.H, p);
 }
 
-void attention_warm_up() {
-  float x[lanes] = {};
-  vmsExp(lanes, x, x, exp_mode);
+void attention_grad_sum(const AttentionCall &a, const float *per_head, void *dqkv) {
+  check(a);
+  Problem p(a);
+  p.per_head = const_cast<float *>(per_head);
+  p.result = dqkv;
+  run_tasks(sum_task, (a.rows + sum_rows - 1) / sum_rows, p);
+}
+
+void attention_grad(const AttentionCall &a, const float *lse, const void *dout, const float *delta, float *per_head,
+                    void *dqkv) {
+  attention_grad_heads(a, lse, dout, delta, per_head);
+  attention_grad_sum(a, per_head, dqkv);
 }
 
 }  // namespace remat
@@ -471,21 +529,30 @@ extern "C" int remat_attention_out(halide_buffer_t *qkv, halide_buffer_t *lse, i
 extern "C" int remat_attention_grad(halide_buffer_t *qkv, halide_buffer_t *lse, halide_buffer_t *dout,
                                     halide_buffer_t *delta, int32_t T, int32_t H, int32_t KV, int32_t D,
                                     int32_t dropout, uint64_t seed, int32_t step, int32_t block, uint64_t threshold,
-                                    float scale, int32_t first_row, halide_buffer_t *dqkv) {
+                                    float scale, int32_t first_row, halide_buffer_t *per_head) {
   try {
-    Extern e = make(qkv, T, H, KV, D, dqkv);
+    Extern e = make(qkv, T, H, KV, D, per_head);
     const int width = (H + 2 * KV) * D;
     const int queries = e.bounds(qkv, width) + e.bounds(lse, H) + e.bounds(dout, H * D) + e.bounds(delta, H);
-    if (queries || dqkv->is_bounds_query()) return 0;
+    if (queries || per_head->is_bounds_query()) return 0;
     set_dropout(e, dropout, seed, step, block, threshold, scale, first_row);
     e.call.qkv = e.host(qkv, width, true, "qkv");
-    // dqkv: stored like qkv when it is the tensor's gradient itself, fp32 when it is one term of a sum
-    const bool stored = dqkv->type.bits == 16 || !e.call.bf16;
-    e.call.fp32_dqkv = !stored;
-    remat::attention_grad(e.call, static_cast<const float *>(e.host(lse, H, false, "lse")),
-                          e.host(dout, H * D, true, "dout"),
-                          static_cast<const float *>(e.host(delta, H, false, "delta")),
-                          const_cast<void *>(e.host(dqkv, width, stored, "dqkv")));
+    remat::attention_grad_heads(
+        e.call, static_cast<const float *>(e.host(lse, H, false, "lse")), e.host(dout, H * D, true, "dout"),
+        static_cast<const float *>(e.host(delta, H, false, "delta")),
+        static_cast<float *>(const_cast<void *>(e.host(per_head, 3 * H * D, false, "per_head"))));
   } catch (const std::exception &x) { return failed("attention gradient", x); }
+  return 0;
+}
+
+// dqkv is stored as its own type says: bf16, or fp32 (also under bf16, when one term of a sum).
+extern "C" int remat_attention_grad_sum(halide_buffer_t *per_head, int32_t T, int32_t H, int32_t KV, int32_t D,
+                                        halide_buffer_t *dqkv) {
+  try {
+    Extern e = make(dqkv, T, H, KV, D, dqkv);
+    if (e.bounds(per_head, 3 * H * D) || dqkv->is_bounds_query()) return 0;
+    remat::attention_grad_sum(e.call, static_cast<const float *>(e.host(per_head, 3 * H * D, false, "per_head")),
+                              const_cast<void *>(e.host(dqkv, (H + 2 * KV) * D, true, "dqkv")));
+  } catch (const std::exception &x) { return failed("attention gradient sum", x); }
   return 0;
 }

@@ -1,7 +1,8 @@
 // Causal self-attention on the host, the CPU kernels' attention (generators/kinds/attention/rules.h
 // emits extern stages that call it): FlashAttention-style, by blocks of query rows and chunks of
-// key positions, every inner product a sequential MKL GEMM on Halide's threads, exp by MKL's
-// vector math. Nothing is allocated: a task's blocks live on its stack.
+// key positions, every inner product a sequential MKL GEMM (or remat's bf16 dot product) on
+// Halide's threads. Nothing is allocated: a task's blocks live on its stack, the gradient's
+// per-head sums in a planned workspace.
 //
 // Bits: every sum runs in an order fixed by the shapes alone (blocks, chunks and the GEMMs'
 // own), so a call repeated on the same inputs (a recompute) gives the same bits, on any thread.
@@ -19,7 +20,7 @@ struct AttentionCall {
   const void *qkv = nullptr;  // stored
   int rows = 0, T = 0, H = 0, KV = 0, D = 0;
   bool bf16 = false;
-  bool fp32_dqkv = false;  // attention_grad writes fp32 although bf16 (dqkv one term of a sum)
+  bool fp32_dqkv = false;  // attention_grad_sum writes fp32 although bf16 (dqkv one term of a sum)
   // Dropout on the probabilities: P(t, s) of head h in sequence n is multiplied by scale or 0,
   // kept when the counter hash of (seed, step, block, ((n' H + h) T + t) T + s) has its top 32
   // bits >= threshold, with n' = (n T + first_row) / T: generators/kinds/dropout/algorithm.h's
@@ -36,12 +37,16 @@ void attention_lse(const AttentionCall &a, float *lse);
 // forward's own or a saved one: a recompute gives the forward's bits).
 void attention_out(const AttentionCall &a, const float *lse, void *out);
 // The gradient dqkv [rows, (H + 2 KV) D] (stored) given dout [rows, H D] (stored) and
-// delta(h, row) = dout . out over the head: dq by query blocks, dk and dv by key blocks (each
-// summed over the query heads of its group in head order).
-void attention_grad(const AttentionCall &a, const float *lse, const void *dout, const float *delta, void *dqkv);
-
-// Runs MKL's vector exp once on the calling thread (gemm_warm_up calls it on every Halide
-// thread, before any step).
-void attention_warm_up();
+// delta(h, row) = dout . out over the head, in two steps. attention_grad_heads writes per_head
+// [rows, 3 H D] fp32: for each query head its dq, then each query head's dk, then each one's dv
+// (dq and dk before the 1 / sqrt(D)), a task per (sequence, query head) in one pass over the
+// causal triangle. attention_grad_sum forms dqkv from it: dk and dv summed over the query heads of
+// their group in head order.
+void attention_grad_heads(const AttentionCall &a, const float *lse, const void *dout, const float *delta,
+                          float *per_head);
+void attention_grad_sum(const AttentionCall &a, const float *per_head, void *dqkv);
+// Both steps.
+void attention_grad(const AttentionCall &a, const float *lse, const void *dout, const float *delta, float *per_head,
+                    void *dqkv);
 
 }  // namespace remat

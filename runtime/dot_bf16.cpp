@@ -4,6 +4,7 @@
 // of 16 rows (a) and 16 columns (b), each a run of k-pairs (32-bit words holding elements k and k + 1),
 // zero-padded past the edges; a 16 x 16 tile of fp32 accumulators sums a panel's whole depth in order,
 // so the sum's order depends on the shape only (a recompute gets the same bits).
+#include "cpu_variant.h"
 #include "dot_bf16.h"
 
 #include <immintrin.h>
@@ -142,7 +143,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void micro_tile(
 }  // namespace
 
 bool dot_bf16_available() {
-  static const bool available = cpu_has_dot_without_amx();
+  static const bool available = cpu_has_dot_without_amx() && !cpu_avx2_forced();
   return available;
 }
 

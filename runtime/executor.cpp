@@ -5,6 +5,7 @@ module;
 #include <HalideRuntime.h>
 #include <HalideRuntimeCuda.h>
 
+#include "cpu_variant.h"
 #include "cuda_device.h"
 #include "gemm.h"
 
@@ -41,19 +42,8 @@ namespace remat::runtime {
 namespace {
 bool has_feature(const std::uint64_t *features, int f) { return (features[f >> 6] >> (f & 63)) & 1; }
 
-bool avx2_forced() {
-  static const bool forced = [] {
-    const char *v = std::getenv("REMAT_CPU_VARIANT");
-    if (!v || !*v || std::string_view(v) == "auto") return false;
-    if (std::string_view(v) == "avx2") return true;
-    std::fprintf(stderr, "REMAT_CPU_VARIANT=%s: expected avx2 or auto\n", v);
-    std::exit(2);
-  }();
-  return forced;
-}
-
 int can_use_target_features(int count, const std::uint64_t *features) {
-  if (avx2_forced() && has_feature(features, halide_target_feature_avx512)) return 0;
+  if (cpu_avx2_forced() && has_feature(features, halide_target_feature_avx512)) return 0;
   return halide_default_can_use_target_features(count, features);
 }
 

@@ -5,7 +5,6 @@
 // kernel (bf16 elsewhere), in row bands on Halide's threads. The OpenCL test build's GEMMs
 // run on the host too: inputs are brought to host memory, the product computed there and sent
 // back to the device, where the kernel's next stages read it.
-#include "attention.h"
 #include "bf16.h"
 #include "cuda_device.h"
 #include "dot_bf16.h"
@@ -316,7 +315,6 @@ int warm_up_thread(void *, int, uint8_t *closure) {
     g.trans_a = t & 1, g.trans_b = t & 2;
     gemm_band(g, 0, g.m);
   }
-  attention_warm_up();
   return 0;
 }
 }  // namespace

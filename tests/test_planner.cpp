@@ -1348,7 +1348,8 @@ BOOST_AUTO_TEST_CASE(fixed_policies_evaluate_to_their_plans_live_peak) {
 // model's offloading plans), and placed (first fit) the plans that do not offload peak lower; an
 // offloading plan's placement may leave holes (measured: up to 10 KiB more than unfused here). On
 // the BPE example (vocabulary 4096) the peak falls by more than the logits' bytes under every
-// fixed policy but full, whose next highest point (a block's recompute) is within them.
+// fixed policy but full, whose next highest point (a block's backward, with the attention's
+// per-head gradients) is less than the logits below the unfused peak: there it falls.
 BOOST_AUTO_TEST_CASE(fused_head_never_holds_the_whole_logits) {
   const Model m = lm_head_model();
   const int batch = 32, head = head_stage(m);
@@ -1395,7 +1396,10 @@ BOOST_AUTO_TEST_CASE(fused_head_never_holds_the_whole_logits) {
       const std::size_t logits = std::size_t(fused.rows * gpt_bpe::vocab * (pr == Precision::bf16 ? 2 : 4));
       BOOST_TEST_CONTEXT(label(fused)) {
         BOOST_TEST(check_plan(fused) == "");
-        BOOST_TEST(fused.peak_bytes + logits <= unfused.peak_bytes);
+        if (p == full)
+          BOOST_TEST(fused.peak_bytes < unfused.peak_bytes);
+        else
+          BOOST_TEST(fused.peak_bytes + logits <= unfused.peak_bytes);
       }
     }
 }

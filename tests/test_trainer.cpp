@@ -265,7 +265,7 @@ BOOST_AUTO_TEST_CASE(budget_plans_offload_on_a_gpu_only) {
   BOOST_TEST(gpu.out.find("forward_discard (offloads input)") != std::string::npos, gpu.out);
   BOOST_TEST(gpu.out.find("waits in pinned host memory between forward and backward (offload)") != std::string::npos,
              gpu.out);
-  BOOST_TEST(gpu.out.find("B (3.0 MiB) of pinned host memory") != std::string::npos, gpu.out);
+  BOOST_TEST(gpu.out.find("B (4.0 MiB) of pinned host memory") != std::string::npos, gpu.out);
   const Result cpu = train_gpt("--memory-budget 52% --plan-report --cost-table " + table);
   BOOST_TEST_REQUIRE(cpu.exit_code == 0, cpu.err);
   BOOST_TEST(cpu.out.find("offload") == std::string::npos, cpu.out);

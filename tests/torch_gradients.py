@@ -16,7 +16,8 @@ GEMMs per block, a relative error of about 2^-24 sqrt(K) L: FP32_LIMIT 2e-5 (the
 test's).
 bf16 (--bf16: activations, their gradients and GEMM operands in bf16, fp32 accumulation and master
 weights): the reference rounds where remat rounds (every layer's output and the gradient flowing into
-it, each GEMM's input and weight, to bf16 by round-to-nearest-even; float64 otherwise), so what
+it, each GEMM's input and weight, and inside attention P before P v and dS before its products with q
+and k, as PyTorch's bf16 attention does; to bf16 by round-to-nearest-even; float64 otherwise), so what
 is left is the order of float32 sums and a rounding flipped by them: BF16_LIMIT 2e-2.
 The GPT-2 and SmolLM2 trainers at small widths (train-gpt2-tiny, train-smol-tiny) save their
 gradients by Transformers' names and layouts: the reference's are renamed, transposed (GPT-2's Conv1D)
@@ -50,6 +51,26 @@ class RoundBf16(torch.autograd.Function):  # the value and the gradient through 
         return g.to(torch.bfloat16).to(torch.float64)
 
 
+class RoundValue(torch.autograd.Function):  # the value rounded to bf16, the gradient through it not
+    @staticmethod
+    def forward(ctx, x):
+        return x.to(torch.bfloat16).to(torch.float64)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class RoundGradient(torch.autograd.Function):  # the value as it is, the gradient through it rounded to bf16
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(torch.bfloat16).to(torch.float64)
+
+
 def rotate(x, layer, T):  # rotate-half RoPE of the q and k heads of [rows, (H + 2 KV) D]
     H, KV = layer["heads"], layer["kv_heads"]
     D = layer["out"] // (H + 2 * KV)
@@ -71,14 +92,20 @@ def rotate(x, layer, T):  # rotate-half RoPE of the q and k heads of [rows, (H +
     return torch.cat([(heads * cos + half * sin).reshape(x.shape[0], -1), x[:, (H + KV) * D:]], dim=1)
 
 
-def attention(x, layer, T):  # causal, grouped-query: [rows, (H + 2 KV) D] -> [rows, H D]
+def attention(x, layer, T, bf16):  # causal, grouped-query: [rows, (H + 2 KV) D] -> [rows, H D]
     H, KV = layer["heads"], layer["kv_heads"]
     D = layer["in"] // (H + 2 * KV)
     B = x.shape[0] // T
     q = x[:, :H * D].reshape(B, T, H, D).transpose(1, 2)
     k = x[:, H * D:(H + KV) * D].reshape(B, T, KV, D).transpose(1, 2).repeat_interleave(H // KV, dim=1)
     v = x[:, (H + KV) * D:].reshape(B, T, KV, D).transpose(1, 2).repeat_interleave(H // KV, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B * T, H * D)
+    if not bf16:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:  # P rounded before P v, dS before its products with q and k
+        scores = RoundGradient.apply(q @ k.transpose(-1, -2) / np.sqrt(D))
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        out = RoundValue.apply(torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)) @ v
+    return out.transpose(1, 2).reshape(B * T, H * D)
 
 
 def forward(model, P, inputs, labels, bf16):
@@ -118,7 +145,7 @@ def forward(model, P, inputs, labels, bf16):
                 elif kind == "rope":
                     x = rotate(x, layer, T)
                 elif kind == "causal_self_attention":
-                    x = attention(x, layer, T)
+                    x = attention(x, layer, T, bf16)
                 elif kind != "dropout":  # dropout 0: the identity
                     sys.exit(f"torch_gradients.py: no PyTorch form for layer kind {kind!r} ({name})")
                 x = r(x)

@@ -50,16 +50,21 @@ struct KindRules<Op::attention> {
       gen::AttentionSchedule(k.sched).delta(delta);
       k.output(k.workspace(j, 0), delta);
       const HostAttention host(k, j);
-      const Func lse = k.f.stats.at(j)[0];
-      const Func term = host.grad(lse, dout_stored, delta, gen::part(name, "dqkv"), Float(32));
+      const Func per_head = host.grad_heads(k.f.stats.at(j)[0], dout_stored, delta, gen::part(name, "dqkv_heads"));
+      k.output(k.workspace(j, 1), per_head);
+      const Func term = host.grad_sum(per_head, gen::part(name, "dqkv"), Float(32));
       if (product_buffer(k.blk, j)) k.output(product_of(k.blk, j).key, term);  // a planned buffer
       Contribution c{term};
-      c.whole = [host, lse, dout_stored, delta](const std::string &whole) {
-        return host.grad(lse, dout_stored, delta, whole, host.k.stored_type());
+      c.whole = [host, per_head](const std::string &whole) {
+        return host.grad_sum(per_head, whole, host.k.stored_type());
       };
       k.add_grad(src, c);
       return;
     }
+    Func unused(gen::part(name, "dqkv_heads"));  // the CPU's workspace: GPU kernels write zeros
+    unused(k.v.c, k.v.b) = 0.f;
+    k.sched.pointwise(unused);
+    k.output(k.workspace(j, 1), unused);
     gen::AttentionGrad g = gen::CausalAttention(k.seq).attention_grad(
         name, k.value(src), k.value(j), k.f.stats.at(j)[0], d, l.out, l.heads, k.dropout_at(j), l.kv_heads, false);
     gen::AttentionSchedule(k.sched).delta(g.delta);
@@ -118,9 +123,13 @@ private:
     Func out(Func lse, const std::string &name) const {
       return call("remat_attention_out", {qkv, lse}, true, name, k.stored_type(), {k.v.c, k.v.b});
     }
-    // dqkv(c, b): stored, or fp32 when one term of the tensor's gradient
-    Func grad(Func lse, Func dout, Func delta, const std::string &name, Halide::Type type) const {
-      return call("remat_attention_grad", {qkv, lse, dout, delta}, true, name, type, {k.v.c, k.v.b});
+    // per_head(c, b): each query head's dq, dk, dv in fp32 (runtime/attention.h)
+    Func grad_heads(Func lse, Func dout, Func delta, const std::string &name) const {
+      return call("remat_attention_grad", {qkv, lse, dout, delta}, true, name, Float(32), {k.v.c, k.v.b});
+    }
+    // dqkv(c, b) from per_head: stored, or fp32 when one term of the tensor's gradient
+    Func grad_sum(Func per_head, const std::string &name, Halide::Type type) const {
+      return call("remat_attention_grad_sum", {per_head}, false, name, type, {k.v.c, k.v.b});
     }
   };
 };

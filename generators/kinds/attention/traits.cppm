@@ -27,20 +27,23 @@ constexpr Message attention_shape(Layer &l, const ShapeContext &c) {
 // causal: q k^T and p v over (T + 1) / 2 keys on average
 constexpr double attention_flops(const Layer &l) { return 2.0 * (l.block_size + 1) * l.out; }
 
-inline constexpr Kind attention{.name = "causal_self_attention",
-                                .infer = attention_shape,
-                                .reads_input = true,
-                                .reads_output = true,
-                                .buffered = true,
-                                .recomputed_by_selective = true,
-                                .reads_input_buffer = true,
-                                .draws_masks = true,
-                                .module = Module::core_attn,
-                                .stats = {{head_statistic("att", "_lse")}},
-                                .workspace = {{head_statistic("att", "_delta")}},
-                                // backward rebuilds p and forms dp, dv, dq and dk: 5 products of the forward's 2
-                                .flops = attention_flops,
-                                .backward_flops = 2.5};
+inline constexpr Kind attention{
+    .name = "causal_self_attention",
+    .infer = attention_shape,
+    .reads_input = true,
+    .reads_output = true,
+    .buffered = true,
+    .recomputed_by_selective = true,
+    .reads_input_buffer = true,
+    .draws_masks = true,
+    .module = Module::core_attn,
+    .stats = {{head_statistic("att", "_lse")}},
+    // delta = dout . out a (row, head); the CPU's gradient a query head at a
+    // time before the heads of a group are added (runtime/attention.h)
+    .workspace = {{head_statistic("att", "_delta"), {"att", "_dqkv_heads", 2, {Dim::per_head_qkv, Dim::rows}}}},
+    // backward rebuilds p and forms dp, dv, dq and dk: 5 products of the forward's 2
+    .flops = attention_flops,
+    .backward_flops = 2.5};
 }  // namespace kinds
 
 // Causal multi-head self-attention core on fused [q | k | v] features (3C in, C out). With
