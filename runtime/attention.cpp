@@ -2,13 +2,14 @@
 // remat_attention_out, remat_attention_grad and remat_attention_grad_sum that the CPU kernels
 // call, and the blocked algorithm behind them.
 //
-// Forward, a task per (sequence, head, block of query rows): the scores of a chunk of key
-// positions are one GEMM (q k^T), exp(score - lse) a vectorized loop of its own, and the chunk's
-// share of the output one more GEMM (P v). The statistics (lse) are their own pass, online over
-// the chunks, so that the output pass reads them as a recompute reads the saved ones.
-// Backward in one pass over the causal triangle a (sequence, query head), by blocks of key rows:
-// P rebuilt from lse, dP = dout v^T, dS = P (dP - delta) once per block and chunk, five products
-// (the forward's two and dv, dk, dq); the per-head sums go to a planned fp32 workspace, and a
+// Forward, a task per (sequence, head, group of four blocks of 64 query rows), by tiles of a block
+// by a chunk of 128 keys: the scores of a tile are one GEMM (q k^T), exp(score - lse) a vectorized
+// loop of its own, and the tile's share of the output one more GEMM (P v). The statistics (lse)
+// are their own pass, online over the chunks, so that the output pass reads them as a recompute
+// reads the saved ones. Backward in one pass over the same tiles a (sequence, query head), by
+// groups of four key chunks: P rebuilt from lse as the forward built it, dP = dout v^T,
+// dS = P (dP - delta) once per tile, five products (the forward's two and dv, dk, dq); the
+// per-head sums go to a planned fp32 workspace, and a
 // second pass adds the query heads of a group (grouped-query) and rounds. bf16: every product
 // runs on AVX512_BF16's dot product where the CPU has it (runtime/dot_bf16.cpp), P and dS rounded
 // to bf16 before theirs; elsewhere in MKL's sgemm on widened copies.
@@ -65,6 +66,10 @@ Rows head_rows(const void *base, bool bf16, int width, Index row0, int count, in
   for (int i = 0; i < count; ++i)
     for (int d = 0; d < D; ++d) copy[i * D + d] = bf16_to_float(src[Index(i) * width + d]);
   return {copy, D, src, width};
+}
+// Rows `at` and on of a block.
+Rows at_row(Rows r, int at, int D) {
+  return {r.p ? r.p + Index(at) * r.ld : nullptr, r.ld, r.bf16 ? r.bf16 + Index(at) * r.bf16_ld : nullptr, r.bf16_ld};
 }
 // Writes a [count, D] fp32 block times `scale` into the head's columns of a stored tensor.
 void store_rows(const float *x, float scale, void *base, bool bf16, int width, Index row0, int count, int col, int D) {
@@ -180,7 +185,7 @@ struct Problem {
         mask(call) {}
   int k_col(int kv) const { return C + kv * a.D; }
   int v_col(int kv) const { return C + (a.KV + kv) * a.D; }
-  int blocks() const { return (a.T + block_rows - 1) / block_rows; }
+  int groups() const;  // groups of query blocks (forward tasks)
   int sequences() const { return a.rows / a.T; }
 };
 
@@ -231,48 +236,59 @@ void masked_exp(float *x, int m, First first, Last last, const float *row_shift,
     masked_exp_rows(x, m, first, last, row_shift, column_shift);
 }
 
-// Task order: the blocks with the most work first (the causal triangle's long rows), so that the
+// Task order: the groups with the most work first (the causal triangle's long rows), so that the
 // last tasks to start are short.
 struct Task {
-  int n, head, block;
+  int n, head, group;
 };
 Task query_task(const Problem &p, int i, int heads) {
-  const int per_block = p.sequences() * heads, rest = i % per_block;
-  return {rest / heads, rest % heads, p.blocks() - 1 - i / per_block};
+  const int per_group = p.sequences() * heads, rest = i % per_group;
+  return {rest / heads, rest % heads, p.groups() - 1 - i / per_group};
 }
 
 // ---- forward ----
+// A task holds a group of query blocks, which share each chunk's keys (and values): each key
+// chunk is read once a group, not once a block. Every tile (block by chunk) is the same GEMM and
+// the same sums as a task of one block would run, so the bits do not depend on the grouping.
+constexpr int forward_blocks = 4;
+constexpr int group_rows = forward_blocks * block_rows;
+int Problem::groups() const { return (a.T + group_rows - 1) / group_rows; }
+
 int lse_task(void *, int i, std::uint8_t *closure) {
   const Problem &p = *reinterpret_cast<const Problem *>(closure);
   const AttentionCall &a = p.a;
   const Task task = query_task(p, i, a.H);
-  const int t0 = task.block * block_rows, bq = std::min(block_rows, a.T - t0), h = task.head, kv = h / p.G;
+  const int g0 = task.group * group_rows, gq = std::min(group_rows, a.T - g0), h = task.head, kv = h / p.G;
   const Index row0 = Index(task.n) * a.T;
-  alignas(64) float q_copy[block_rows * max_head_dim], k_copy[chunk * max_head_dim], s[block_rows * chunk];
-  float m[block_rows], l[block_rows];
-  std::fill(m, m + bq, minus_inf);
-  std::fill(l, l + bq, 0.f);
-  const Rows q = head_rows(a.qkv, a.bf16, p.width, row0 + t0, bq, h * a.D, a.D, q_copy);
-  for (int c0 = 0; c0 < t0 + bq; c0 += chunk) {
-    const int kc = std::min(chunk, t0 + bq - c0);
-    const Rows k = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc, p.k_col(kv), a.D, k_copy);
-    gemm_abt(bq, kc, a.D, p.scale, q, k, 0.f, s, chunk);
-    float shift[block_rows];
-    for (int r = 0; r < bq; ++r) {
-      const int valid = std::clamp(t0 + r - c0 + 1, 0, kc);
-      float *row = s + r * chunk;
-      std::fill(row + valid, row + chunk, minus_inf);
-      shift[r] = valid ? std::max(m[r], row_max(row, chunk)) : m[r];
-    }
-    masked_exp(s, bq, [](int) { return 0; }, [&](int r) { return std::clamp(t0 + r - c0 + 1, 0, kc); }, shift, nullptr);
-    for (int r = 0; r < bq; ++r) {
-      if (t0 + r < c0) continue;
-      l[r] = l[r] * std::exp(m[r] - shift[r]) + row_sum(s + r * chunk, chunk);
-      m[r] = shift[r];
+  alignas(64) float q_copy[group_rows * max_head_dim], k_copy[chunk * max_head_dim], s[block_rows * chunk];
+  float m[group_rows], l[group_rows];
+  std::fill(m, m + gq, minus_inf);
+  std::fill(l, l + gq, 0.f);
+  const Rows q = head_rows(a.qkv, a.bf16, p.width, row0 + g0, gq, h * a.D, a.D, q_copy);
+  for (int c0 = 0; c0 < g0 + gq; c0 += chunk) {
+    const Rows k =
+        head_rows(a.qkv, a.bf16, p.width, row0 + c0, std::min(chunk, g0 + gq - c0), p.k_col(kv), a.D, k_copy);
+    for (int t0 = std::max(g0, c0); t0 < g0 + gq; t0 += block_rows) {
+      const int bq = std::min(block_rows, a.T - t0), kc = std::min(chunk, t0 + bq - c0), at = t0 - g0;
+      gemm_abt(bq, kc, a.D, p.scale, at_row(q, at, a.D), k, 0.f, s, chunk);
+      float shift[block_rows];
+      for (int r = 0; r < bq; ++r) {
+        const int valid = std::clamp(t0 + r - c0 + 1, 0, kc);
+        float *row = s + r * chunk;
+        std::fill(row + valid, row + chunk, minus_inf);
+        shift[r] = valid ? std::max(m[at + r], row_max(row, chunk)) : m[at + r];
+      }
+      masked_exp(
+          s, bq, [](int) { return 0; }, [&](int r) { return std::clamp(t0 + r - c0 + 1, 0, kc); }, shift, nullptr);
+      for (int r = 0; r < bq; ++r) {
+        if (t0 + r < c0) continue;
+        l[at + r] = l[at + r] * std::exp(m[at + r] - shift[r]) + row_sum(s + r * chunk, chunk);
+        m[at + r] = shift[r];
+      }
     }
   }
   float *lse = static_cast<float *>(p.result);
-  for (int r = 0; r < bq; ++r) lse[(row0 + t0 + r) * a.H + h] = m[r] + std::log(l[r]);
+  for (int r = 0; r < gq; ++r) lse[(row0 + g0 + r) * a.H + h] = m[r] + std::log(l[r]);
   return 0;
 }
 
@@ -293,26 +309,31 @@ int out_task(void *, int i, std::uint8_t *closure) {
   const Problem &p = *reinterpret_cast<const Problem *>(closure);
   const AttentionCall &a = p.a;
   const Task task = query_task(p, i, a.H);
-  const int t0 = task.block * block_rows, bq = std::min(block_rows, a.T - t0), h = task.head, kv = h / p.G;
+  const int g0 = task.group * group_rows, gq = std::min(group_rows, a.T - g0), h = task.head, kv = h / p.G;
   const Index row0 = Index(task.n) * a.T;
-  alignas(64) float q_copy[block_rows * max_head_dim], k_copy[chunk * max_head_dim], v_copy[chunk * max_head_dim],
-      s[block_rows * chunk], o[block_rows * max_head_dim];
+  alignas(64) float q_copy[group_rows * max_head_dim], k_copy[chunk * max_head_dim], v_copy[chunk * max_head_dim],
+      s[block_rows * chunk], o[group_rows * max_head_dim];
   alignas(64) std::uint16_t s16[block_rows * chunk];
-  const Rows q = head_rows(a.qkv, a.bf16, p.width, row0 + t0, bq, h * a.D, a.D, q_copy);
-  for (int c0 = 0; c0 < t0 + bq; c0 += chunk) {
-    const int kc = std::min(chunk, t0 + bq - c0);
-    const Rows k = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc, p.k_col(kv), a.D, k_copy);
-    query_probabilities(p, row0, t0, bq, c0, kc, h, q, k, true, s);
-    const Rows v = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc, p.v_col(kv), a.D, v_copy);
-    gemm_ab(false, bq, a.D, kc, operand(s, bq, kc, p.dot, s16), v, c0 > 0, o, a.D);
+  const Rows q = head_rows(a.qkv, a.bf16, p.width, row0 + g0, gq, h * a.D, a.D, q_copy);
+  for (int c0 = 0; c0 < g0 + gq; c0 += chunk) {
+    const int kc_all = std::min(chunk, g0 + gq - c0);
+    const Rows k = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc_all, p.k_col(kv), a.D, k_copy);
+    const Rows v = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc_all, p.v_col(kv), a.D, v_copy);
+    for (int t0 = std::max(g0, c0); t0 < g0 + gq; t0 += block_rows) {
+      const int bq = std::min(block_rows, a.T - t0), kc = std::min(chunk, t0 + bq - c0), at = t0 - g0;
+      query_probabilities(p, row0, t0, bq, c0, kc, h, at_row(q, at, a.D), k, true, s);
+      gemm_ab(false, bq, a.D, kc, operand(s, bq, kc, p.dot, s16), v, c0 > 0, o + at * a.D, a.D);
+    }
   }
-  store_rows(o, 1.f, p.result, a.bf16, p.C, row0 + t0, bq, h * a.D, a.D);
+  store_rows(o, 1.f, p.result, a.bf16, p.C, row0 + g0, gq, h * a.D, a.D);
   return 0;
 }
 
 // ---- backward ----
+constexpr int grad_chunks = 4;  // key chunks a backward group holds (its dk and dv on the stack)
 // The gradients of one query head h (a task per sequence and query head), one pass over the
-// forward's tiles (blocks of query rows by chunks of keys), chunks of keys outer: P rebuilt from lse
+// forward's tiles (blocks of query rows by chunks of keys), groups of key chunks outer (each query
+// block's q, dout and dq then read once a group, not once a chunk): P rebuilt from lse
 // exactly as the forward's output pass built it (the same products, so each row sums as lse says),
 // dP = dout v^T, dS = P (dP keep - delta); dv += drop(P)^T dout and dk += dS^T q over the chunk's
 // query blocks (on the stack, written to the head's columns of `per_head` when the chunk ends), and
@@ -324,45 +345,50 @@ int grad_task(void *, int i, std::uint8_t *closure) {
   const int n = i / a.H, h = i % a.H, kv = h / p.G, D = a.D, ld = 3 * p.C;
   const Index row0 = Index(n) * a.T;
   float *const dq_of = p.per_head + row0 * ld + h * D, *const dk_of = dq_of + p.C, *const dv_of = dk_of + p.C;
-  alignas(64) float k_copy[chunk * max_head_dim], v_copy[chunk * max_head_dim], q_copy[block_rows * max_head_dim],
-      do_copy[block_rows * max_head_dim], s[block_rows * chunk], dp[block_rows * chunk], dk[chunk * max_head_dim],
-      dv[chunk * max_head_dim];
+  constexpr int keys = grad_chunks * chunk;  // a group of chunks shares each query block's loads
+  alignas(64) float k_copy[keys * max_head_dim], v_copy[keys * max_head_dim], q_copy[block_rows * max_head_dim],
+      do_copy[block_rows * max_head_dim], s[block_rows * chunk], dp[block_rows * chunk], dk[keys * max_head_dim],
+      dv[keys * max_head_dim];
   alignas(64) std::uint16_t s16[block_rows * chunk], dp16[block_rows * chunk];
-  for (int c0 = 0; c0 < a.T; c0 += chunk) {
-    const int kc_all = std::min(chunk, a.T - c0);
-    const Rows k = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc_all, p.k_col(kv), D, k_copy);
-    const Rows v = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc_all, p.v_col(kv), D, v_copy);
-    std::fill(dk, dk + kc_all * D, 0.f);  // the diagonal tile reaches only the chunk's first keys
-    std::fill(dv, dv + kc_all * D, 0.f);
-    for (int t0 = c0; t0 < a.T; t0 += block_rows) {
-      const int bq = std::min(block_rows, a.T - t0), kc = std::min(chunk, t0 + bq - c0);  // the forward's tile
+  for (int g0 = 0; g0 < a.T; g0 += keys) {
+    const int kg = std::min(keys, a.T - g0);
+    const Rows k = head_rows(a.qkv, a.bf16, p.width, row0 + g0, kg, p.k_col(kv), D, k_copy);
+    const Rows v = head_rows(a.qkv, a.bf16, p.width, row0 + g0, kg, p.v_col(kv), D, v_copy);
+    std::fill(dk, dk + kg * D, 0.f);  // the diagonal tiles reach only some of the group's keys
+    std::fill(dv, dv + kg * D, 0.f);
+    for (int t0 = g0; t0 < a.T; t0 += block_rows) {
+      const int bq = std::min(block_rows, a.T - t0);
       const Rows q = head_rows(a.qkv, a.bf16, p.width, row0 + t0, bq, h * D, D, q_copy);
       const Rows dout = head_rows(p.dout, a.bf16, p.C, row0 + t0, bq, h * D, D, do_copy);
-      query_probabilities(p, row0, t0, bq, c0, kc, h, q, k, false, s);
-      gemm_abt(bq, kc, D, 1.f, dout, v, 0.f, dp, chunk);
-      for (int r = 0; r < bq; ++r) {  // dS = P (dP keep - delta), zero where P is
-        const Index row = row0 + t0 + r;
-        const float delta = p.delta[row * a.H + h];
-        float *prob = s + r * chunk, *dprob = dp + r * chunk;
-        if (!p.mask.on)
-          for (int j = 0; j < kc; ++j) dprob[j] = prob[j] * (dprob[j] - delta);
-        else
-          for (int j = 0; j < kc; ++j) {
-            const float f = p.mask.factor(row, h, c0 + j);
-            dprob[j] = prob[j] * (dprob[j] * f - delta);
-            prob[j] *= f;  // drop(P)
-          }
+      for (int c0 = g0; c0 < std::min(g0 + kg, t0 + bq); c0 += chunk) {
+        const int kc = std::min(chunk, t0 + bq - c0), at = c0 - g0;  // the forward's tile
+        const Rows kt = at_row(k, at, D), vt = at_row(v, at, D);
+        query_probabilities(p, row0, t0, bq, c0, kc, h, q, kt, false, s);
+        gemm_abt(bq, kc, D, 1.f, dout, vt, 0.f, dp, chunk);
+        for (int r = 0; r < bq; ++r) {  // dS = P (dP keep - delta), zero where P is
+          const Index row = row0 + t0 + r;
+          const float delta = p.delta[row * a.H + h];
+          float *prob = s + r * chunk, *dprob = dp + r * chunk;
+          if (!p.mask.on)
+            for (int j = 0; j < kc; ++j) dprob[j] = prob[j] * (dprob[j] - delta);
+          else
+            for (int j = 0; j < kc; ++j) {
+              const float f = p.mask.factor(row, h, c0 + j);
+              dprob[j] = prob[j] * (dprob[j] * f - delta);
+              prob[j] *= f;  // drop(P)
+            }
+        }
+        gemm_ab(true, kc, D, bq, operand(s, bq, kc, p.dot, s16), dout, true, dv + at * D, D);
+        const Rows ds = operand(dp, bq, kc, p.dot, dp16);
+        gemm_ab(true, kc, D, bq, ds, q, true, dk + at * D, D);
+        // dq of the block's rows += dS k: the first chunk writes every query row first
+        gemm_ab(false, bq, D, kc, ds, kt, c0 > 0, dq_of + Index(t0) * ld, ld);
       }
-      gemm_ab(true, kc, D, bq, operand(s, bq, kc, p.dot, s16), dout, true, dv, D);
-      const Rows ds = operand(dp, bq, kc, p.dot, dp16);
-      gemm_ab(true, kc, D, bq, ds, q, true, dk, D);
-      // dq of the block's rows += dS k: the first chunk writes every query row first
-      gemm_ab(false, bq, D, kc, ds, k, c0 > 0, dq_of + Index(t0) * ld, ld);
     }
-    for (int r = 0; r < kc_all; ++r)
+    for (int r = 0; r < kg; ++r)
       for (int d = 0; d < D; ++d) {
-        dk_of[Index(c0 + r) * ld + d] = dk[r * D + d];
-        dv_of[Index(c0 + r) * ld + d] = dv[r * D + d];
+        dk_of[Index(g0 + r) * ld + d] = dk[r * D + d];
+        dv_of[Index(g0 + r) * ld + d] = dv[r * D + d];
       }
   }
   return 0;
@@ -416,7 +442,7 @@ void attention_lse(const AttentionCall &a, float *lse) {
   check(a);
   Problem p(a);
   p.result = lse;
-  run_tasks(lse_task, p.sequences() * a.H * p.blocks(), p);
+  run_tasks(lse_task, p.sequences() * a.H * p.groups(), p);
 }
 
 void attention_out(const AttentionCall &a, const float *lse, void *out) {
@@ -424,7 +450,7 @@ void attention_out(const AttentionCall &a, const float *lse, void *out) {
   Problem p(a);
   p.lse = lse;
   p.result = out;
-  run_tasks(out_task, p.sequences() * a.H * p.blocks(), p);
+  run_tasks(out_task, p.sequences() * a.H * p.groups(), p);
 }
 
 void attention_grad_heads(const AttentionCall &a, const float *lse, const void *dout, const float *delta,
