@@ -68,7 +68,7 @@ Rows head_rows(const void *base, bool bf16, int width, Index row0, int count, in
   return {copy, D, src, width};
 }
 // Rows `at` and on of a block.
-Rows at_row(Rows r, int at, int D) {
+Rows at_row(Rows r, int at) {
   return {r.p ? r.p + Index(at) * r.ld : nullptr, r.ld, r.bf16 ? r.bf16 + Index(at) * r.bf16_ld : nullptr, r.bf16_ld};
 }
 // Writes a [count, D] fp32 block times `scale` into the head's columns of a stored tensor.
@@ -270,7 +270,7 @@ int lse_task(void *, int i, std::uint8_t *closure) {
         head_rows(a.qkv, a.bf16, p.width, row0 + c0, std::min(chunk, g0 + gq - c0), p.k_col(kv), a.D, k_copy);
     for (int t0 = std::max(g0, c0); t0 < g0 + gq; t0 += block_rows) {
       const int bq = std::min(block_rows, a.T - t0), kc = std::min(chunk, t0 + bq - c0), at = t0 - g0;
-      gemm_abt(bq, kc, a.D, p.scale, at_row(q, at, a.D), k, 0.f, s, chunk);
+      gemm_abt(bq, kc, a.D, p.scale, at_row(q, at), k, 0.f, s, chunk);
       float shift[block_rows];
       for (int r = 0; r < bq; ++r) {
         const int valid = std::clamp(t0 + r - c0 + 1, 0, kc);
@@ -321,7 +321,7 @@ int out_task(void *, int i, std::uint8_t *closure) {
     const Rows v = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc_all, p.v_col(kv), a.D, v_copy);
     for (int t0 = std::max(g0, c0); t0 < g0 + gq; t0 += block_rows) {
       const int bq = std::min(block_rows, a.T - t0), kc = std::min(chunk, t0 + bq - c0), at = t0 - g0;
-      query_probabilities(p, row0, t0, bq, c0, kc, h, at_row(q, at, a.D), k, true, s);
+      query_probabilities(p, row0, t0, bq, c0, kc, h, at_row(q, at), k, true, s);
       gemm_ab(false, bq, a.D, kc, operand(s, bq, kc, p.dot, s16), v, c0 > 0, o + at * a.D, a.D);
     }
   }
@@ -362,7 +362,7 @@ int grad_task(void *, int i, std::uint8_t *closure) {
       const Rows dout = head_rows(p.dout, a.bf16, p.C, row0 + t0, bq, h * D, D, do_copy);
       for (int c0 = g0; c0 < std::min(g0 + kg, t0 + bq); c0 += chunk) {
         const int kc = std::min(chunk, t0 + bq - c0), at = c0 - g0;  // the forward's tile
-        const Rows kt = at_row(k, at, D), vt = at_row(v, at, D);
+        const Rows kt = at_row(k, at), vt = at_row(v, at);
         query_probabilities(p, row0, t0, bq, c0, kc, h, q, kt, false, s);
         gemm_abt(bq, kc, D, 1.f, dout, vt, 0.f, dp, chunk);
         for (int r = 0; r < bq; ++r) {  // dS = P (dP keep - delta), zero where P is
