@@ -270,7 +270,7 @@ BOOST_AUTO_TEST_CASE(the_fused_head_gives_the_unfused_heads_gradients) {
   const int samples = 96;
   BOOST_TEST_REQUIRE(head_stage(e.model) == e.model.n_stages - 1);
   for (Precision precision : {Precision::fp32, Precision::bf16}) {
-    BOOST_TEST_REQUIRE(head_chunks(e.model, samples, precision).size() == 2u);
+    BOOST_TEST_REQUIRE(head_chunks(e.model, samples, precision).size() > 1u);
     StagePolicies unfused(none);
     unfused.unfused_head = true;
     Run fused_run(e.model, e.name, e.cpu, none, samples, e.dropout, true, runtime::Device::cpu, precision);

@@ -1359,7 +1359,7 @@ BOOST_AUTO_TEST_CASE(fused_head_never_holds_the_whole_logits) {
   for (Policy p : all_policies)
     for (Precision pr : {Precision::fp32, Precision::bf16}) {
       const std::vector<RowRange> chunks = head_chunks(m, batch, pr);
-      BOOST_TEST(chunks.size() == 4u);
+      BOOST_TEST(chunks.size() == 8u);  // 32 x 64 rows in chunks of 256
       StagePolicies whole(p);
       whole.unfused_head = true;
       const Plan fused = make_plan(m, p, batch, pr);
@@ -1404,10 +1404,20 @@ BOOST_AUTO_TEST_CASE(fused_head_never_holds_the_whole_logits) {
     }
 }
 
-// The head's chunks tile the rows in whole samples, none below min_kernel_rows, each chunk's rows
-// of the head input and of the per-row metrics starting on an arena_alignment boundary.
+// The head's chunks tile the rows, none below min_kernel_rows, each chunk's rows of the head input
+// and of the per-row metrics starting on an arena_alignment boundary; in whole samples where the
+// head reads the sequences (attention in the head's stage), else in any rows (a sample of 64 rows
+// split into chunks).
 BOOST_AUTO_TEST_CASE(head_chunks_tile_the_rows_aligned) {
-  for (const Model &m : {lm_head_model(), mlp::model, gpt::model})
+  const Model attending_head =
+      check(make_model(tokens(50, 64), embedding(50, 8), repeat(2, residual(layer_norm(), linear(8, 8))), linear(8, 24),
+                       causal_self_attention(2), linear(8, 50), softmax_cross_entropy()))
+          .model;
+  BOOST_TEST(head_row_unit(attending_head) == 64);
+  BOOST_TEST(head_row_unit(lm_head_model()) == 1);
+  BOOST_TEST(head_chunks(lm_head_model(), 1, Precision::fp32).size() == 1u);  // 64 rows
+  BOOST_TEST(head_chunks(lm_head_model(), 5, Precision::fp32).size() == 2u);  // 256 + 64 rows
+  for (const Model &m : {lm_head_model(), mlp::model, gpt::model, attending_head})
     for (Precision pr : {Precision::fp32, Precision::bf16})
       for (int batch = 1; batch <= 70; ++batch) {
         const long long T = m.rows_per_sample(), C = m.stages[m.n_stages - 1].in(),
@@ -1415,7 +1425,7 @@ BOOST_AUTO_TEST_CASE(head_chunks_tile_the_rows_aligned) {
         long long next = 0;
         for (const RowRange &r : head_chunks(m, batch, pr)) {
           BOOST_TEST(r.first == next);
-          BOOST_TEST((r.rows % T == 0 && (r.rows >= min_kernel_rows || r.rows == batch * T)));
+          BOOST_TEST((r.rows % head_row_unit(m) == 0 && (r.rows >= min_kernel_rows || r.rows == batch * T)));
           BOOST_TEST((r.first * C * bytes) % arena_alignment == 0u);
           BOOST_TEST((r.first * 4) % arena_alignment == 0u);
           next = r.first + r.rows;

@@ -67,25 +67,35 @@ constexpr bool head_fused(const Model &m, const StagePolicies &ps) { return head
 // Every arena tensor (and every view of one) starts at a multiple of this many bytes.
 inline constexpr std::size_t arena_alignment = 64;
 
-// The head's chunks: whole samples (attention and positions stay within a chunk), about
-// head_chunk_rows rows each, each chunk's rows of the head input, its gradient, the labels and the
-// metrics starting on an arena_alignment boundary; a remainder under min_kernel_rows joins the
-// chunk before it. They depend on the model, batch and precision only, so the parameter gradients
-// sum in the same order under every policy.
-inline constexpr long long head_chunk_rows = 512;
+// The head's chunks: about head_chunk_rows rows each (a [256, 50257] fp32 chunk of GPT-2's logits
+// is 49 MiB, its whole [1024, 50257] 196 MiB: the head's chunk is most of a full plan's peak
+// activations), whole samples when a layer of the head reads the sequences (attention, positions),
+// each chunk's rows of the head input, its gradient, the labels and the metrics starting on an
+// arena_alignment boundary; a remainder under min_kernel_rows joins the chunk before it. They
+// depend on the model, batch and precision only, so the parameter gradients sum in the same order
+// under every policy.
+inline constexpr long long head_chunk_rows = 256;
 struct RowRange {
   long long first, rows;
 };
+// The rows a chunk of the head's holds a multiple of: a sample's when one of its layers reads the
+// sequences (a layer with a block size), else 1.
+constexpr long long head_row_unit(const Model &m) {
+  const Block &head = m.stages[m.n_stages - 1];
+  for (int k = 0; k < head.n_layers; ++k)
+    if (head.layers[k].block_size > 0) return m.rows_per_sample();
+  return 1;
+}
 constexpr std::vector<RowRange> head_chunks(const Model &m, int batch, Precision precision) {
-  const long long per_sample = m.rows_per_sample(), rows = batch * per_sample;
+  const long long unit = head_row_unit(m), rows = batch * m.rows_per_sample();
   const LocalTensor x = remat::rows(key::block_input(), m.stages[m.n_stages - 1].in());
-  const long long sample_bytes = per_sample * x.extent[0] * element_bytes(x, precision);
-  long long step = 1;  // samples per chunk are a multiple of it
-  while ((step * sample_bytes) % arena_alignment != 0 || (step * per_sample * 4) % arena_alignment != 0) ++step;
-  const long long samples = std::max(step, head_chunk_rows / per_sample / step * step);
+  const long long unit_bytes = unit * x.extent[0] * element_bytes(x, precision);
+  long long step = 1;  // units per chunk are a multiple of it
+  while ((step * unit_bytes) % arena_alignment != 0 || (step * unit * 4) % arena_alignment != 0) ++step;
+  const long long chunk = std::max(step, head_chunk_rows / unit / step * step) * unit;
   std::vector<RowRange> out;
-  for (long long first = 0; first < rows; first += samples * per_sample) {
-    const long long n = std::min(samples * per_sample, rows - first);
+  for (long long first = 0; first < rows; first += chunk) {
+    const long long n = std::min(chunk, rows - first);
     if (!out.empty() && n < min_kernel_rows)
       out.back().rows += n;
     else
