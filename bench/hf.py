@@ -2,7 +2,9 @@
 """remat's GPT-2 124M and SmolLM2-135M trainers beside Transformers' own training, one fresh process a row.
 
 remat: build/bin/train-gpt2 and train-smollm2 under every named policy and under budget plans (--memory-budget at
-50% and 25% of the none plan's activations above what every plan holds: weights, gradients, AdamW moments).
+50% and 25% of the none plan's activations above what every plan holds: weights, gradients, AdamW moments), planned
+with kernel costs measured at this size first (the trainer's --calibrate, a process per model and precision), each
+against the fastest named policy whose planned peak fits its budget.
 Transformers (the pinned package: GPT2LMHeadModel / LlamaForCausalLM at the same configs, SDPA attention,
 torch.optim.AdamW(fused=True), the same learning rate and weight decay) with gradient checkpointing off and on
 (use_reentrant=False). Both read batch-1 windows of the same token file (make train-gpt2's BPE tokens), fp32 and
@@ -144,7 +146,18 @@ def remat_row(args, model, precision, plan_flags, label, context=1024, steps=Non
     return {"system": "remat", "plan": label, "step_ms": median_after_warmup(s["step_ms"]), "rss": rss,
             "planned": s["planned_peak_bytes"], "measured": s["measured_peak_bytes"],
             "activations": s["activation_bytes"], "heap": s["step_heap_allocations"], "params": s["param_count"],
-            "grad_digest": s["grad_digest"], "loss_first": s["loss_first"]}
+            "grad_digest": s["grad_digest"], "loss_first": s["loss_first"], "costs": s["kernel_costs"]}
+
+
+def calibrate(args, model, precision):
+    """Times every kernel of the model at this size (the trainer's --calibrate: the plans of none, selective and full)
+    into args.cost_table, which the budget rows' planner then reads; None, or the failure."""
+    cmd = [str(ROOT / "build/bin" / f"train-{model}"), "--data-dir", args.data_dir, "--calibrate", "--cost-table",
+           args.cost_table, "--max-steps", "1", "--eval-samples", "0", "--sample-length", "0", "--json"]
+    if precision == "bf16":
+        cmd.append("--bf16")
+    code, _, err, _ = spawn(cmd)
+    return failure(code, err) if code else None
 
 
 def hf_row(args, model, precision, checkpointing, context=1024, steps=None, **limits):
@@ -248,7 +261,25 @@ def table(model, precision, rows):
         heap, digest = (str(r["heap"]), f"`{r['grad_digest']}`") if r["system"] == "remat" else ("", "")
         lines.append(f"| {r['system']} | {r['plan']} | {r['step_ms']:.0f} | {r['rss'] / mib:.0f} | {same} | {heap} "
                      f"| {digest} | {ratio} | {floor_ratio} |")
-    return "\n".join(lines)
+    return "\n".join(lines + budget_lines(rows))
+
+
+def budget_lines(rows):
+    """Each budget plan against the fastest named policy whose planned peak fits the same budget (measured steps)."""
+    named = [r for r in rows if r["system"] == "remat" and "error" not in r and "budget" not in r]
+    lines = []
+    for r in rows:
+        if "budget" not in r or "error" in r:
+            continue
+        fits = [u for u in named if u["planned"] <= r["budget"]]
+        head = f"- {r['plan']}, kernel costs {r['costs']}: {r['step_ms']:.0f} ms"
+        if not fits:
+            lines.append(f"{head}; no named policy fits its budget")
+            continue
+        best = min(fits, key=lambda u: u["step_ms"])
+        lines.append(f"{head}; the fastest named policy that fits it: {best['plan']}, {best['step_ms']:.0f} ms; "
+                     f"the budget plan is {100 * (1 - r['step_ms'] / best['step_ms']):.1f}% faster")
+    return ["", *lines] if lines else []
 
 
 def plot(results, path):
@@ -285,6 +316,8 @@ def main():
     ap.add_argument("--steps", type=int, default=5, help="timed steps a row (after one warm-up step)")
     ap.add_argument("--data-dir", default=str(ROOT / "build/data/fortunes-bpe"))
     ap.add_argument("--out", default=str(ROOT / "bench/results/hf.json"))
+    ap.add_argument("--cost-table", default=str(ROOT / "bench/results/hf-costs.json"),
+                    help="the kernel cost table the budget rows' planner reads (calibrated first, per model and precision)")
     ap.add_argument("--plot", default=str(ROOT / "docs/results/hf.png"))
     ap.add_argument("--sweep", action="store_true",
                     help="instead: the context sweep, the longest context each side trains under each RSS cap")
@@ -329,12 +362,15 @@ def main():
             for policy in policies:
                 rows.append(remat_row(args, model, precision, ["--checkpoint-policy", policy], policy))
             none = next((r for r in rows if r["plan"] == "none" and "error" not in r), None)
+            calibration = calibrate(args, model, precision) if budgets and none else "no none plan to size budgets"
             for b in budgets:
-                if none is None:
-                    break
+                if none is None or calibration:
+                    rows.append({"system": "remat", "plan": f"budget {b}%", "error": f"calibration: {calibration}"})
+                    continue
                 size = none["planned"] - none["activations"] + none["activations"] * b // 100
-                rows.append(remat_row(args, model, precision, ["--memory-budget", str(size)],
-                                      f"budget {b}% ({size / 2**20:.0f} MiB)"))
+                rows.append(remat_row(args, model, precision, ["--memory-budget", str(size), "--cost-table",
+                                                               args.cost_table], f"budget {b}% ({size / 2**20:.0f} MiB)"))
+                rows[-1]["budget"] = size
             for r in rows:
                 r.update(model=model, precision=precision)
             print(table(model, precision, rows), flush=True)

@@ -141,21 +141,25 @@ std::string block_calls(const Plan &plan, const Unit &unit) {
 }
 
 namespace {
-// Runs `plan` on data from `data`: one untimed micro-batch, then `runs` timed ones (and as many
-// evaluations); returns the engine, whose executor holds the call times.
-std::unique_ptr<Engine> timed_engine(const Plan &plan, const ModelInfo &info, Device device, DataSource &data,
-                                     int runs) {
+// Runs `plan` on data from `data`: one untimed micro-batch, then timed ones (and as many
+// evaluations): three, or one where the untimed one took over two seconds (a model at full size,
+// whose repeat stages still give a call a block); returns the engine, whose executor holds the
+// call times, and the timed micro-batches.
+std::pair<std::unique_ptr<Engine>, int> timed_engine(const Plan &plan, const ModelInfo &info, Device device,
+                                                     DataSource &data) {
   auto engine = engine_for_timing(plan, info, device, data);
+  const auto t0 = std::chrono::steady_clock::now();
   engine->train();
   engine->evaluate();
   engine->arena.synchronize();
+  const int runs = std::chrono::steady_clock::now() - t0 > std::chrono::seconds(2) ? 1 : 3;
   engine->executor.time_calls = true;
   for (int r = 0; r < runs; ++r) {
     engine->train();
     engine->evaluate();
   }
   engine->arena.synchronize();
-  return engine;
+  return {std::move(engine), runs};
 }
 }  // namespace
 
@@ -166,8 +170,7 @@ CostModel calibrate(const ModelInfo &info, Device device, Precision precision, i
   // every stage's forward_discard
   for (const Policy &p : {none, selective, full}) {
     const Plan plan = make_plan(m, p, batch, precision);
-    const int runs = 3;
-    const auto engine = timed_engine(plan, info, device, data, runs);
+    const auto [engine, runs] = timed_engine(plan, info, device, data);
     for (auto [phase, steps] : {std::pair{Executor::Phase::train, &plan.train}, {Executor::Phase::eval, &plan.eval}}) {
       const std::vector<double> seconds = engine->executor.call_seconds(phase);
       for (std::size_t i = 0; i < steps->size(); ++i) {

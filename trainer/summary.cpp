@@ -81,6 +81,7 @@ void print_summary(const Options &o, const ModelInfo &info, const Run &run, cons
       {"step_heap_bytes", step_heap().bytes},
       {"activation_bytes", plan.activation_bytes},
       {"activation_bytes_none", s.activation_bytes_none},
+      {"kernel_costs", run.costs_from},
       {"param_count", plan.param_count},
       {"kernel_launches", plan.total_launches},
       {"recompute_launches", plan.recompute_launches},
