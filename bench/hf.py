@@ -277,8 +277,9 @@ def budget_lines(rows):
             lines.append(f"{head}; no named policy fits its budget")
             continue
         best = min(fits, key=lambda u: u["step_ms"])
+        gain = 100 * (1 - r["step_ms"] / best["step_ms"])
         lines.append(f"{head}; the fastest named policy that fits it: {best['plan']}, {best['step_ms']:.0f} ms; "
-                     f"the budget plan is {100 * (1 - r['step_ms'] / best['step_ms']):.1f}% faster")
+                     f"the budget plan is {abs(gain):.1f}% {'faster' if gain >= 0 else 'slower'}")
     return ["", *lines] if lines else []
 
 

@@ -11,8 +11,8 @@
 // P and dS are rounded to bf16 before their products on every CPU (as PyTorch's bf16 attention
 // does; 2^-9 of each term), and the outputs are rounded once after the fp32 sums (at most 2^-8 =
 // 3.9e-3 of each value), so 5e-3 (seen out 3.4e-3, dqkv 2.6e-3); an fp32 dqkv of bf16 inputs is
-// the same sums unrounded (seen 1.9e-3, on the dot kernel and under test_attention_avx2, whose
-// products are sgemms of widened operands), and rounded it is the bf16 dqkv bit for bit. A wrong term (a
+// the same sums unrounded (seen 1.9e-3 on the dot kernel; test_attention_avx2's products are
+// sgemms of widened operands), and rounded it is the bf16 dqkv bit for bit. A wrong term (a
 // missing key, a transposed head, a mask off by one position) is an error of order 1e-1.
 #include <boost/test/unit_test.hpp>
 
