@@ -3,6 +3,8 @@
 // kernel tables.
 #include <Halide.h>
 
+#include "cuda_launches.h"
+#include "cuda_strict.h"
 #include "layers.h"
 #include "schedules.h"
 #include "stage_kernels.h"
@@ -96,6 +98,7 @@ struct Emitter {
   std::filesystem::path staging;
   std::vector<std::string> objects;
   std::vector<Emitted> kernels;
+  std::string launch_report;  // every CUDA launch, a line each (<model>.cuda-launches.txt)
 
   // One kernel for `targets` (best first): with more than one, an object per target and a
   // wrapper that picks the first one the running CPU can use (halide_can_use_target_features;
@@ -111,6 +114,7 @@ struct Emitter {
     std::map<OutputFileType, std::string> files = {{OutputFileType::object, prefix + ".o"},
                                                    {OutputFileType::c_header, prefix + ".h"}};
     if (std::getenv("REMAT_STMT")) files[OutputFileType::stmt] = prefix + ".stmt";  // for reading schedules
+    std::vector<gen::CudaLaunch> launches;
     std::vector<Target> no_runtime;
     std::vector<std::string> suffixes;
     for (const Target &t : targets) {
@@ -120,9 +124,18 @@ struct Emitter {
     compile_multitarget(symbol, files, no_runtime, suffixes, [&](const std::string &fn, const Target &t) {
       try {
         auto [pipeline, args] = build(t);
+        if (t.has_feature(Target::CUDA)) {
+          pipeline.add_custom_lowering_pass(new gen::KeepMultipliesApart);
+          pipeline.add_custom_lowering_pass(new gen::CudaLaunches(launches));
+        }
         return pipeline.compile_to_module(args, fn, t);
       } catch (const std::runtime_error &e) { throw std::runtime_error(name + ": " + e.what()); }
     });
+    for (const gen::CudaLaunch &l : launches) {
+      if (const std::string problem = l.problem(); !problem.empty())
+        throw std::runtime_error(name + ": the CUDA kernel " + l.kernel + " cannot launch on an H100: " + problem);
+      launch_report += name + " " + l.describe() + "\n";
+    }
     if (targets.size() == 1) {
       objects.push_back(prefix + ".o");
     } else {
@@ -259,6 +272,7 @@ int main(int argc, char **argv, const Model &model, std::string_view model_name)
       throw std::runtime_error("model name '" + name + "' is too long for kernel names");
     // a staging folder of its own: models generated into one folder at once (tests/kernels) each
     // write a halide_runtime.o, of other features (OpenCL or not)
+    if (capability) gen::keep_cuda_adds_rounded();
     Emitter e{std::filesystem::path(out_dir) / ("staging-" + name)};
     std::filesystem::create_directories(e.staging);
     // CPU kernels: one variant per target, the running CPU picks; the last (the baseline) is
@@ -282,6 +296,9 @@ int main(int argc, char **argv, const Model &model, std::string_view model_name)
     create_static_library(all, runtime_target, lib);
 
     write_if_changed(std::filesystem::path(out_dir) / (name + ".kernels.cppm"), kernels_module(name, e.kernels));
+    if (capability)
+      write_if_changed(std::filesystem::path(out_dir) / (name + ".cuda-launches.txt"),
+                       "rows_per_sample " + std::to_string(model.rows_per_sample()) + "\n" + e.launch_report);
     std::vector<std::string> published = {"lib" + name + "_kernels.a"};
     for (const Emitted &k : e.kernels) published.push_back(k.symbol + ".h");
     publish(e.staging, out_dir, published);

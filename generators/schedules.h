@@ -32,10 +32,21 @@ public:
   // thread pool hands out a parallel loop's iterations one at a time under one mutex, so a task
   // must be worth a lock hand-off between cores (2048 rows: 64 tasks).
   static constexpr int rows_per_task = 32;
+  // A GPU thread block of 32 columns x 8 rows of `s` over (c, b), the blocks' rows on the grid's x
+  // axis (up to 2^31 - 1 blocks; y and z stop at 65,535, which would stop rows at 524,280: batch
+  // 64 x context 8191), columns on y.
+  static void gpu_tile_rows_on_x(Stage s, Var c, Var b) {
+    Var co("co"), ci("ci"), bo("bo"), bi("bi");
+    s.split(c, co, ci, 32, TailStrategy::GuardWithIf)
+        .split(b, bo, bi, 8, TailStrategy::GuardWithIf)
+        .reorder(ci, bi, bo, co)
+        .gpu_threads(ci, bi)
+        .gpu_blocks(bo, co);
+  }
   void pointwise(Func f) {
     Var co("co"), ci("ci"), bo("bo"), bi("bi");
     if (gpu) {
-      f.compute_root().gpu_tile(v.c, v.b, co, bo, ci, bi, 32, 8, TailStrategy::GuardWithIf);
+      gpu_tile_rows_on_x(f.compute_root(), v.c, v.b);
       return;
     }
     f.compute_root()

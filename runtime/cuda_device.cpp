@@ -18,6 +18,23 @@ void *dlopen_first(const std::vector<std::string> &candidates, const std::string
   throw std::runtime_error("cannot load " + what + "; tried " + tried);
 }
 
+std::string launch_problem(const Launch &l, const LaunchLimits &limits) {
+  const char *axis = "xyz";
+  for (int d = 0; d < 3; ++d) {
+    if (l.grid[d] == 0 || l.block[d] == 0) return fmt::format("an empty grid or block on {}", axis[d]);
+    if (l.grid[d] > limits.grid[d])
+      return fmt::format("{} blocks on the grid's {} axis, the device allows {}", l.grid[d], axis[d], limits.grid[d]);
+    if (l.block[d] > limits.block[d])
+      return fmt::format("{} threads on the block's {} axis, the device allows {}", l.block[d], axis[d],
+                         limits.block[d]);
+  }
+  if (const unsigned long threads = 1ul * l.block[0] * l.block[1] * l.block[2]; threads > limits.threads)
+    return fmt::format("{} threads a block, the device allows {}", threads, limits.threads);
+  if (l.shared > limits.shared_opt_in)
+    return fmt::format("{} bytes of shared memory a block, the device allows {}", l.shared, limits.shared_opt_in);
+  return "";
+}
+
 }  // namespace remat::cuda
 
 #ifdef REMAT_WITH_CUDA
@@ -27,7 +44,9 @@ void *dlopen_first(const std::vector<std::string> &candidates, const std::string
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <tuple>
 #include <vector>
@@ -66,6 +85,73 @@ int release_context(void *) { return 0; }
 int get_stream(void *, void *, void **s) {
   *s = state.compute;
   return 0;
+}
+
+// ---- Halide's kernel launches ----
+// Halide's CUDA runtime takes each driver function it calls from halide_get_library_symbol, whose
+// hook init() sets to `library_symbol`: cuLaunchKernel becomes `checked_launch`, which names a
+// kernel whose launch the device's limits refuse (the driver would only say
+// CUDA_ERROR_INVALID_VALUE) and opts a kernel into dynamic shared memory above 48 KiB.
+using LaunchKernel = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                  CUstream, void **, void **);
+LaunchKernel driver_launch = nullptr;
+LaunchLimits device_limits;
+
+template <class F>
+F driver_function(const char *name) {
+  return reinterpret_cast<F>(dlsym(RTLD_DEFAULT, name));  // libcuda.so.1 is global (init())
+}
+const char *kernel_name(CUfunction f) {
+  using GetName = CUresult (*)(const char **, CUfunction);
+  static const auto get_name = driver_function<GetName>("cuFuncGetName");  // drivers of CUDA 12.3 and later
+  const char *name = nullptr;
+  return get_name && get_name(&name, f) == CUDA_SUCCESS && name ? name : "(a kernel: the driver does not name it)";
+}
+CUresult checked_launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                        unsigned shared, CUstream stream, void **params, void **extra) {
+  if (const std::string problem = launch_problem({{gx, gy, gz}, {bx, by, bz}, shared}, device_limits);
+      !problem.empty()) {
+    std::fprintf(stderr, "remat: CUDA kernel %s cannot launch on this GPU: %s\n", kernel_name(f), problem.c_str());
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (shared > device_limits.shared_default) {
+    using SetAttribute = CUresult (*)(CUfunction, CUfunction_attribute, int);
+    static const auto set_attribute = driver_function<SetAttribute>("cuFuncSetAttribute");
+    const CUresult err = set_attribute ? set_attribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(shared))
+                                       : CUDA_ERROR_NOT_FOUND;
+    if (err != CUDA_SUCCESS) {
+      std::fprintf(stderr, "remat: CUDA kernel %s: the driver refused %u bytes of dynamic shared memory (error %d)\n",
+                   kernel_name(f), shared, int(err));
+      return err;
+    }
+  }
+  return driver_launch(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra);
+}
+void *library_symbol(void *lib, const char *name) {
+  void *symbol = halide_default_get_library_symbol(lib, name);
+  if (!symbol || std::strcmp(name, "cuLaunchKernel") != 0) return symbol;
+  driver_launch = reinterpret_cast<LaunchKernel>(symbol);
+  return reinterpret_cast<void *>(&checked_launch);
+}
+
+// The device's limits, for checked_launch.
+LaunchLimits limits_of(int device) {
+  LaunchLimits l;
+  auto read = [&](cudaDeviceAttr attribute, unsigned &to) {
+    int value = 0;
+    check(cudaDeviceGetAttribute(&value, attribute, device), "cudaDeviceGetAttribute");
+    to = unsigned(value);
+  };
+  read(cudaDevAttrMaxGridDimX, l.grid[0]);
+  read(cudaDevAttrMaxGridDimY, l.grid[1]);
+  read(cudaDevAttrMaxGridDimZ, l.grid[2]);
+  read(cudaDevAttrMaxBlockDimX, l.block[0]);
+  read(cudaDevAttrMaxBlockDimY, l.block[1]);
+  read(cudaDevAttrMaxBlockDimZ, l.block[2]);
+  read(cudaDevAttrMaxThreadsPerBlock, l.threads);
+  read(cudaDevAttrMaxSharedMemoryPerBlock, l.shared_default);
+  read(cudaDevAttrMaxSharedMemoryPerBlockOptin, l.shared_opt_in);
+  return l;
 }
 
 }  // namespace
@@ -136,6 +222,8 @@ void init() {
   check(cudaStreamCreateWithFlags(&state.compute, cudaStreamNonBlocking), "cudaStreamCreate");
   check(cudaStreamCreateWithFlags(&state.copy, cudaStreamNonBlocking), "cudaStreamCreate");
   check(cudaStreamCreateWithFlags(&state.collectives, cudaStreamNonBlocking), "cudaStreamCreate");
+  device_limits = limits_of(state.device);
+  halide_set_custom_get_library_symbol(library_symbol);  // before Halide's CUDA runtime loads the driver
   halide_set_cuda_acquire_context(acquire_context);
   halide_set_cuda_release_context(release_context);
   halide_set_cuda_get_stream(get_stream);

@@ -32,6 +32,8 @@
 #include <fstream>
 #include <iterator>
 #include <regex>
+#include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 #include "registry.h"
@@ -205,10 +207,154 @@ std::vector<std::string> ptx_modules(const std::string &bytes) {
   return modules;
 }
 
+// The model of a kernel library: <dir>/lib<model>_kernels.a
+std::string model_of(const std::string &lib) {
+  const std::string stem = std::filesystem::path(lib).stem().string();
+  return stem.substr(3, stem.size() - 3 - std::string_view("_kernels").size());
+}
+
+// The kernel libraries whose PTX the build tests read: the test models', the Llama example's and
+// GPT-2 small's (bench/gpt2s.cppm: the real widths and context).
+std::vector<std::string> cuda_libraries() {
+  std::vector<std::string> libraries = {GPT2S_KERNELS_LIB, LLAMA_KERNELS_LIB};
+  for (const testing::TestModel &m : testing::test_models()) libraries.emplace_back(m.archive);
+  return libraries;
+}
+
+// The PTX lint. The CPU kernels keep every float multiply and add apart (strict_float), so must
+// the CUDA kernels (generators/cuda_strict.h), or a recompute kernel could round differently from
+// the forward kernel it reproduces: no module holds an f32 add, sub or mul printed without a
+// rounding mode (ptxas may contract those into an fma), nor a fused multiply-add, with one allowed
+// use and its reason:
+// - fma.rn.ftz.f32 in the models with RoPE (llama, zoo_gated, smol_tiny): libdevice's sinf and
+//   cosf, which the RoPE angles call on the GPU, evaluate their polynomials with fmas. These are
+//   fixed functions (the same bits in every kernel that calls them: a recompute reproduces its
+//   forward). libdevice is compiled flush-to-zero, Halide's own arithmetic in these kernels is not:
+//   a contraction of Halide's would print as fma.rn.f32 and fail here in every model.
+BOOST_AUTO_TEST_CASE(cuda_kernels_keep_multiplies_and_adds_apart, *boost::unit_test::label("build")) {
+  const std::set<std::string> calls_sin_cos = {"llama", "zoo_gated", "smol_tiny"};
+  const std::regex fused(R"(^\s*(@%p\d+\s+)?fma\.)"), libdevice_fma(R"(^\s*(@%p\d+\s+)?fma\.rn\.ftz\.f32\s)"),
+      contractable(R"(^\s*(@%p\d+\s+)?(add|sub|mul)(\.ftz)?(\.sat)?\.f32\s)"),
+      rounded(R"(^\s*(@%p\d+\s+)?(add|sub|mul|div)\.rn(\.ftz)?(\.sat)?\.f32\s)"), entry(R"(\.entry\s+(\w+))");
+  for (const std::string &lib : cuda_libraries()) {
+    const bool allowed_fma = calls_sin_cos.contains(model_of(lib));
+    std::size_t kernels = 0, checked = 0, offending = 0, allowed = 0;
+    for (const std::string &module : ptx_modules(read_file(lib.c_str()))) {
+      std::istringstream lines(module);
+      std::string kernel = "(before the first .entry)";
+      for (std::string line; std::getline(lines, line);) {
+        std::smatch m;
+        if (std::regex_search(line, m, entry)) {
+          kernel = m[1];
+          ++kernels;
+        }
+        const bool is_fma = std::regex_search(line, fused);
+        const bool ok = is_fma && allowed_fma && std::regex_search(line, libdevice_fma);
+        const bool bad = !ok && (is_fma || std::regex_search(line, contractable));
+        allowed += ok;
+        checked += is_fma || bad || std::regex_search(line, rounded);
+        if (bad && ++offending <= 5) BOOST_ERROR(lib << ": " << kernel << ": " << line);
+      }
+    }
+    BOOST_TEST(offending == 0u, lib << ": " << offending << " fused or contractable float instructions");
+    BOOST_TEST(kernels > 0u, lib << ": no CUDA kernels");
+    BOOST_TEST_MESSAGE(model_of(lib) << ": " << kernels << " CUDA kernels, " << checked
+                                     << " f32 adds, subs, multiplies, divisions and fmas: " << offending
+                                     << " fused or contractable, " << allowed << " libdevice fmas (sinf, cosf)");
+  }
+}
+
+// A kernel library's CUDA launches as the model compiler read them off each pipeline's lowered
+// code (generators/cuda_launches.h) into <model>.cuda-launches.txt: "rows_per_sample N", then a
+// line a GPU kernel, "<pipeline> <GPU kernel> grid X Y Z block X Y Z shared BYTES", "rows" for an
+// extent that grows with the rows (taken here at batch 64: 64 x rows_per_sample). A pipeline's
+// lines come together, pipelines in the order of the library's PTX modules (one each).
+struct LaunchReport {
+  struct Pipeline {
+    std::string name;
+    std::vector<std::pair<std::string, cuda::Launch>> launches;  // GPU kernel, launch
+    unsigned threads() const {
+      unsigned most = 0;
+      for (const auto &[_, l] : launches) most = std::max(most, l.block[0] * l.block[1] * l.block[2]);
+      return most;
+    }
+  };
+  unsigned rows_per_sample = 0;
+  std::vector<Pipeline> pipelines;
+};
+LaunchReport launch_report(const std::string &lib) {
+  const std::string model = model_of(lib);
+  std::ifstream in(std::filesystem::path(lib).parent_path() / (model + ".cuda-launches.txt"));
+  BOOST_TEST_REQUIRE(bool(in), lib << ": no " << model << ".cuda-launches.txt next to it");
+  LaunchReport report;
+  std::string word;
+  in >> word >> report.rows_per_sample;
+  BOOST_TEST_REQUIRE((word == "rows_per_sample" && report.rows_per_sample > 0), model << ": the report's first line");
+  for (std::string line; std::getline(in >> std::ws, line);) {
+    std::istringstream fields(line);
+    std::string pipeline, kernel, grid_word, block_word, shared_word, extent[7];
+    fields >> pipeline >> kernel >> grid_word >> extent[0] >> extent[1] >> extent[2] >> block_word >> extent[3] >>
+        extent[4] >> extent[5] >> shared_word >> extent[6];
+    BOOST_TEST_REQUIRE((bool(fields) && grid_word == "grid" && block_word == "block" && shared_word == "shared"),
+                       model << ": not a launch: " << line);
+    unsigned v[7];
+    for (int i = 0; i < 7; ++i)
+      v[i] = extent[i] == "rows" ? 64 * report.rows_per_sample : unsigned(std::stoul(extent[i]));
+    if (report.pipelines.empty() || report.pipelines.back().name != pipeline)
+      report.pipelines.push_back({pipeline, {}});
+    report.pipelines.back().launches.push_back({kernel, {{v[0], v[1], v[2]}, {v[3], v[4], v[5]}, v[6]}});
+  }
+  return report;
+}
+
+std::size_t entries(const std::string &module) {
+  static const std::regex entry(R"(\.entry\s+_kernel_)");
+  return std::distance(std::sregex_iterator(module.begin(), module.end(), entry), std::sregex_iterator());
+}
+
+// The launch-limit test. The model compiler refuses a CUDA kernel that cannot launch on an H100
+// at every row count (the grid's y and z, the block and its shared memory constant and within the
+// limits; only x grows with the rows). Here, from its report: one line for each GPU kernel of each
+// PTX module (the list misses none), and each launch at batch 64 passes the check every launch
+// passes on the device (cuda::launch_problem, against an H100's limits; each of today's schedules
+// has a block cover a row or more, so a grid x of 64 samples' rows bounds them). Launches above
+// 48 KiB of shared memory rely on that check's opt-in (runtime/cuda_device.cpp): counted, printed.
+BOOST_AUTO_TEST_CASE(cuda_launches_fit_an_h100, *boost::unit_test::label("build")) {
+  for (const std::string &lib : cuda_libraries()) {
+    const std::string model = model_of(lib);
+    const LaunchReport report = launch_report(lib);
+    const auto modules = ptx_modules(read_file(lib.c_str()));
+    BOOST_TEST_REQUIRE(report.pipelines.size() == modules.size(), model << ": " << report.pipelines.size()
+                                                                        << " pipelines with launches, "
+                                                                        << modules.size() << " PTX modules");
+    std::size_t launches = 0, opt_in = 0;
+    unsigned most_shared = 0, most_threads = 0;
+    for (std::size_t i = 0; i < modules.size(); ++i) {
+      const LaunchReport::Pipeline &p = report.pipelines[i];
+      BOOST_TEST(p.launches.size() == entries(modules[i]), model << ": " << p.name << ": " << p.launches.size()
+                                                                 << " launches listed, " << entries(modules[i])
+                                                                 << " GPU kernels in its PTX");
+      for (const auto &[kernel, launch] : p.launches) {
+        const std::string problem = cuda::launch_problem(launch);
+        BOOST_TEST(problem.empty(), model << ": " << p.name << " " << kernel << ": " << problem);
+        ++launches;
+        opt_in += launch.shared > cuda::LaunchLimits{}.shared_default;
+        most_shared = std::max(most_shared, launch.shared);
+      }
+      most_threads = std::max(most_threads, p.threads());
+    }
+    BOOST_TEST_MESSAGE(model << ": " << launches << " launches fit an H100 at batch 64 x " << report.rows_per_sample
+                             << " rows; at most " << most_threads << " threads and " << most_shared
+                             << " bytes of shared memory a block; " << opt_in << " above 48 KiB (opted in)");
+  }
+}
+
 // ptxas (from the CUDA toolkit) assembles every CUDA kernel of the test models, the Llama example and
 // GPT-2 small for the pinned capability and for the H200's sm_90, which the driver will JIT-compile
 // it for: invalid PTX, or a kernel needing more shared memory or registers than the GPU has, fails
-// here rather than on the device.
+// here rather than on the device. For sm_90 (-v) each kernel's registers are read: a block of a
+// pipeline's most threads (its launch report) must find them in an SM's 65,536 (else the launch
+// fails with "too many resources requested"), and nothing spills to local memory.
 boost::test_tools::assertion_result has_ptxas(boost::unit_test::test_unit_id) {
   if (std::string_view(REMAT_PTXAS).empty()) {
     std::printf("[SKIP] no ptxas (CUDA toolkit) in this build\n");
@@ -223,22 +369,36 @@ BOOST_AUTO_TEST_CASE(cuda_kernels_assemble_for_real_gpus,
   const auto dir = std::filesystem::temp_directory_path() / ("remat-ptx-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   std::size_t assembled = 0;
-  std::vector<std::string> libraries = {GPT2S_KERNELS_LIB, LLAMA_KERNELS_LIB};
-  for (const testing::TestModel &m : testing::test_models()) libraries.emplace_back(m.archive);
-  for (const std::string &lib : libraries) {
+  const std::regex used(R"(Used (\d+) registers)"), spills(R"((\d+) bytes spill stores)");
+  for (const std::string &lib : cuda_libraries()) {
     const auto modules = ptx_modules(read_file(lib.c_str()));
-    BOOST_TEST(!modules.empty(), lib);
+    const LaunchReport report = launch_report(lib);
+    BOOST_TEST_REQUIRE(report.pipelines.size() == modules.size(), lib);
+    unsigned most_registers = 0, spilled = 0;
     for (std::size_t i = 0; i < modules.size(); ++i) {
       const auto ptx = dir / (std::to_string(i) + ".ptx");
       std::ofstream(ptx) << modules[i];
-      for (const char *arch : {"sm_" REMAT_CUDA_CAPABILITY, "sm_90"}) {
-        const std::string cmd = ptxas + " -arch=" + arch + " " + ptx.string() + " -o " + (dir / "out.cubin").string() +
-                                " > " + (dir / "log").string() + " 2>&1";
+      for (const std::string arch : {"sm_" REMAT_CUDA_CAPABILITY, "sm_90"}) {
+        const std::string cmd = ptxas + " -arch=" + arch + (arch == "sm_90" ? " -v " : " ") + ptx.string() + " -o " +
+                                (dir / "out.cubin").string() + " > " + (dir / "log").string() + " 2>&1";
         const bool ok = std::system(cmd.c_str()) == 0;
-        BOOST_TEST(ok, lib << " module " << i << " for " << arch << ": " << read_file((dir / "log").c_str()));
+        const std::string log = read_file((dir / "log").c_str());
+        BOOST_TEST(ok, lib << " module " << i << " for " << arch << ": " << log);
         assembled += ok;
+        if (arch != "sm_90") continue;
+        const unsigned threads = report.pipelines[i].threads();
+        for (auto m = std::sregex_iterator(log.begin(), log.end(), used); m != std::sregex_iterator(); ++m) {
+          const unsigned registers = std::stoul((*m)[1]);
+          most_registers = std::max(most_registers, registers);
+          BOOST_TEST(registers * threads <= 65536u, lib << ": " << report.pipelines[i].name << ": " << registers
+                                                        << " registers x " << threads << " threads a block");
+        }
+        for (auto m = std::sregex_iterator(log.begin(), log.end(), spills); m != std::sregex_iterator(); ++m)
+          spilled += std::stoul((*m)[1]);
       }
     }
+    BOOST_TEST(spilled == 0u, lib << ": " << spilled << " bytes of spill stores");
+    BOOST_TEST_MESSAGE(model_of(lib) << ": at most " << most_registers << " registers a thread (sm_90)");
   }
   std::filesystem::remove_all(dir);
   BOOST_TEST_MESSAGE(assembled << " PTX modules assembled");

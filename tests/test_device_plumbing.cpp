@@ -97,3 +97,26 @@ BOOST_AUTO_TEST_CASE(nccl_loads_and_makes_a_communicator_id_without_a_gpu) {
   BOOST_TEST(message.starts_with("this build of remat has no NCCL"));
 #endif
 }
+
+// The check every CUDA kernel launch passes on the device (runtime/cuda_device.cpp), against an
+// H100's limits: each limit refused by name just above it, accepted at it.
+BOOST_AUTO_TEST_CASE(launches_over_the_device_limits_are_refused_by_name) {
+  const cuda::Launch fits{{2147483647u, 65535u, 65535u}, {32u, 8u, 4u}, 227u * 1024u};
+  BOOST_TEST(cuda::launch_problem(fits).empty());
+  cuda::Launch l = fits;
+  l.grid[1] = 65536;
+  BOOST_TEST(cuda::launch_problem(l) == "65536 blocks on the grid's y axis, the device allows 65535");
+  l = fits;
+  l.block[2] = 65;
+  BOOST_TEST(cuda::launch_problem(l) == "65 threads on the block's z axis, the device allows 64");
+  l = fits;
+  l.block[0] = 64;
+  l.block[1] = 32;  // 64 x 32 x 4 = 8192
+  BOOST_TEST(cuda::launch_problem(l) == "8192 threads a block, the device allows 1024");
+  l = fits;
+  l.shared = 227 * 1024 + 1;
+  BOOST_TEST(cuda::launch_problem(l) == "232449 bytes of shared memory a block, the device allows 232448");
+  l = fits;
+  l.grid[0] = 0;
+  BOOST_TEST(cuda::launch_problem(l) == "an empty grid or block on x");
+}

@@ -39,10 +39,10 @@ struct KindRules<Op::embedding> {
     const gen::Vars &v = s.v;
     Var co("co"), ci("ci"), bo("bo"), bi("bi");
     if (s.gpu) {
-      g.dwte.compute_root().gpu_tile(v.c, v.b, co, bo, ci, bi, 32, 8, TailStrategy::GuardWithIf);
+      gen::Scheduler::gpu_tile_rows_on_x(g.dwte.compute_root(), v.c, v.b);
       g.dwte.update().gpu_tile(v.c, co, ci, 64, TailStrategy::GuardWithIf);
-      g.dwpe.compute_root().gpu_tile(v.c, v.b, co, bo, ci, bi, 32, 8, TailStrategy::GuardWithIf);
-      g.dwpe.update().gpu_tile(v.c, v.b, co, bo, ci, bi, 32, 8, TailStrategy::GuardWithIf);
+      gen::Scheduler::gpu_tile_rows_on_x(g.dwpe.compute_root(), v.c, v.b);
+      gen::Scheduler::gpu_tile_rows_on_x(g.dwpe.update(), v.c, v.b);
       return;
     }
     g.dwte.compute_root().vectorize(v.c, s.vec, TailStrategy::GuardWithIf);
