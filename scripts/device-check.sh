@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks, run on a machine with a CUDA device against a build made elsewhere
-# (scripts/device-bundle.sh gathers it into .device/): the GPU tests, short GPT training runs on
-# the GPU, then the GPU benchmark (remat, then PyTorch side by side). Results go to $OUT (default
-# ./device-results) as files; summary.txt has what the terminal shows.
+# (scripts/device-bundle.sh gathers it into .device/), in the order of what they teach: one
+# train-gpt step with every kernel synchronized (a failing kernel named), the GPU tests, short GPT
+# training runs on the GPU, then the GPU benchmark (remat, then PyTorch side by side). Results go
+# to $OUT (default ./device-results) as files, each written as its stage ends (a call cut short
+# keeps the finished stages'); summary.txt has what the terminal shows.
 #
 #   bash scripts/device-check.sh [--dry-run] [--sync]
 #
@@ -69,6 +71,12 @@ for bin in "${bins[@]}"; do
     exit 2
   fi
 done
+# .device/lib comes first on the library path: it must not hold a CUDA library that would shadow
+# the device's own driver, runtime, cuBLAS or NCCL (the dry run checks it too).
+if shadowing=$(ls .device/lib | grep -E '^lib(cuda|cudart|cublas|cublasLt|nccl|nvrtc|nvJitLink)\.'); then
+  say "device-check: .device/lib holds CUDA libraries that would shadow the device's: $(echo $shadowing)"
+  exit 2
+fi
 
 # cuBLASLt (the GEMMs of the CUDA kernels) and NCCL (the data-parallel path) are dlopen'ed at run
 # time: pip's nvidia wheels (next to PyTorch), the library path, the CUDA toolkit, or a bounded
@@ -122,6 +130,24 @@ gpu="no nvidia-smi"
 command -v nvidia-smi >/dev/null &&
   gpu=$(timeout -k 5 20 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -n 1)
 say "== GPU: $gpu; cuBLASLt: ${REMAT_CUBLASLT:-none found (the library path then)}; NCCL: ${REMAT_NCCL:-none found (the wheel of the build or the library path then)}; $( ((dry)) && echo 'dry run (no GPU expected)' || echo 'GPU run'); sync after every kernel: ${REMAT_CUDA_SYNC:-no}; deadline ${DEADLINE} s"
+
+say "== First step: one train-gpt step on the GPU, every kernel synchronized (REMAT_CUDA_SYNC=1 names a failing one)"
+mkdir -p /tmp/remat-corpus
+timeout -k 5 30 python3 -c "import random; random.seed(1); print(''.join(random.choice('abcdefgh \n') for _ in range(200000)))" >/tmp/remat-corpus/text
+if allow 60 20 "the first step"; then
+  REMAT_CUDA_SYNC=1 timeout -k 10 "$t" .device/bin/train-gpt --device cuda --data-dir /tmp/remat-corpus --max-steps 1 \
+    --eval-samples 0 --json >"$OUT/first-step.json" 2>"$OUT/first-step.log"
+  rc=$?
+  if ((dry)); then
+    grep -q 'train-gpt: error: --device cuda: no usable GPU' "$OUT/first-step.log" && ((rc != 0)) ||
+      fail "the first step without a GPU: no 'no usable GPU' error (exit $rc)"
+    say "first step: no GPU (as expected in a dry run)"
+  elif ((rc == 0)); then
+    say "first step: passed: $(tail -n 1 "$OUT/first-step.json" | head -c 400)"
+  else
+    fail "the first step ($(exited)): $(tail -n 3 "$OUT/first-step.log")"
+  fi
+fi
 
 say "== GPU tests (one process per case; REMAT_SHOW_ERRORS=1)"
 # The cases labelled gpu, from the test binary itself (its DOT listing has each case's labels).
@@ -183,8 +209,6 @@ elif allow 240 60 "the GPU tests"; then  # the first case JIT-compiles the kerne
 fi
 
 say "== train-gpt on the GPU (fortunes are not here: a synthetic corpus), the policies' gradient digests"
-mkdir -p /tmp/remat-corpus
-timeout -k 5 30 python3 -c "import random; random.seed(1); print(''.join(random.choice('abcdefgh \n') for _ in range(200000)))" >/tmp/remat-corpus/text
 : >"$OUT/train-gpt.jsonl"
 : >"$OUT/train-gpt.log"
 # "nccl:" rows: the data-parallel path over one rank (REMAT_DATA_PARALLEL=1, no mpirun: this machine
