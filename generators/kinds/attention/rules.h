@@ -66,7 +66,7 @@ struct KindRules<Op::attention> {
     k.sched.pointwise(unused);
     k.output(k.workspace(j, 1), unused);
     gen::AttentionGrad g = gen::CausalAttention(k.seq).attention_grad(
-        name, k.value(src), k.value(j), k.f.stats.at(j)[0], d, l.out, l.heads, k.dropout_at(j), l.kv_heads, false);
+        name, k.value(src), k.value(j), k.f.stats.at(j)[0], d, l.out, l.heads, k.dropout_at(j), l.kv_heads, true);
     gen::AttentionSchedule(k.sched).delta(g.delta);
     k.output(k.workspace(j, 0), g.delta);
     const int head_dim = l.out / l.heads;
