@@ -16,7 +16,7 @@ install(TARGETS remat_language remat_tensors remat_planner remat_dsl remat_layer
         FILE_SET kinds_generated DESTINATION ${REMAT_PACKAGE_DIR}/modules/generated)
 install(EXPORT remat-targets NAMESPACE remat:: DESTINATION ${REMAT_PACKAGE_DIR} CXX_MODULES_DIRECTORY modules)
 install(DIRECTORY generators/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/remat FILES_MATCHING PATTERN "*.h")
-install(FILES runtime/bf16.h runtime/cuda_device.h runtime/gemm.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/remat/runtime)
+install(FILES runtime/bf16.h runtime/cuda_device.h runtime/gemm.h runtime/launch_limits.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/remat/runtime)
 configure_package_config_file(cmake/rematConfig.cmake.in ${CMAKE_BINARY_DIR}/rematConfig.cmake
                               INSTALL_DESTINATION ${REMAT_PACKAGE_DIR})
 write_basic_package_version_file(${CMAKE_BINARY_DIR}/rematConfigVersion.cmake VERSION 0.1.0

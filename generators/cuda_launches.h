@@ -9,6 +9,9 @@
 
 #include <Halide.h>
 
+#include "../runtime/launch_limits.h"
+
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <map>
@@ -31,37 +34,28 @@ struct CudaLaunch {
     o << e;
     return o.str();
   }
+  static unsigned narrow(std::int64_t v) { return unsigned(std::clamp<std::int64_t>(v, 0, UINT32_MAX)); }
   static std::optional<std::int64_t> constant(const Halide::Expr &e) {
     if (!e.defined()) return 1;
     return Halide::Internal::as_const_int(e);
-    return std::nullopt;
   }
-  // Why this launch may not fit an H100 for some row count ("" when it fits every one).
+  // Why this launch may not fit an H100 for some row count ("" when it fits every one): the block,
+  // its shared memory and the grid's y and z must not grow with the rows, and fit the device
+  // (cuda::launch_problem); the grid's x, which grows with them, takes 2^31 - 1 blocks.
   std::string problem() const {
-    const char *axis = "xyz";
-    const std::int64_t block_limit[3] = {1024, 1024, 64};
-    std::int64_t threads = 1;
+    const char *axis[3] = {"x", "y", "z"};
+    cuda::Launch l{{1, 1, 1}, {1, 1, 1}, 0};
     for (int d = 0; d < 3; ++d) {
-      const auto b = constant(block[d]);
-      if (!b) return "its block's " + std::string(1, axis[d]) + " extent is not a constant: " + text(block[d]);
-      if (*b > block_limit[d])
-        return std::to_string(*b) + " threads on the block's " + axis[d] + " axis (an H100 allows " +
-               std::to_string(block_limit[d]) + ")";
-      threads *= *b;
-    }
-    if (threads > 1024) return std::to_string(threads) + " threads a block (an H100 allows 1024)";
-    for (int d = 1; d < 3; ++d) {
-      const auto g = constant(grid[d]);
-      if (!g)
-        return "its grid's " + std::string(1, axis[d]) + " extent grows with the rows (" + text(grid[d]) +
-               "; y and z stop at 65,535 blocks)";
-      if (*g > 65535) return std::to_string(*g) + " blocks on the grid's " + axis[d] + " axis (65,535 at most)";
+      const auto b = constant(block[d]), g = constant(grid[d]);
+      if (!b) return std::string("its block's ") + axis[d] + " extent grows with the rows: " + text(block[d]);
+      if (!g && d > 0) return std::string("its grid's ") + axis[d] + " extent grows with the rows: " + text(grid[d]);
+      l.block[d] = narrow(*b);
+      if (g) l.grid[d] = narrow(*g);
     }
     const auto shared = constant(shared_bytes);
     if (!shared) return "its shared memory grows with the rows: " + text(shared_bytes);
-    if (*shared > 227 * 1024)
-      return std::to_string(*shared) + " bytes of shared memory a block (an H100 allows 227 KiB = 232448)";
-    return "";
+    l.shared = narrow(*shared);
+    return cuda::launch_problem(l);
   }
   // "<kernel> grid <x> <y> <z> block <x> <y> <z> shared <bytes>", "rows" for an extent that grows with them
   std::string describe() const {
@@ -146,8 +140,12 @@ protected:
   }
 
 private:
-  // 0, 1, 2 from the loop name's block_id_x / thread_id_y ... suffix
-  static int axis(const std::string &name) { return name.back() == 'z' ? 2 : name.back() == 'y' ? 1 : 0; }
+  // 0, 1, 2 from the x, y or z of the loop name's block_id_ / thread_id_ (which Halide may follow
+  // with a $N of its own: "h1$13.s0.c.co.block_id_y$1")
+  static int axis(const std::string &name) {
+    const std::size_t at = name.rfind("_id_") + 4;
+    return at < name.size() ? name[at] - 'x' : 0;
+  }
   // e with the lets and shared sizes seen so far put in
   Expr resolved(const Expr &e) const {
     struct Sizes : IRMutator {

@@ -17,24 +17,6 @@ void *dlopen_first(const std::vector<std::string> &candidates, const std::string
   }
   throw std::runtime_error("cannot load " + what + "; tried " + tried);
 }
-
-std::string launch_problem(const Launch &l, const LaunchLimits &limits) {
-  const char *axis = "xyz";
-  for (int d = 0; d < 3; ++d) {
-    if (l.grid[d] == 0 || l.block[d] == 0) return fmt::format("an empty grid or block on {}", axis[d]);
-    if (l.grid[d] > limits.grid[d])
-      return fmt::format("{} blocks on the grid's {} axis, the device allows {}", l.grid[d], axis[d], limits.grid[d]);
-    if (l.block[d] > limits.block[d])
-      return fmt::format("{} threads on the block's {} axis, the device allows {}", l.block[d], axis[d],
-                         limits.block[d]);
-  }
-  if (const unsigned long threads = 1ul * l.block[0] * l.block[1] * l.block[2]; threads > limits.threads)
-    return fmt::format("{} threads a block, the device allows {}", threads, limits.threads);
-  if (l.shared > limits.shared_opt_in)
-    return fmt::format("{} bytes of shared memory a block, the device allows {}", l.shared, limits.shared_opt_in);
-  return "";
-}
-
 }  // namespace remat::cuda
 
 #ifdef REMAT_WITH_CUDA

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "gemm.h"
+#include "launch_limits.h"
 
 #include <cstddef>
 #include <string>
@@ -61,20 +62,6 @@ void wait(Stream s, Event e);            // s waits for e (on the device)
 void synchronize(Event e);               // the host waits for e
 bool done(Event e);                      // e has happened (cudaEventQuery)
 float elapsed_ms(Event from, Event to);  // both timed and done
-
-// A kernel launch's shape, and the limits of the device it must fit (by default an H100's and
-// H200's, compute capability 9.0; init() reads the device's own). Dynamic shared memory above
-// `shared_default` needs the kernel's opt-in (cuFuncSetAttribute), which Halide's runtime does not
-// do: every launch of a Halide kernel goes through remat's check, which opts in.
-struct LaunchLimits {
-  unsigned grid[3] = {2147483647u, 65535u, 65535u}, block[3] = {1024u, 1024u, 64u};
-  unsigned threads = 1024, shared_default = 48 * 1024, shared_opt_in = 227 * 1024;
-};
-struct Launch {
-  unsigned grid[3], block[3], shared;
-};
-// Why `l` cannot launch under `limits`, in words ("" when it can).
-std::string launch_problem(const Launch &l, const LaunchLimits &limits = {});
 
 // One GEMM with cuBLASLt on the compute stream (device pointers in g). cuBLASLt is loaded on first
 // use (libcublasLt.so.<major> from the library path or the CUDA toolkit; REMAT_CUBLASLT names
