@@ -151,6 +151,13 @@ constexpr Policy recompute_modules(Modules... modules) {
 }
 inline constexpr Module core_attn = Module::core_attn, activation = Module::activation, norm = Module::norm,
                         projection = Module::projection, rotary = Module::rope;
+// The selective set of `set` only, its blocks not run selectively: a stage annotated
+// `full | selective_set(recompute_modules(...))` is checkpointed by default and its selective
+// kernels (what --checkpoint-policy selective runs) keep that set.
+constexpr Policy selective_set(Policy set) {
+  set.selective = false;
+  return set;
+}
 
 // Why a | b does not compose (empty: it does): two different recompute schedules, or two
 // different selective sets.

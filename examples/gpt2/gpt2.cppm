@@ -20,6 +20,13 @@ struct Config {
 };
 inline constexpr Config small{.vocab_size = 50257, .n_positions = 1024, .n_layer = 12, .n_head = 12, .n_embd = 768};
 
+// Blocks are checkpointed (full) unless --checkpoint-policy says otherwise; run selectively they
+// keep q/k/v, the MLP's first GEMM output and their inputs, and rebuild the attention core, GELU
+// and both LayerNorm outputs (from the saved row statistics: a pass over [T, C], against 6 MiB a
+// block kept at T 1024).
+inline constexpr remat::Policy blocks_policy =
+    remat::full | remat::selective_set(remat::recompute_modules(remat::core_attn, remat::activation, remat::norm));
+
 constexpr remat::Model architecture(const Config &c) {
   const int C = c.n_embd, inner = c.n_inner ? c.n_inner : 4 * C;
   const remat::Epsilon eps = remat::epsilon(c.layer_norm_epsilon);
@@ -31,7 +38,7 @@ constexpr remat::Model architecture(const Config &c) {
                                    remat::linear(inner, C), remat::dropout()));
   return remat::make_model(remat::tokens(c.vocab_size, c.n_positions),
                            remat::name("wte", remat::embedding(c.vocab_size, C)), remat::dropout(),
-                           remat::repeat(c.n_layer, block), remat::layer_norm(eps),
+                           remat::repeat(c.n_layer, block, blocks_policy), remat::layer_norm(eps),
                            remat::linear(C, c.vocab_size, remat::no_bias, remat::tied_to("wte")),
                            remat::softmax_cross_entropy(c.vocab_size));
 }

@@ -27,6 +27,12 @@ inline constexpr Config smollm2_135m{.vocab_size = 49152,
                                      .hidden_size = 576,
                                      .intermediate_size = 1536};
 
+// Blocks are checkpointed (full) unless --checkpoint-policy says otherwise; run selectively they
+// keep q/k/v after RoPE, the gate and up projections and their inputs, and rebuild the attention
+// core, SwiGLU and both RMSNorm outputs (from the saved row statistics).
+inline constexpr remat::Policy blocks_policy =
+    remat::full | remat::selective_set(remat::recompute_modules(remat::core_attn, remat::activation, remat::norm));
+
 constexpr remat::Model architecture(const Config &c) {
   const int C = c.hidden_size, H = c.num_attention_heads, KV = c.num_key_value_heads, I = c.intermediate_size;
   const int D = c.head_dim ? c.head_dim : C / H;
@@ -41,7 +47,7 @@ constexpr remat::Model architecture(const Config &c) {
       remat::residual(remat::rms_norm(eps), linear(C, 2 * I, c.mlp_bias), remat::swiglu(), linear(I, C, c.mlp_bias)));
   return remat::make_model(remat::tokens(c.vocab_size, c.context),
                            remat::name("embed_tokens", remat::token_embedding(c.vocab_size, C)),
-                           remat::repeat(c.num_hidden_layers, block), remat::rms_norm(eps),
+                           remat::repeat(c.num_hidden_layers, block, blocks_policy), remat::rms_norm(eps),
                            remat::linear(C, c.vocab_size, remat::no_bias, remat::tied_to("embed_tokens")),
                            remat::softmax_cross_entropy(c.vocab_size));
 }
