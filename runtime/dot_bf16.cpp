@@ -140,6 +140,39 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void micro_tile(
   }
 }
 
+// c[rows <= 8, 48 columns] = (c +) the product of half an a micro-panel (its rows half * 8 ..,
+// zero past the edge) and three whole b micro-panels (b, b + panel, b + 2 panel): 24 accumulators,
+// each pair's three b vectors loaded once for eight rows. Each lane sums its element's k-pairs in the same order as
+// micro_tile: the same bits.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void wide_tile(int pairs, const std::uint32_t *a,
+                                                                               int half, const std::uint32_t *b,
+                                                                               std::size_t panel, float *c, int ldc,
+                                                                               int rows, bool add) {
+  constexpr int lines = 8, panels = 3;
+  __m512 acc[lines][panels];
+#pragma GCC unroll 8
+  for (int r = 0; r < lines; ++r)
+#pragma GCC unroll 3
+    for (int p = 0; p < panels; ++p) acc[r][p] = _mm512_setzero_ps();
+  const std::uint32_t *ar = a + half * lines;
+  for (int q = 0; q < pairs; ++q) {
+    __m512bh bq[panels];
+#pragma GCC unroll 3
+    for (int p = 0; p < panels; ++p) bq[p] = (__m512bh)_mm512_loadu_si512(b + p * panel + tile * q);
+#pragma GCC unroll 8
+    for (int r = 0; r < lines; ++r) {
+      const __m512bh ab = (__m512bh)_mm512_set1_epi32(int(ar[tile * q + r]));
+#pragma GCC unroll 3
+      for (int p = 0; p < panels; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], ab, bq[p]);
+    }
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int p = 0; p < panels; ++p) {
+      float *at = c + std::size_t(r) * ldc + p * tile;
+      _mm512_storeu_ps(at, add ? _mm512_add_ps(_mm512_loadu_ps(at), acc[r][p]) : acc[r][p]);
+    }
+}
+
 }  // namespace
 
 bool dot_bf16_available() {
@@ -157,7 +190,15 @@ void dot_bf16_gemm(bool trans_a, bool trans_b, int m, int n, int k, const std::u
   const Operand ao{a, lda, trans_a}, bo{b, ldb, !trans_b};
   for (int j = 0; j < n; j += tile) pack(bo, j, std::min(tile, n - j), k, p.b.data() + std::size_t(j) * pairs);
   for (int i = 0; i < m; i += tile) pack(ao, i, std::min(tile, m - i), k, p.a.data() + std::size_t(i) * pairs);
-  for (int j = 0; j < n; j += tile) {
+  int j = 0;
+  for (; j + 3 * tile <= n; j += 3 * tile)  // whole 8 x 48 tiles where the rows fill an a panel's half
+    for (int i = 0; i < m; i += tile) {
+      const std::uint32_t *ap = p.a.data() + std::size_t(i) * pairs, *bp = p.b.data() + std::size_t(j) * pairs;
+      for (int half = 0; half < 2 && i + 8 * half < m; ++half)
+        wide_tile(pairs, ap, half, bp, std::size_t(tile) * pairs, c + std::size_t(i + 8 * half) * ldc + j, ldc,
+                  std::min(8, m - i - 8 * half), add);
+    }
+  for (; j < n; j += tile) {
     const __mmask16 cols = __mmask16((1u << std::min(tile, n - j)) - 1);
     for (int i = 0; i < m; i += tile)
       micro_tile(pairs, p.a.data() + std::size_t(i) * pairs, p.b.data() + std::size_t(j) * pairs,
