@@ -1262,8 +1262,9 @@ Model random_model(std::mt19937 &rng) {
 
 // Budget plans of real models (the examples, the planner's test models and random ones), fp32
 // and bf16, both GEMM choices, with and without offloading as an option: the plan replays cleanly
-// (transfers included), its peak is within the budget, and the
-// live bytes at its highest point are the dynamic program's peak.
+// (transfers included), its peak is within the budget, the live bytes at its highest point are
+// the dynamic program's peak, and it is never predicted slower than a uniform schedule whose plan
+// fits (the table's memory, rounded up near the budget, can miss one).
 BOOST_AUTO_TEST_CASE(budget_plans_fit_and_their_peak_is_the_dps) {
   std::mt19937 rng(11);
   std::vector<std::pair<std::string, Model>> models = {{"mlp", mlp::model},
@@ -1293,6 +1294,14 @@ BOOST_AUTO_TEST_CASE(budget_plans_fit_and_their_peak_is_the_dps) {
             offloading += p.plan.offload_bytes > 0 ? 1 : 0;
             BOOST_TEST((long long)p.plan.peak_bytes <= budget);
             BOOST_TEST((long long)live_peak(p.plan) == c.persistent + evaluate(c, p.plan.strategy, 0, c.n()).peak);
+            // never predicted slower than a uniform schedule whose plan fits the budget
+            const double seconds = evaluate(c, p.plan.strategy, 0, c.n()).seconds;
+            for (const Policy &u : {none, full, sqrt_n, every_n_layers(2), every_n_layers(3)}) {
+              const Plan uniform = make_plan(m, u, batch, pr);
+              if ((long long)uniform.peak_bytes <= budget)
+                BOOST_TEST(seconds <= evaluate(c, uniform.strategy, 0, c.n()).seconds * (1 + 1e-12),
+                           label(uniform) << " fits and is predicted faster");
+            }
             worst_holes = std::max(worst_holes, (long long)p.plan.peak_bytes - (long long)live_peak(p.plan));
             ++plans;
           }
