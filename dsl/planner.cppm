@@ -107,9 +107,9 @@ constexpr Planned plan_for(const Model &m, const StagePolicies &policies, int ba
     }
     target -= (long long)plan.peak_bytes - bytes;
   }
-  // The table rounds memory up near the budget, so it can miss a plan that fits (and then the
-  // smallest plan, the slowest, would be taken): a uniform schedule whose plan fits and is
-  // predicted faster is taken instead, so a budget plan is never predicted slower than one.
+  // The table rounds memory up near the budget, so it can miss the plans near it (and take one that
+  // recomputes far more): a uniform schedule whose plan fits and is predicted faster is taken
+  // instead, so a budget plan is never predicted slower than one.
   for (const Policy &p : {none, full, sqrt_n, every_n_layers(2), every_n_layers(3), every_n_layers(4)}) {
     const Strategy st = lower(m, with_schedule(policies, p));
     const double seconds = evaluate(chain, st, 0, chain.n()).seconds;

@@ -1,7 +1,8 @@
 // exp(x) in float without a library call, for the CPU attention's probabilities: a scalar form
-// (compiled for every CPU, vectorized where the compiler can) and a form of 16 lanes for AVX-512
-// that looks its table up with one permute. Both run the same IEEE operations in the same order
-// (fused multiply-adds explicit, nothing else contracted), so every CPU gives the same bits.
+// (compiled for every CPU), a form of 16 lanes for AVX-512 that looks its table up with one
+// permute, and one of 8 lanes for AVX2 (two permutes and a blend). All run the same IEEE
+// operations in the same order (fused multiply-adds explicit, nothing else contracted), so every
+// CPU gives the same bits.
 //
 // x = (16 k + j) ln 2 / 16 + r with |r| <= ln 2 / 32 (ln 2 / 16 in two parts), e^r - 1 = q by its
 // Taylor polynomial of degree 4 (truncation below 4e-11 of q), 2^(j / 16) from a table as a float

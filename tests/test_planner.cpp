@@ -1284,6 +1284,9 @@ BOOST_AUTO_TEST_CASE(budget_plans_fit_and_their_peak_is_the_dps) {
         const Chain c = chain_of(m, batch, pr, costs);
         const std::size_t lo = smallest_plan(m, batch, pr).peak_bytes, hi = make_plan(m, none, batch, pr).peak_bytes;
         BOOST_TEST(lo <= hi);
+        std::vector<Plan> uniform;  // what no budget plan may be predicted slower than, where it fits
+        for (const Policy &u : {none, full, sqrt_n, every_n_layers(2), every_n_layers(3)})
+          uniform.push_back(make_plan(m, u, batch, pr));
         for (int step = 0; step <= 4; ++step) {
           const long long budget = (long long)(lo + (hi - lo) * step / 4);
           BOOST_TEST_CONTEXT(name << " " << precision_name(pr) << " budget " << budget << " transfer rate " << rate) {
@@ -1296,12 +1299,10 @@ BOOST_AUTO_TEST_CASE(budget_plans_fit_and_their_peak_is_the_dps) {
             BOOST_TEST((long long)live_peak(p.plan) == c.persistent + evaluate(c, p.plan.strategy, 0, c.n()).peak);
             // never predicted slower than a uniform schedule whose plan fits the budget
             const double seconds = evaluate(c, p.plan.strategy, 0, c.n()).seconds;
-            for (const Policy &u : {none, full, sqrt_n, every_n_layers(2), every_n_layers(3)}) {
-              const Plan uniform = make_plan(m, u, batch, pr);
-              if ((long long)uniform.peak_bytes <= budget)
-                BOOST_TEST(seconds <= evaluate(c, uniform.strategy, 0, c.n()).seconds * (1 + 1e-12),
-                           label(uniform) << " fits and is predicted faster");
-            }
+            for (const Plan &u : uniform)
+              if ((long long)u.peak_bytes <= budget)
+                BOOST_TEST(seconds <= evaluate(c, u.strategy, 0, c.n()).seconds * (1 + 1e-12),
+                           label(u) << " fits and is predicted faster");
             worst_holes = std::max(worst_holes, (long long)p.plan.peak_bytes - (long long)live_peak(p.plan));
             ++plans;
           }
