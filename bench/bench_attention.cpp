@@ -72,14 +72,18 @@ nlohmann::json measure(int T, int H, int KV, int D, bool bf16, int reps) {
 int main(int argc, char **argv) {
   std::vector<int> lengths;
   int reps = 3;
+  std::vector<bool> precisions = {false, true};  // bf16?
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--reps" && i + 1 < argc) {
       reps = std::atoi(argv[++i]);
+    } else if (arg == "--precision" && i + 1 < argc &&
+               (argv[i + 1] == std::string("fp32") || argv[i + 1] == std::string("bf16"))) {
+      precisions = {argv[++i] == std::string("bf16")};
     } else if (std::all_of(arg.begin(), arg.end(), ::isdigit) && !arg.empty()) {
       lengths.push_back(std::atoi(arg.c_str()));
     } else {
-      fmt::print(stderr, "usage: bench-attention [--reps N] T...\n");
+      fmt::print(stderr, "usage: bench-attention [--reps N] [--precision fp32|bf16] T...\n");
       return 2;
     }
   }
@@ -91,7 +95,7 @@ int main(int argc, char **argv) {
   remat::gemm_warm_up();
   nlohmann::json rows = nlohmann::json::array();
   for (int T : lengths)
-    for (bool bf16 : {false, true}) {
+    for (bool bf16 : precisions) {
       rows.push_back(measure(T, 12, 12, 64, bf16, reps));  // GPT-2 124M
       rows.push_back(measure(T, 9, 3, 64, bf16, reps));    // SmolLM2-135M
     }

@@ -12,13 +12,16 @@
 // per-head sums go to a planned fp32 workspace, and a
 // second pass adds the query heads of a group (grouped-query) and rounds. bf16: every product
 // runs on AVX512_BF16's dot product where the CPU has it (runtime/dot_bf16.cpp), P and dS rounded
-// to bf16 before theirs; elsewhere in MKL's sgemm on widened copies.
+// to bf16 before theirs; elsewhere in MKL's sgemm on widened copies. fp32: every product on
+// remat's fp32 tiles where the CPU has AVX-512 (runtime/gemm_f32_tiles.cpp; each key chunk
+// transposed once for the score products), else MKL's sgemm.
 #include "attention.h"
 
 #include "bf16.h"
 #include "cpu_variant.h"
 #include "dot_bf16.h"
 #include "exp_float.h"
+#include "gemm_f32_tiles.h"
 
 #include <HalideRuntime.h>
 #include <immintrin.h>
@@ -54,12 +57,15 @@ using Index = std::ptrdiff_t;
 
 // A [count, D] block of one head's columns: as fp32 rows (row stride ld), the tensor itself (fp32)
 // or a widened copy in `copy` (bf16); and bf16's own rows (row stride bf16_ld). A bf16 block is
-// widened only without AVX512_BF16's dot product.
+// widened only without AVX512_BF16's dot product. An fp32 block a GEMM takes as b^T may also hold
+// its transpose t [D, count] (row stride t_ld), made by with_transpose for the fp32 tile kernel.
 struct Rows {
   const float *p;
   int ld;
   const std::uint16_t *bf16 = nullptr;
   int bf16_ld = 0;
+  const float *t = nullptr;
+  int t_ld = 0;
 };
 Rows head_rows(const void *base, bool bf16, int width, Index row0, int count, int col, int D, float *copy) {
   if (!bf16) return {static_cast<const float *>(base) + row0 * width + col, width};
@@ -69,9 +75,23 @@ Rows head_rows(const void *base, bool bf16, int width, Index row0, int count, in
     for (int d = 0; d < D; ++d) copy[i * D + d] = bf16_to_float(src[Index(i) * width + d]);
   return {copy, D, src, width};
 }
+// An fp32 block (bf16 == false: `to` is free, head_rows copied nothing into it) with its transpose
+// in `to`, when the fp32 tile kernel runs; else the block as it is.
+Rows with_transpose(Rows r, bool bf16, int count, int D, float *to) {
+  if (bf16 || !gemm_f32_tiles_available()) return r;
+  transpose_f32(count, D, r.p, r.ld, to, count);
+  r.t = to;
+  r.t_ld = count;
+  return r;
+}
 // Rows `at` and on of a block.
 Rows at_row(Rows r, int at) {
-  return {r.p ? r.p + Index(at) * r.ld : nullptr, r.ld, r.bf16 ? r.bf16 + Index(at) * r.bf16_ld : nullptr, r.bf16_ld};
+  return {r.p ? r.p + Index(at) * r.ld : nullptr,
+          r.ld,
+          r.bf16 ? r.bf16 + Index(at) * r.bf16_ld : nullptr,
+          r.bf16_ld,
+          r.t ? r.t + at : nullptr,
+          r.t_ld};
 }
 // Writes a [count, D] fp32 block times `scale` into the head's columns of a stored tensor.
 void store_rows(const float *x, float scale, void *base, bool bf16, int width, Index row0, int count, int col, int D) {
@@ -86,16 +106,18 @@ void store_rows(const float *x, float scale, void *base, bool bf16, int width, I
     }
 }
 
-// c [m, n] = alpha a b^T + beta c, a [m, k] and b [n, k] as rows
-void gemm_abt(int m, int n, int k, float alpha, Rows a, Rows b, float beta, float *c, int ldc) {
-  if (!a.p || !b.p) {  // bf16 blocks, not widened: beta is 0 in every such call
+// c [m, n] = alpha a b^T, a [m, k] and b [n, k] as rows: on the fp32 tile kernel when b holds its
+// transpose, on the dot kernel for bf16 rows, else sgemm.
+void gemm_abt(int m, int n, int k, float alpha, Rows a, Rows b, float *c, int ldc) {
+  if (b.t) return gemm_f32_tiles(false, m, n, k, alpha, a.p, a.ld, b.t, b.t_ld, false, c, ldc);
+  if (!a.p || !b.p) {  // bf16 blocks, not widened
     dot_bf16_gemm(false, true, m, n, k, a.bf16, a.bf16_ld, b.bf16, b.bf16_ld, false, c, ldc);
     if (alpha != 1.f)
       for (int i = 0; i < m; ++i)
         for (int j = 0; j < n; ++j) c[i * ldc + j] *= alpha;
     return;
   }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, alpha, a.p, a.ld, b.p, b.ld, beta, c, ldc);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, alpha, a.p, a.ld, b.p, b.ld, 0.f, c, ldc);
 }
 // A block of P or dS [rows, cols] (row stride chunk) as a GEMM operand. In bf16 it is rounded to
 // bf16 first, as PyTorch's bf16 attention rounds P and dS before their products, on every CPU:
@@ -114,9 +136,11 @@ Rows operand(float *x, int rows, int cols, bool bf16, bool dot, std::uint16_t *b
   return dot ? Rows{x, chunk, bits, chunk} : Rows{x, chunk};
 }
 // c [m, n] = op(a) b (+ c when add), a [m, k] (stored [k, m] when trans_a) and b [k, n] as rows:
-// on the dot kernel when b is bf16 rows only (then a has its bf16 copy), else sgemm.
+// on the dot kernel when b is bf16 rows only (then a has its bf16 copy), else on the fp32 tile
+// kernel where it runs, else sgemm.
 void gemm_ab(bool trans_a, int m, int n, int k, Rows a, Rows b, bool add, float *c, int ldc) {
   if (!b.p) return dot_bf16_gemm(trans_a, false, m, n, k, a.bf16, a.bf16_ld, b.bf16, b.bf16_ld, add, c, ldc);
+  if (gemm_f32_tiles_available()) return gemm_f32_tiles(trans_a, m, n, k, 1.f, a.p, a.ld, b.p, b.ld, add, c, ldc);
   cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, CblasNoTrans, m, n, k, 1.f, a.p, a.ld, b.p, b.ld,
               add ? 1.f : 0.f, c, ldc);
 }
@@ -275,11 +299,12 @@ int lse_task(void *, int i, std::uint8_t *closure) {
   std::fill(l, l + gq, 0.f);
   const Rows q = head_rows(a.qkv, a.bf16, p.width, row0 + g0, gq, h * a.D, a.D, q_copy);
   for (int c0 = 0; c0 < g0 + gq; c0 += chunk) {
-    const Rows k =
-        head_rows(a.qkv, a.bf16, p.width, row0 + c0, std::min(chunk, g0 + gq - c0), p.k_col(kv), a.D, k_copy);
+    const int kc_all = std::min(chunk, g0 + gq - c0);
+    const Rows k = with_transpose(head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc_all, p.k_col(kv), a.D, k_copy),
+                                  a.bf16, kc_all, a.D, k_copy);
     for (int t0 = std::max(g0, c0); t0 < g0 + gq; t0 += block_rows) {
       const int bq = std::min(block_rows, a.T - t0), kc = std::min(chunk, t0 + bq - c0), at = t0 - g0;
-      gemm_abt(bq, kc, a.D, p.scale, at_row(q, at), k, 0.f, s, chunk);
+      gemm_abt(bq, kc, a.D, p.scale, at_row(q, at), k, s, chunk);
       float shift[block_rows];
       for (int r = 0; r < bq; ++r) {
         const int valid = std::clamp(t0 + r - c0 + 1, 0, kc);
@@ -305,7 +330,7 @@ int lse_task(void *, int i, std::uint8_t *closure) {
 // multipliers applied when `kept`.
 void query_probabilities(const Problem &p, Index row0, int t0, int bq, int c0, int kc, int h, Rows q, Rows k, bool kept,
                          float *s) {
-  gemm_abt(bq, kc, p.a.D, p.scale, q, k, 0.f, s, chunk);
+  gemm_abt(bq, kc, p.a.D, p.scale, q, k, s, chunk);
   float lse[block_rows];
   for (int r = 0; r < bq; ++r) lse[r] = p.lse[(row0 + t0 + r) * p.a.H + h];
   masked_exp(s, bq, [](int) { return 0; }, [&](int r) { return std::clamp(t0 + r - c0 + 1, 0, kc); }, lse, nullptr);
@@ -326,7 +351,8 @@ int out_task(void *, int i, std::uint8_t *closure) {
   const Rows q = head_rows(a.qkv, a.bf16, p.width, row0 + g0, gq, h * a.D, a.D, q_copy);
   for (int c0 = 0; c0 < g0 + gq; c0 += chunk) {
     const int kc_all = std::min(chunk, g0 + gq - c0);
-    const Rows k = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc_all, p.k_col(kv), a.D, k_copy);
+    const Rows k = with_transpose(head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc_all, p.k_col(kv), a.D, k_copy),
+                                  a.bf16, kc_all, a.D, k_copy);
     const Rows v = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc_all, p.v_col(kv), a.D, v_copy);
     for (int t0 = std::max(g0, c0); t0 < g0 + gq; t0 += block_rows) {
       const int bq = std::min(block_rows, a.T - t0), kc = std::min(chunk, t0 + bq - c0), at = t0 - g0;
@@ -361,8 +387,10 @@ int grad_task(void *, int i, std::uint8_t *closure) {
   alignas(64) std::uint16_t s16[block_rows * chunk], dp16[block_rows * chunk];
   for (int g0 = 0; g0 < a.T; g0 += keys) {
     const int kg = std::min(keys, a.T - g0);
-    const Rows k = head_rows(a.qkv, a.bf16, p.width, row0 + g0, kg, p.k_col(kv), D, k_copy);
-    const Rows v = head_rows(a.qkv, a.bf16, p.width, row0 + g0, kg, p.v_col(kv), D, v_copy);
+    const Rows k =
+        with_transpose(head_rows(a.qkv, a.bf16, p.width, row0 + g0, kg, p.k_col(kv), D, k_copy), a.bf16, kg, D, k_copy);
+    const Rows v =
+        with_transpose(head_rows(a.qkv, a.bf16, p.width, row0 + g0, kg, p.v_col(kv), D, v_copy), a.bf16, kg, D, v_copy);
     std::fill(dk, dk + kg * D, 0.f);  // the diagonal tiles reach only some of the group's keys
     std::fill(dv, dv + kg * D, 0.f);
     for (int t0 = g0; t0 < a.T; t0 += block_rows) {
@@ -373,7 +401,7 @@ int grad_task(void *, int i, std::uint8_t *closure) {
         const int kc = std::min(chunk, t0 + bq - c0), at = c0 - g0;  // the forward's tile
         const Rows kt = at_row(k, at), vt = at_row(v, at);
         query_probabilities(p, row0, t0, bq, c0, kc, h, q, kt, false, s);
-        gemm_abt(bq, kc, D, 1.f, dout, vt, 0.f, dp, chunk);
+        gemm_abt(bq, kc, D, 1.f, dout, vt, dp, chunk);
         for (int r = 0; r < bq; ++r) {  // dS = P (dP keep - delta), zero where P is
           const Index row = row0 + t0 + r;
           const float delta = p.delta[row * a.H + h];

@@ -1,8 +1,8 @@
 // Causal self-attention on the host, the CPU kernels' attention (generators/kinds/attention/rules.h
 // emits extern stages that call it): FlashAttention-style, by blocks of query rows and chunks of
-// key positions, every inner product a sequential MKL GEMM (or remat's bf16 dot product) on
-// Halide's threads. Nothing is allocated: a task's blocks live on its stack, the gradient's
-// per-head sums in a planned workspace.
+// key positions, every inner product a sequential GEMM on Halide's threads (remat's fp32 tiles on
+// AVX-512, its bf16 dot product on AVX512_BF16, else MKL). Nothing is allocated: a task's blocks
+// live on its stack, the gradient's per-head sums in a planned workspace.
 //
 // Bits: every sum runs in an order fixed by the shapes alone (blocks, chunks and the GEMMs'
 // own), so a call repeated on the same inputs (a recompute) gives the same bits, on any thread.

@@ -7,6 +7,7 @@
 // either tile, so the sum's order depends on the shape only (a recompute gets the same bits).
 #include "cpu_variant.h"
 #include "dot_bf16.h"
+#include "transpose16.h"
 
 #include <immintrin.h>
 
@@ -54,30 +55,6 @@ struct Operand {
   }
 };
 
-// 16 rows of 16 32-bit words, transposed: row q of the result holds word q of every row.
-__attribute__((target("avx512f"))) void transpose(__m512i r[tile]) {
-  __m512i t[tile];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int i = 0; i < 2; ++i)
-    for (int j = 0; j < 4; ++j) {
-      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
-      t[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
-    }
-  for (int j = 0; j < 8; ++j) {
-    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
-    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
-  }
-}
-
 // One micro-panel: 16 lines (rows of a, columns of b) from `first`, `lines` of them real (the rest
 // zero), k-pairs 0 .. k/2 rounded up. Lines stored along the depth (a, or b transposed) are read
 // a pair (one 32-bit word) at a time, 16 pairs of 16 lines transposed in registers; lines stored across the depth
@@ -95,7 +72,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void pack(const Operand &op
         block[l] = l < lines ? _mm512_maskz_loadu_epi32(__mmask16((1u << count) - 1),
                                                         words + std::size_t(l) * (op.ld / 2) + q0)
                              : _mm512_setzero_si512();
-      transpose(block);
+      transpose16(block);
       for (int q = 0; q < count; ++q) _mm512_storeu_si512(to + tile * (q0 + q), block[q]);
     }
   } else if (op.trans) {
