@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <limits>
 #include <stdexcept>
@@ -123,8 +124,9 @@ void gemm_abt(int m, int n, int k, float alpha, Rows a, Rows b, float *c, int ld
 // bf16 first, as PyTorch's bf16 attention rounds P and dS before their products, on every CPU:
 // into `bits` when the products run on the dot kernel (`dot`: bf16 rows are not widened), else in
 // place (MKL's sgemm then multiplies the rounded values).
-Rows operand(float *x, int rows, int cols, bool bf16, bool dot, std::uint16_t *bits) {
-  if (!bf16) return {x, chunk};
+// (Compiled for AVX-512 and AVX2 too, picked by the running CPU: integer rounding, the same bits.)
+__attribute__((target_clones("avx512bw", "avx2", "default"))) void round_block(float *x, int rows, int cols, bool dot,
+                                                                               std::uint16_t *bits) {
   for (int i = 0; i < rows; ++i)
     for (int j = 0; j < cols; ++j) {
       const std::uint16_t b = float_to_bf16(x[i * chunk + j]);
@@ -133,7 +135,18 @@ Rows operand(float *x, int rows, int cols, bool bf16, bool dot, std::uint16_t *b
       else
         x[i * chunk + j] = bf16_to_float(b);
     }
+}
+Rows operand(float *x, int rows, int cols, bool bf16, bool dot, std::uint16_t *bits) {
+  if (!bf16) return {x, chunk};
+  round_block(x, rows, cols, dot, bits);
   return dot ? Rows{x, chunk, bits, chunk} : Rows{x, chunk};
+}
+// dS = P (dP - delta) of a tile's rows in place of dP, delta a row (no dropout; compiled as round_block).
+__attribute__((target_clones("avx512f", "avx2", "default"))) void scores_gradient(const float *prob, float *dprob,
+                                                                                  const float *delta, int rows,
+                                                                                  int cols) {
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < cols; ++j) dprob[r * chunk + j] = prob[r * chunk + j] * (dprob[r * chunk + j] - delta[r]);
 }
 // c [m, n] = op(a) b (+ c when add), a [m, k] (stored [k, m] when trans_a) and b [k, n] as rows:
 // on the dot kernel when b is bf16 rows only (then a has its bf16 copy), else on the fp32 tile
@@ -402,19 +415,19 @@ int grad_task(void *, int i, std::uint8_t *closure) {
         const Rows kt = at_row(k, at), vt = at_row(v, at);
         query_probabilities(p, row0, t0, bq, c0, kc, h, q, kt, false, s);
         gemm_abt(bq, kc, D, 1.f, dout, vt, dp, chunk);
-        for (int r = 0; r < bq; ++r) {  // dS = P (dP keep - delta), zero where P is
-          const Index row = row0 + t0 + r;
-          const float delta = p.delta[row * a.H + h];
-          float *prob = s + r * chunk, *dprob = dp + r * chunk;
-          if (!p.mask.on)
-            for (int j = 0; j < kc; ++j) dprob[j] = prob[j] * (dprob[j] - delta);
-          else
+        float delta[block_rows];  // dS = P (dP keep - delta), zero where P is
+        for (int r = 0; r < bq; ++r) delta[r] = p.delta[(row0 + t0 + r) * a.H + h];
+        if (!p.mask.on)
+          scores_gradient(s, dp, delta, bq, kc);
+        else
+          for (int r = 0; r < bq; ++r) {
+            float *prob = s + r * chunk, *dprob = dp + r * chunk;
             for (int j = 0; j < kc; ++j) {
-              const float f = p.mask.factor(row, h, c0 + j);
-              dprob[j] = prob[j] * (dprob[j] * f - delta);
+              const float f = p.mask.factor(row0 + t0 + r, h, c0 + j);
+              dprob[j] = prob[j] * (dprob[j] * f - delta[r]);
               prob[j] *= f;  // drop(P)
             }
-        }
+          }
         gemm_ab(true, kc, D, bq, operand(s, bq, kc, a.bf16, p.dot, s16), dout, true, dv + at * D, D);
         const Rows ds = operand(dp, bq, kc, a.bf16, p.dot, dp16);
         gemm_ab(true, kc, D, bq, ds, q, true, dk + at * D, D);
@@ -422,11 +435,10 @@ int grad_task(void *, int i, std::uint8_t *closure) {
         gemm_ab(false, bq, D, kc, ds, kt, c0 > 0, dq_of + Index(t0) * ld, ld);
       }
     }
-    for (int r = 0; r < kg; ++r)
-      for (int d = 0; d < D; ++d) {
-        dk_of[Index(g0 + r) * ld + d] = dk[r * D + d];
-        dv_of[Index(g0 + r) * ld + d] = dv[r * D + d];
-      }
+    for (int r = 0; r < kg; ++r) {
+      std::memcpy(dk_of + Index(g0 + r) * ld, dk + r * D, D * sizeof(float));
+      std::memcpy(dv_of + Index(g0 + r) * ld, dv + r * D, D * sizeof(float));
+    }
   }
   return 0;
 }

@@ -2,9 +2,10 @@
 // CPUs that have it but no AMX: MKL's cblas_gemm_bf16bf16f32 runs there at the fp32 rate (it widens the
 // operands), this one at up to twice it. Blocked as BLIS blocks: both operands packed into micro-panels
 // of 16 rows (a) and 16 columns (b), each a run of k-pairs (32-bit words holding elements k and k + 1),
-// zero-padded past the edges; a tile of fp32 accumulators (8 x 48 where 48 columns remain, else
-// 16 x 16) sums a panel's whole depth in order, each lane its element's k-pairs in the same order on
-// either tile, so the sum's order depends on the shape only (a recompute gets the same bits).
+// zero-padded past the edges; a tile of fp32 accumulators (4 x 64 where the width is whole 64s,
+// else 8 x 48 where 48 columns remain, else 16 x 16) sums a panel's whole depth in order, each lane its element's
+// k-pairs in the same order on either tile, so the sum's order depends on the shape only (a recompute gets the same
+// bits).
 #include "cpu_variant.h"
 #include "dot_bf16.h"
 #include "transpose16.h"
@@ -118,29 +119,30 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void micro_tile(
   }
 }
 
-// c[rows <= 8, 48 columns] = (c +) the product of half an a micro-panel (its rows half * 8 ..,
-// zero past the edge) and three whole b micro-panels (b, b + panel, b + 2 panel): 24 accumulators,
-// each pair's three b vectors loaded once for eight rows. Each lane sums its element's k-pairs in the same order as
-// micro_tile: the same bits.
+// c[rows <= lines, 16 panels columns] = (c +) the product of rows part * lines .. of an a
+// micro-panel (zero past the edge) and `panels` whole b micro-panels (b, b + panel, ...): lines x
+// panels accumulators, each pair's b vectors loaded once for all the lines. 8 x 48 (24
+// accumulators) and 4 x 64 (16, for widths of whole 64s, as the attention's 64 and 128). Each
+// lane sums its element's k-pairs in the same order as micro_tile: the same bits.
+template <int lines, int panels>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void wide_tile(int pairs, const std::uint32_t *a,
-                                                                               int half, const std::uint32_t *b,
+                                                                               int part, const std::uint32_t *b,
                                                                                std::size_t panel, float *c, int ldc,
                                                                                int rows, bool add) {
-  constexpr int lines = 8, panels = 3;
   __m512 acc[lines][panels];
 #pragma GCC unroll 8
   for (int r = 0; r < lines; ++r)
-#pragma GCC unroll 3
+#pragma GCC unroll 4
     for (int p = 0; p < panels; ++p) acc[r][p] = _mm512_setzero_ps();
-  const std::uint32_t *ar = a + half * lines;
+  const std::uint32_t *ar = a + part * lines;
   for (int q = 0; q < pairs; ++q) {
     __m512bh bq[panels];
-#pragma GCC unroll 3
+#pragma GCC unroll 4
     for (int p = 0; p < panels; ++p) bq[p] = (__m512bh)_mm512_loadu_si512(b + p * panel + tile * q);
 #pragma GCC unroll 8
     for (int r = 0; r < lines; ++r) {
       const __m512bh ab = (__m512bh)_mm512_set1_epi32(int(ar[tile * q + r]));
-#pragma GCC unroll 3
+#pragma GCC unroll 4
       for (int p = 0; p < panels; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], ab, bq[p]);
     }
   }
@@ -149,6 +151,18 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void wide_tile(i
       float *at = c + std::size_t(r) * ldc + p * tile;
       _mm512_storeu_ps(at, add ? _mm512_add_ps(_mm512_loadu_ps(at), acc[r][p]) : acc[r][p]);
     }
+}
+
+// Columns [j, j + lines x 16 panels) of c on wide tiles, every row.
+template <int lines, int panels>
+void wide_columns(int m, int j, int pairs, const Packed &p, bool add, float *c, int ldc) {
+  for (int i = 0; i < m; i += tile) {
+    const std::uint32_t *ap = p.a.data() + std::size_t(i) * pairs, *bp = p.b.data() + std::size_t(j) * pairs;
+    for (int part = 0; part < tile / lines && i + lines * part < m; ++part)
+      wide_tile<lines, panels>(pairs, ap, part, bp, std::size_t(tile) * pairs,
+                               c + std::size_t(i + lines * part) * ldc + j, ldc, std::min(lines, m - i - lines * part),
+                               add);
+  }
 }
 
 }  // namespace
@@ -169,13 +183,9 @@ void dot_bf16_gemm(bool trans_a, bool trans_b, int m, int n, int k, const std::u
   for (int j = 0; j < n; j += tile) pack(bo, j, std::min(tile, n - j), k, p.b.data() + std::size_t(j) * pairs);
   for (int i = 0; i < m; i += tile) pack(ao, i, std::min(tile, m - i), k, p.a.data() + std::size_t(i) * pairs);
   int j = 0;
-  for (; j + 3 * tile <= n; j += 3 * tile)  // whole 8 x 48 tiles where the rows fill an a panel's half
-    for (int i = 0; i < m; i += tile) {
-      const std::uint32_t *ap = p.a.data() + std::size_t(i) * pairs, *bp = p.b.data() + std::size_t(j) * pairs;
-      for (int half = 0; half < 2 && i + 8 * half < m; ++half)
-        wide_tile(pairs, ap, half, bp, std::size_t(tile) * pairs, c + std::size_t(i + 8 * half) * ldc + j, ldc,
-                  std::min(8, m - i - 8 * half), add);
-    }
+  if (n % (4 * tile) == 0)  // whole 4 x 64 tiles
+    for (; j < n; j += 4 * tile) wide_columns<4, 4>(m, j, pairs, p, add, c, ldc);
+  for (; j + 3 * tile <= n; j += 3 * tile) wide_columns<8, 3>(m, j, pairs, p, add, c, ldc);
   for (; j < n; j += tile) {
     const __mmask16 cols = __mmask16((1u << std::min(tile, n - j)) - 1);
     for (int i = 0; i < m; i += tile)

@@ -77,15 +77,21 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void start_from_bia
     for (int j = 0; j < cols; ++j) out[i * ld + j] = (accumulate ? out[i * ld + j] : 0.f) + bias[j];
 }
 
-// fp32: rows [first, first + count) of out = op(a) op(b) (+ bias) (+ out), one cblas_sgemm.
-void sgemm_band(const GemmCall &g, int first, int count) {
-  const float *bias = static_cast<const float *>(g.bias);
-  float *out = static_cast<float *>(g.out) + std::size_t(first) * g.n;
-  if (bias) start_from_bias(out, g.n, count, g.n, bias, g.accumulate);
-  const float *a = static_cast<const float *>(g.a) + (g.trans_a ? first : std::size_t(first) * g.k);
-  cblas_sgemm(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans, g.trans_b ? CblasTrans : CblasNoTrans, count, g.n,
-              g.k, 1.f, a, g.trans_a ? g.m : g.k, static_cast<const float *>(g.b), g.trans_b ? g.k : g.n,
-              bias || g.accumulate ? 1.f : 0.f, out, g.n);
+// The block of out one thread computes: rows [row0, row0 + rows) by columns [col0, col0 + cols).
+struct Band {
+  int row0, rows, col0, cols;
+};
+
+// fp32: a band of out = op(a) op(b) (+ bias) (+ out), one cblas_sgemm.
+void sgemm_band(const GemmCall &g, Band band) {
+  const float *bias = g.bias ? static_cast<const float *>(g.bias) + band.col0 : nullptr;
+  float *out = static_cast<float *>(g.out) + std::size_t(band.row0) * g.n + band.col0;
+  if (bias) start_from_bias(out, g.n, band.rows, band.cols, bias, g.accumulate);
+  const float *a = static_cast<const float *>(g.a) + (g.trans_a ? band.row0 : std::size_t(band.row0) * g.k);
+  const float *b = static_cast<const float *>(g.b) + (g.trans_b ? std::size_t(band.col0) * g.k : band.col0);
+  cblas_sgemm(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans, g.trans_b ? CblasTrans : CblasNoTrans, band.rows,
+              band.cols, g.k, 1.f, a, g.trans_a ? g.m : g.k, b, g.trans_b ? g.k : g.n, bias || g.accumulate ? 1.f : 0.f,
+              out, g.n);
 }
 
 // bf16 operands go to remat's AVX512_BF16 kernel (dot_bf16.h) where the CPU has it and no AMX, else
@@ -95,8 +101,9 @@ void sgemm_band(const GemmCall &g, int first, int count) {
 // bf16 arithmetic it converts the whole of b, 64 MiB at k = n = 4096), a panel's stay the size
 // the warm-up makes. k sums over panels in order. A bf16 output's panel is summed in this thread's
 // workspace and rounded once. Panel boundaries depend on the shape and the band only: a
-// recomputed product has the same bits.
-constexpr int panel_rows = 256, panel_cols = 512, panel_depth = 512;
+// recomputed product has the same bits. 480 columns are ten of the dot kernel's 8 x 48 tiles (512
+// left 32 columns of every panel to its slower 16 x 16 tiles).
+constexpr int panel_rows = 256, panel_cols = 480, panel_depth = 512;
 static_assert(panel_rows <= dot_bf16_max_m && panel_cols <= dot_bf16_max_n && panel_depth <= dot_bf16_max_k);
 std::vector<float> &bf16_out_workspace() {
   thread_local std::vector<float> workspace(std::size_t(panel_rows) * panel_cols);
@@ -116,13 +123,14 @@ __attribute__((target_clones("avx512bw", "avx2", "default"))) void round_row(std
   }
 }
 
-void bf16_gemm_band(const GemmCall &g, int first, int count) {
+void bf16_gemm_band(const GemmCall &g, Band band) {
   const auto *a = static_cast<const std::uint16_t *>(g.a), *b = static_cast<const std::uint16_t *>(g.b);
   const int lda = g.trans_a ? g.m : g.k, ldb = g.trans_b ? g.k : g.n;
   float *workspace = bf16_out_workspace().data();
-  for (int i = first; i < first + count; i += panel_rows)
-    for (int j = 0; j < g.n; j += panel_cols) {
-      const int rows = std::min(panel_rows, first + count - i), cols = std::min(panel_cols, g.n - j);
+  for (int i = band.row0; i < band.row0 + band.rows; i += panel_rows)
+    for (int j = band.col0; j < band.col0 + band.cols; j += panel_cols) {
+      const int rows = std::min(panel_rows, band.row0 + band.rows - i),
+                cols = std::min(panel_cols, band.col0 + band.cols - j);
       float *c = g.bf16_out ? workspace : static_cast<float *>(g.out) + std::size_t(i) * g.n + j;
       const int ldc = g.bf16_out ? cols : g.n;
       if (!g.bf16_out && g.bias)
@@ -148,25 +156,34 @@ void bf16_gemm_band(const GemmCall &g, int first, int count) {
     }
 }
 
-void gemm_band(const GemmCall &g, int first, int count) {
-  if (g.bf16_in) return bf16_gemm_band(g, first, count);
-  sgemm_band(g, first, count);
+void gemm_band(const GemmCall &g, Band band) {
+  if (g.bf16_in) return bf16_gemm_band(g, band);
+  sgemm_band(g, band);
 }
 
-// Band boundaries depend on m and the thread count only, so a recomputed product is cut (and
-// summed) as the first one was: the same bits. Bands are multiples of 16 rows.
+// A thread a band: bands of rows, or of columns where the product is wider than tall (n > m, as an
+// LM head's logits or their input gradient), so that each thread packs only its own columns of b,
+// once for all of a's rows, instead of all of b for half of them. Band boundaries depend on the
+// shape and the thread count only, so a recomputed product is cut (and summed) as the first one
+// was: the same bits. Bands are multiples of 16 rows or columns.
 struct Bands {
   const GemmCall *g;
-  int count, rows;  // bands, rows per band (the last may be shorter)
+  bool columns;
+  int count, size;  // bands, rows or columns a band (the last may have fewer)
+  Band at(int band) const {
+    const int first = band * size, extent = columns ? g->n : g->m, count = std::min(size, extent - first);
+    return columns ? Band{0, g->m, first, count} : Band{first, count, 0, g->n};
+  }
 };
 Bands bands_of(const GemmCall &g) {
-  const int rows = std::min(g.m, ((g.m + gemm_threads - 1) / gemm_threads + 15) / 16 * 16);
-  return {&g, (g.m + rows - 1) / rows, rows};
+  const bool columns = g.n >= 8 * g.m;
+  const int extent = columns ? g.n : g.m,
+            size = std::min(extent, ((extent + gemm_threads - 1) / gemm_threads + 15) / 16 * 16);
+  return {&g, columns, (extent + size - 1) / size, size};
 }
 int run_band(void *, int band, uint8_t *closure) {
   const Bands &b = *reinterpret_cast<const Bands *>(closure);
-  const int first = band * b.rows;
-  gemm_band(*b.g, first, std::min(b.rows, b.g->m - first));
+  gemm_band(*b.g, b.at(band));
   return 0;
 }
 
@@ -176,7 +193,7 @@ void host_gemm(const GemmCall &g) {
   if (g.m <= 0) return;
   if (g.bf16_out && !g.bf16_in) throw std::runtime_error("fp32 operands with a bf16 output: no such GEMM in any plan");
   Bands b = bands_of(g);
-  if (b.count == 1) return gemm_band(g, 0, g.m);
+  if (b.count == 1) return gemm_band(g, b.at(0));
   halide_do_par_for(nullptr, run_band, 0, b.count, reinterpret_cast<uint8_t *>(&b));
 }
 
@@ -313,7 +330,7 @@ int warm_up_thread(void *, int, uint8_t *closure) {
     g.out = out.data(), g.m = WarmUp::m, g.n = WarmUp::n, g.k = WarmUp::k;
     if (g.bf16_in && dot_bf16_available()) g.m = g.n = g.k = 16;  // no MKL: buffers made whole on first use
     g.trans_a = t & 1, g.trans_b = t & 2;
-    gemm_band(g, 0, g.m);
+    gemm_band(g, {0, g.m, 0, g.n});
   }
   return 0;
 }

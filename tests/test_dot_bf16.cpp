@@ -82,9 +82,10 @@ BOOST_AUTO_TEST_CASE(products_within_fp32_rounding, *boost::unit_test::precondit
   std::printf("worst error: %.3g of the limit\n", worst);
 }
 
-// Whole 48-column blocks run on an 8 x 48 tile, the rest on 16 x 16 tiles; each element's k-pairs
-// are summed in the same order on both, so a product computed 48 columns at a time and the same
-// product computed 16 columns a call have the same bits.
+// Widths of whole 64s run on 4 x 64 tiles, else whole 48-column blocks on 8 x 48 tiles, the rest
+// on 16 x 16 tiles; each element's k-pairs are summed in the same order on all three, so a product
+// computed 64 or 48 columns at a time and the same product computed 16 columns a call have the
+// same bits.
 BOOST_AUTO_TEST_CASE(wide_tiles_give_the_bits_of_narrow_ones,
                      *boost::unit_test::precondition([](boost::unit_test::test_unit_id) {
                        return boost::test_tools::assertion_result(dot_bf16_available());
@@ -92,9 +93,9 @@ BOOST_AUTO_TEST_CASE(wide_tiles_give_the_bits_of_narrow_ones,
   std::mt19937 rng(5);
   std::uniform_real_distribution<float> u(-1, 1);
   for (auto [m, k] : {std::pair{8, 64}, {13, 511}, {16, 2}, {40, 300}, {256, 512}})
-    for (int t = 0; t < 4; ++t) {
+    for (int t = 0; t < 8; ++t) {
       const bool trans_a = t & 1, trans_b = t & 2, add = k % 2;
-      const int n = 96, lda = trans_a ? m : k, ldb = trans_b ? k : n;
+      const int n = t & 4 ? 128 : 96, lda = trans_a ? m : k, ldb = trans_b ? k : n;
       std::vector<std::uint16_t> a(std::size_t(m) * k), b(std::size_t(k) * n);
       for (auto &x : a) x = float_to_bf16(u(rng));
       for (auto &x : b) x = float_to_bf16(u(rng));
@@ -105,7 +106,7 @@ BOOST_AUTO_TEST_CASE(wide_tiles_give_the_bits_of_narrow_ones,
       for (int j = 0; j < n; j += 16)
         dot_bf16_gemm(trans_a, trans_b, m, 16, k, a.data(), lda, b.data() + (trans_b ? std::size_t(j) * ldb : j), ldb,
                       add, narrow.data() + j, n);
-      BOOST_TEST_INFO("m " << m << " k " << k << " trans_a " << trans_a << " trans_b " << trans_b);
+      BOOST_TEST_INFO("m " << m << " n " << n << " k " << k << " trans_a " << trans_a << " trans_b " << trans_b);
       BOOST_TEST(std::memcmp(wide.data(), narrow.data(), wide.size() * sizeof(float)) == 0);
     }
 }
