@@ -188,7 +188,7 @@ bench-hf-context: build bench-py-pkgs $(BPE_DATA)/tokenizer.json
 	  $(VENV)/bin/python bench/hf.py --sweep $(HF_ARGS)
 
 # What scripts/device-check.sh needs on a GPU machine without registries, in .device/.
-device-bundle: build
+device-bundle: build $(BPE_DATA)/tokenizer.json
 	bash scripts/device-bundle.sh
 
 clean:

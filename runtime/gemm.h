@@ -35,9 +35,10 @@ std::size_t address_alignment(const void *p);
 void require_gemm_alignment(const GemmCall &g);
 
 // One GEMM in host memory: sequential MKL's sgemm, or for bf16 operands remat's AVX512_BF16 kernel
-// (dot_bf16.h) or MKL's gemm_bf16bf16f32, in row bands on Halide's threads.
+// (dot_bf16.h) or MKL's gemm_bf16bf16f32, in bands on Halide's threads (of rows; of columns where
+// n >= 8 m).
 void host_gemm(const GemmCall &g);
-// The threads the row bands run on (Halide's count; set by gemm_warm_up).
+// The threads the bands run on (Halide's count; set by gemm_warm_up).
 int gemm_thread_count();
 // What runs host GEMMs of bf16 operands on this CPU: "AVX512_BF16 dot product (dot_bf16.cpp)" or
 // "MKL gemm_bf16bf16f32".

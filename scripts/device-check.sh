@@ -59,7 +59,7 @@ allow() {
 for packed in .device/bin/*.gz; do  # scripts/device-bundle.sh gzips the binaries
   [ -e "$packed" ] && gunzip -kf "$packed"
 done
-bins=(.device/bin/test_cuda .device/bin/train-gpt .device/bin/bench-gpu)
+bins=(.device/bin/test_cuda .device/bin/train-gpt .device/bin/bench-gpu .device/bin/train-gpt2 .device/bin/train-smollm2)
 export LD_LIBRARY_PATH=$PWD/.device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 for bin in "${bins[@]}"; do
   if [[ ! -x $bin ]]; then
@@ -280,6 +280,52 @@ print("train-gpt verdict:", "passed" if ok else "FAILED")
 sys.exit(0 if ok else 1)
 PY
 (($? == 0)) || fail "train-gpt's results (digests, first losses, peaks: see above)"
+
+say "== GPT-2 124M and SmolLM2-135M on the GPU (the bundle's BPE tokens): none and full, their digests"
+: >"$OUT/real-models.jsonl"
+: >"$OUT/real-models.log"
+for model in gpt2 smollm2; do
+  for precision in fp32 bf16; do
+    for policy in none full; do
+      allow 90 30 "train-$model $precision $policy" || continue  # the first of a model JIT-compiles its PTX
+      echo "-- $model $precision $policy" >>"$OUT/real-models.log"
+      timeout -k 10 "$t" .device/bin/train-$model --device cuda --data-dir .device/data --max-steps 3 \
+        --eval-samples 0 --sample-length 0 --json $([[ $precision == bf16 ]] && echo --bf16) \
+        --checkpoint-policy $policy 2>>"$OUT/real-models.log" | tail -n 1 >>"$OUT/real-models.jsonl"
+      rc=$?
+      if ((dry)); then
+        tail -n 1 "$OUT/real-models.log" | grep -q "train-$model: error: --device cuda: no usable GPU" && ((rc != 0)) ||
+          fail "train-$model $precision $policy without a GPU: no 'no usable GPU' error (exit $rc)"
+      else
+        ((rc == 0)) || fail "train-$model $precision $policy ($(exited)): $(tail -n 1 "$OUT/real-models.log")"
+      fi
+    done
+  done
+done
+# Per row a finite first loss and measured == planned peak; per model and precision one digest.
+timeout -k 5 60 python3 - "$OUT/real-models.jsonl" "$dry" <<'PY' | tee -a "$summary"
+import json, math, sys
+rows, ok = [json.loads(l) for l in open(sys.argv[1]) if l.strip().startswith("{")], True
+for r in rows:
+    g = r.get
+    print(f"{g('model')} {g('precision')} {g('policy')}: grad_digest {g('grad_digest')} loss_first {g('loss_first')} "
+          f"planned {g('planned_peak_bytes')} measured {g('measured_peak_bytes')} tokens/s {g('tokens_per_s')}")
+    if not (isinstance(g("loss_first"), (int, float)) and math.isfinite(g("loss_first")) and g("loss_first") > 0) or \
+            g("measured_peak_bytes") != g("planned_peak_bytes"):
+        print("  FAILED: a first loss that is not finite and positive, or measured != planned")
+        ok = False
+if sys.argv[2] == "1":
+    print(f"dry run: {len(rows)} results (none expected without a GPU)")
+    sys.exit(0 if not rows else 1)
+for key in sorted({(r.get("model"), r.get("precision")) for r in rows}):
+    digests = {r.get("grad_digest") for r in rows if (r.get("model"), r.get("precision")) == key}
+    print(*key, "digests identical across none and full:", len(digests) == 1)
+    ok = ok and len(digests) == 1
+ok = ok and len(rows) == 8
+print("real models verdict:", "passed" if ok else "FAILED", f"({len(rows)} of 8 runs)")
+sys.exit(0 if ok else 1)
+PY
+(($? == 0)) || fail "the real models' results (see above)"
 
 say "== GPU benchmark (remat)"
 rm -f "$OUT/bench-remat.json"
