@@ -272,8 +272,7 @@ __attribute__((target("avx2,fma"))) void exp_span_avx2(float *row, int lo, int h
 }
 template <class First, class Last>
 void masked_exp(float *x, int m, First first, Last last, const float *row_shift, const float *column_shift) {
-  static const bool avx512 = __builtin_cpu_supports("avx512f") && !cpu_avx2_forced(),
-                    avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool avx512 = cpu_avx512(), avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (avx512)
     masked_exp_rows(exp_span_avx512, x, m, first, last, row_shift, column_shift);
   else if (avx2)

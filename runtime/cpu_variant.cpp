@@ -17,4 +17,12 @@ bool cpu_avx2_forced() {
   return forced;
 }
 
+bool cpu_avx512() {
+  static const bool avx512 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && !cpu_avx2_forced();
+  }();
+  return avx512;
+}
+
 }  // namespace remat

@@ -8,5 +8,8 @@ namespace remat {
 // True when REMAT_CPU_VARIANT=avx2, false when unset or auto (read once; another value exits with
 // a message).
 bool cpu_avx2_forced();
+// True when the CPU runs AVX-512F and REMAT_CPU_VARIANT does not force AVX2 (the attention's exp and
+// fp32 tiles).
+bool cpu_avx512();
 
 }  // namespace remat

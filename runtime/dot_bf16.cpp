@@ -3,9 +3,9 @@
 // operands), this one at up to twice it. Blocked as BLIS blocks: both operands packed into micro-panels
 // of 16 rows (a) and 16 columns (b), each a run of k-pairs (32-bit words holding elements k and k + 1),
 // zero-padded past the edges; a tile of fp32 accumulators (4 x 64 where the width is whole 64s,
-// else 8 x 48 where 48 columns remain, else 16 x 16) sums a panel's whole depth in order, each lane its element's
-// k-pairs in the same order on either tile, so the sum's order depends on the shape only (a recompute gets the same
-// bits).
+// else 8 x 48 where 48 columns remain, else 16 x 16) sums a panel's whole depth in order, each lane
+// its element's k-pairs in the same order on every tile, so the sum's order depends on the shape
+// only (a recompute gets the same bits).
 #include "cpu_variant.h"
 #include "dot_bf16.h"
 #include "transpose16.h"

@@ -173,8 +173,8 @@ struct Bands {
   bool columns;
   int count, size;  // bands, rows or columns a band (the last may have fewer)
   Band at(int band) const {
-    const int first = band * size, extent = columns ? g->n : g->m, count = std::min(size, extent - first);
-    return columns ? Band{0, g->m, first, count} : Band{first, count, 0, g->n};
+    const int first = band * size, length = std::min(size, (columns ? g->n : g->m) - first);
+    return columns ? Band{0, g->m, first, length} : Band{first, length, 0, g->n};
   }
 };
 Bands bands_of(const GemmCall &g) {

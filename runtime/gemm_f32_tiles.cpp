@@ -52,16 +52,10 @@ __attribute__((target("avx512f"))) void tile(bool trans_a, int rows, __mmask16 l
   for (int r = 0; r < rows; ++r)
     for (int v = 0; v < vectors; ++v) {
       float *at = c + std::ptrdiff_t(r) * ldc + v * lanes;
-      const __mmask16 mask = v == vectors - 1 ? last : __mmask16(0xffff);
       const __m512 sum =
-          add ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask, at), acc[r][v]) : _mm512_mul_ps(scale, acc[r][v]);
-      _mm512_mask_storeu_ps(at, mask, sum);
+          add ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask[v], at), acc[r][v]) : _mm512_mul_ps(scale, acc[r][v]);
+      _mm512_mask_storeu_ps(at, mask[v], sum);
     }
-}
-
-bool cpu_has_avx512() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f");
 }
 
 }  // namespace
@@ -80,17 +74,14 @@ __attribute__((target("avx512f"))) void transpose_f32(int rows, int cols, const 
     }
 }
 
-bool gemm_f32_tiles_available() {
-  static const bool available = cpu_has_avx512() && !cpu_avx2_forced();
-  return available;
-}
+bool gemm_f32_tiles_available() { return cpu_avx512(); }
 
 void gemm_f32_tiles(bool trans_a, int m, int n, int k, float alpha, const float *a, int lda, const float *b, int ldb,
                     bool add, float *c, int ldc) {
   if (m <= 0 || n <= 0) return;
-  if (k <= 0) {  // an empty sum
-    for (int i = 0; i < m; ++i)
-      if (!add) std::fill(c + std::ptrdiff_t(i) * ldc, c + std::ptrdiff_t(i) * ldc + n, 0.f);
+  if (k <= 0) {  // an empty sum: c stays, or becomes 0
+    if (!add)
+      for (int i = 0; i < m; ++i) std::fill(c + std::ptrdiff_t(i) * ldc, c + std::ptrdiff_t(i) * ldc + n, 0.f);
     return;
   }
   using Tile = void (*)(bool, int, __mmask16, int, float, const float *, int, const float *, int, bool, float *, int);
