@@ -1,11 +1,12 @@
 // A bf16 GEMM on AVX512_BF16's dot product (vdpbf16ps: two bf16 products added to an fp32 lane), for
 // CPUs that have it but no AMX: MKL's cblas_gemm_bf16bf16f32 runs there at the fp32 rate (it widens the
-// operands), this one at up to twice it. Blocked as BLIS blocks: both operands packed into micro-panels
-// of 16 rows (a) and 16 columns (b), each a run of k-pairs (32-bit words holding elements k and k + 1),
-// zero-padded past the edges; a tile of fp32 accumulators (4 x 64 where the width is whole 64s,
-// else 8 x 48 where 48 columns remain, else 16 x 16) sums a panel's whole depth in order, each lane
-// its element's k-pairs in the same order on every tile, so the sum's order depends on the shape
-// only (a recompute gets the same bits).
+// operands), this one at up to twice it. Blocked as BLIS blocks: b packed into micro-panels of 16
+// columns, each a run of k-pairs (32-bit words holding elements k and k + 1), zero-padded past the
+// edges; a read in place where its rows hold their k-pairs as whole words (row-major, even depth),
+// else packed the same way into micro-panels of 16 rows; a tile of fp32 accumulators (4 x 64 where
+// the width is whole 64s, else 8 x 48 where 48 columns remain, else 16 x 16) sums a panel's whole
+// depth in order, each lane its element's k-pairs in the same order on every tile, so the sum's
+// order depends on the shape only (a recompute gets the same bits).
 #include "cpu_variant.h"
 #include "dot_bf16.h"
 #include "transpose16.h"
@@ -119,14 +120,20 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void micro_tile(
   }
 }
 
-// c[rows <= lines, 16 panels columns] = (c +) the product of rows part * lines .. of an a
-// micro-panel (zero past the edge) and `panels` whole b micro-panels (b, b + panel, ...): lines x
-// panels accumulators, each pair's b vectors loaded once for all the lines. 8 x 48 (24
-// accumulators) and 4 x 64 (16, for widths of whole 64s, as the attention's 64 and 128). Each
-// lane sums its element's k-pairs in the same order as micro_tile: the same bits.
-template <int lines, int panels>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void wide_tile(int pairs, const std::uint32_t *a,
-                                                                               int part, const std::uint32_t *b,
+// c[rows <= lines, 16 panels columns] = (c +) the product of `lines` rows of a (a.row[r] their
+// k-pairs, a.step words apart: a packed micro-panel's rows, or a's own rows where it lies row-major)
+// and `panels` whole b micro-panels (b, b + panel, ...): lines x panels accumulators, each pair's b
+// vectors loaded once for all the lines. 8 x 48 (24 accumulators) and 4 x 64 (16, for widths of
+// whole 64s, as the attention's 64 and 128). Each lane sums its element's k-pairs in the same
+// order as micro_tile: the same bits.
+template <int lines>
+struct ARows {
+  const std::uint32_t *row[lines];
+  int step;
+};
+template <int lines, int panels, int step>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void wide_tile(int pairs, const ARows<lines> &a,
+                                                                               const std::uint32_t *b,
                                                                                std::size_t panel, float *c, int ldc,
                                                                                int rows, bool add) {
   __m512 acc[lines][panels];
@@ -134,14 +141,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void wide_tile(i
   for (int r = 0; r < lines; ++r)
 #pragma GCC unroll 4
     for (int p = 0; p < panels; ++p) acc[r][p] = _mm512_setzero_ps();
-  const std::uint32_t *ar = a + part * lines;
+  const std::uint32_t *row[lines];
+#pragma GCC unroll 8
+  for (int r = 0; r < lines; ++r) row[r] = a.row[r];
   for (int q = 0; q < pairs; ++q) {
     __m512bh bq[panels];
 #pragma GCC unroll 4
     for (int p = 0; p < panels; ++p) bq[p] = (__m512bh)_mm512_loadu_si512(b + p * panel + tile * q);
 #pragma GCC unroll 8
     for (int r = 0; r < lines; ++r) {
-      const __m512bh ab = (__m512bh)_mm512_set1_epi32(int(ar[tile * q + r]));
+      const __m512bh ab = (__m512bh)_mm512_set1_epi32(int(row[r][step * q]));
 #pragma GCC unroll 4
       for (int p = 0; p < panels; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], ab, bq[p]);
     }
@@ -153,15 +162,33 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void wide_tile(i
     }
 }
 
+// Where a's k-pairs come from: its packed micro-panels, or its own rows (row-major, an even
+// leading dimension and depth, 4-byte aligned: a row's pairs are whole 32-bit words in order).
+struct ASource {
+  const std::uint32_t *words;
+  int ld_words;  // 0: packed
+  int m;
+  template <int lines>
+  ARows<lines> rows(int i, int pairs) const {  // rows i .. i + lines (past m: row i, read and dropped)
+    ARows<lines> a{{}, ld_words ? 1 : tile};
+    for (int r = 0; r < lines; ++r)
+      a.row[r] = ld_words ? words + std::size_t(i + r < m ? i + r : i) * ld_words
+                          : words + std::size_t(i / tile) * tile * pairs + i % tile + r;
+    return a;
+  }
+};
+
 // Columns [j, j + lines x 16 panels) of c on wide tiles, every row.
 template <int lines, int panels>
-void wide_columns(int m, int j, int pairs, const Packed &p, bool add, float *c, int ldc) {
-  for (int i = 0; i < m; i += tile) {
-    const std::uint32_t *ap = p.a.data() + std::size_t(i) * pairs, *bp = p.b.data() + std::size_t(j) * pairs;
-    for (int part = 0; part < tile / lines && i + lines * part < m; ++part)
-      wide_tile<lines, panels>(pairs, ap, part, bp, std::size_t(tile) * pairs,
-                               c + std::size_t(i + lines * part) * ldc + j, ldc, std::min(lines, m - i - lines * part),
-                               add);
+void wide_columns(int m, int j, int pairs, const ASource &a, const Packed &p, bool add, float *c, int ldc) {
+  const std::uint32_t *bp = p.b.data() + std::size_t(j) * pairs;
+  for (int i = 0; i < m; i += lines) {
+    const ARows<lines> rows = a.rows<lines>(i, pairs);
+    float *ci = c + std::size_t(i) * ldc + j;
+    if (rows.step == 1)
+      wide_tile<lines, panels, 1>(pairs, rows, bp, std::size_t(tile) * pairs, ci, ldc, std::min(lines, m - i), add);
+    else
+      wide_tile<lines, panels, tile>(pairs, rows, bp, std::size_t(tile) * pairs, ci, ldc, std::min(lines, m - i), add);
   }
 }
 
@@ -181,11 +208,16 @@ void dot_bf16_gemm(bool trans_a, bool trans_b, int m, int n, int k, const std::u
   // b's columns are a's rows when b is stored [n, k] (trans_b), and its transpose when stored [k, n]
   const Operand ao{a, lda, trans_a}, bo{b, ldb, !trans_b};
   for (int j = 0; j < n; j += tile) pack(bo, j, std::min(tile, n - j), k, p.b.data() + std::size_t(j) * pairs);
-  for (int i = 0; i < m; i += tile) pack(ao, i, std::min(tile, m - i), k, p.a.data() + std::size_t(i) * pairs);
+  const int wide = n % (4 * tile) == 0 ? n : n - n % (3 * tile);  // columns on wide tiles
+  const bool direct = !trans_a && lda % 2 == 0 && k % 2 == 0 && reinterpret_cast<std::uintptr_t>(a) % 4 == 0;
+  if (!direct || wide < n)  // a packed: it is not read in place, or 16 x 16 tiles take the last columns
+    for (int i = 0; i < m; i += tile) pack(ao, i, std::min(tile, m - i), k, p.a.data() + std::size_t(i) * pairs);
+  const ASource as =
+      direct ? ASource{reinterpret_cast<const std::uint32_t *>(a), lda / 2, m} : ASource{p.a.data(), 0, m};
   int j = 0;
   if (n % (4 * tile) == 0)  // whole 4 x 64 tiles
-    for (; j < n; j += 4 * tile) wide_columns<4, 4>(m, j, pairs, p, add, c, ldc);
-  for (; j + 3 * tile <= n; j += 3 * tile) wide_columns<8, 3>(m, j, pairs, p, add, c, ldc);
+    for (; j < n; j += 4 * tile) wide_columns<4, 4>(m, j, pairs, as, p, add, c, ldc);
+  for (; j + 3 * tile <= n; j += 3 * tile) wide_columns<8, 3>(m, j, pairs, as, p, add, c, ldc);
   for (; j < n; j += tile) {
     const __mmask16 cols = __mmask16((1u << std::min(tile, n - j)) - 1);
     for (int i = 0; i < m; i += tile)

@@ -7,7 +7,7 @@
 namespace remat {
 
 // The largest panel one call takes (the packing buffers, one pair a thread, made on the first call).
-inline constexpr int dot_bf16_max_m = 256, dot_bf16_max_n = 512, dot_bf16_max_k = 512;
+inline constexpr int dot_bf16_max_m = 512, dot_bf16_max_n = 512, dot_bf16_max_k = 512;
 
 // True when the CPU (and the OS) run AVX-512 with AVX512_BF16 and the CPU has no AMX.
 bool dot_bf16_available();

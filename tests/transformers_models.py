@@ -5,10 +5,11 @@ For each architecture (GPT2LMHeadModel, LlamaForCausalLM) at the widths its trai
 1. Transformers makes the model (from_config, seed 0) and save_pretrained writes the folder.
 2. remat starts from it (--init-from DIR), takes one AdamW step on a batch of random tokens with
    --save-initial (the batch), --save-gradients and --save-hf.
-3. The same batch through Transformers in float64: remat's first loss within 1e-5 relative, every
-   gradient within GRADIENT_LIMIT of its tensor's largest magnitude (worst tensor printed), and the
+3. The same batch through Transformers in float64: remat's first loss within 1e-5 relative; its
+   gradients' error (the worst tensor's, of that tensor's largest magnitude) at most WORSE x the
+   error of Transformers' own fp32 gradients against the same reference (or a floor); and the
    weights after torch.optim.AdamW's step (the same hyperparameters, weight decay on the linear
-   weights as remat decays them) each within the bound that gradient error gives (adamw_bound).
+   weights as remat decays them) each within the bound that error gives (adamw_bound).
 4. --save-hf after a step of learning rate 0 is the folder read, tensor for tensor, bit for bit;
    Transformers loads it with no missing or unexpected keys, and the logits of both are equal.
 5. A config.json that differs in a shape field is refused: exit 2, one line naming the field.
@@ -19,9 +20,12 @@ outside the default ctest: docs/tests.md).
 
 Bounds (fp32 kernels against float64): each gradient entry is a sum over the batch's rows of
 products of activations that went through at most 2 L + 3 GEMMs of inner width K <= 4 C (or the
-vocabulary, for the head), each adding a relative rounding error of about u sqrt(K) with u = 2^-24
-for sums in random order. At the test's widths that is below 1e-5 of a tensor's scale; observed
-figures are printed (worst tensor) and the limits sit above them with room for the other CPU.
+vocabulary, for the head), each adding a relative rounding error of about u sqrt(K) with u = 2^-24.
+How far that carries depends on the model's conditioning (the tiny Llama's q and k gradients are
+small differences of large terms: PyTorch's own fp32 errs by 9e-6 of their scale there, by 1.4e-6
+on GPT-2's worst tensor), so the limit is not a number picked once but PyTorch's fp32 error on the
+same model and batch, times FP32_WORSE: remat sums in other orders (its own tiles, its attention's
+chunks), not more coarsely. Seen (AMD EPYC, 2026-12-07): tiny GPT-2 1.1x, tiny Llama 1.7x.
 """
 import argparse
 import json
@@ -39,7 +43,7 @@ import transformers
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 LOSS_LIMIT = 1e-5        # relative, fp32 first loss against float64
-GRADIENT_LIMIT = 2e-5    # of each tensor's largest float64 magnitude
+FP32_GRADIENT_FLOOR, FP32_WORSE = 2.0 ** -18, 4.0  # the floor: 64 u of a tensor's largest magnitude
 # --bf16 (activations, their gradients and GEMM operands rounded to bf16, 2^-9 relative each, fp32
 # accumulation and master weights) against the same float64 reference, beside Transformers under
 # torch.autocast(bfloat16) on its fp32 weights: per layer a few roundings of 2^-9, through 2 L + 3
@@ -130,10 +134,7 @@ def check(arch, trainer, config, work, T):
     inputs = torch.from_numpy(initial["inputs"].astype(np.int64))
     labels = torch.from_numpy(initial["labels"].astype(np.int64))
 
-    ref = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float64)
-    logits = ref(input_ids=inputs).logits
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, config.vocab_size), labels.reshape(-1))
-    loss.backward()
+    ref, loss = transformers_step(folder, inputs, labels, torch.float64)
     rel = abs(summary["loss_first"] - loss.item()) / loss.item()
     print(f"{arch}: first loss remat {summary['loss_first']:.8f}, Transformers (float64) {loss.item():.8f}, "
           f"relative {rel:.2e} (limit {LOSS_LIMIT:g})")
@@ -145,10 +146,14 @@ def check(arch, trainer, config, work, T):
         print(f"{arch}: gradient names differ: remat only {sorted(set(grads) - set(params))}, "
               f"Transformers only {sorted(set(params) - set(grads))}")
         return False
-    worst, worst_name = worst_gradient(grads, {n: p.grad.numpy() for n, p in params.items()})
-    print(f"{arch}: gradients of {len(grads)} tensors, worst {worst:.2e} of its scale in {worst_name} "
-          f"(limit {GRADIENT_LIMIT:g})")
-    ok = ok and worst <= GRADIENT_LIMIT
+    reference = {n: p.grad.numpy() for n, p in params.items()}
+    worst, worst_name = worst_gradient(grads, reference)
+    torch32 = transformers_step(folder, inputs, labels, torch.float32)[0]
+    hf_worst, hf_name = worst_gradient({n: p.grad.numpy() for n, p in torch32.named_parameters()}, reference)
+    limit = max(FP32_GRADIENT_FLOOR, FP32_WORSE * hf_worst)
+    print(f"{arch}: gradients of {len(grads)} tensors against float64, worst remat {worst:.2e} of its scale "
+          f"({worst_name}), Transformers fp32 {hf_worst:.2e} ({hf_name}) (limit {limit:.2g})")
+    ok = ok and worst <= limit
 
     # one AdamW step as torch.optim.AdamW takes it, from Transformers' float64 gradients
     groups = [{"params": [p for n, p in params.items() if decayed(n)], "weight_decay": WEIGHT_DECAY},
@@ -158,7 +163,7 @@ def check(arch, trainer, config, work, T):
     worst, worst_name = 0.0, ""
     for name, p in params.items():
         g, after = np.abs(p.grad.numpy()), p.detach().numpy()
-        bound = adamw_bound(g, GRADIENT_LIMIT * g.max(), after)
+        bound = adamw_bound(g, limit * g.max(), after)
         ratio = (np.abs(stepped[name].astype(np.float64) - after) / bound).max()
         if ratio > worst:
             worst, worst_name = ratio, name
@@ -182,7 +187,7 @@ def check(arch, trainer, config, work, T):
           f"{missing or 'clean'}; {len(caught)} warnings; logits {'equal' if equal else 'DIFFERENT'}")
     ok = ok and same and not missing and not caught and equal
 
-    ok = check_bf16(arch, trainer, d, folder, common, inputs, labels, config, params, loss.item()) and ok
+    ok = check_bf16(arch, trainer, d, folder, common, inputs, labels, reference, loss.item()) and ok
 
     field, value = WRONG[arch](config)
     wrong = os.path.join(d, "wrong")
@@ -199,6 +204,17 @@ def check(arch, trainer, config, work, T):
     return ok and named
 
 
+def transformers_step(folder, inputs, labels, dtype, autocast=False):
+    """Transformers' model from the folder in dtype (eager attention), its loss on the batch and its
+    gradients (in the parameters' .grad); under torch.autocast(bfloat16) when asked."""
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(input_ids=inputs).logits
+    loss = torch.nn.functional.cross_entropy(logits.to(dtype).reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    loss.backward()
+    return model, loss
+
+
 def worst_gradient(grads, reference):
     worst, worst_name = 0.0, ""
     for name, g in reference.items():
@@ -208,18 +224,13 @@ def worst_gradient(grads, reference):
     return worst, worst_name
 
 
-def check_bf16(arch, trainer, d, folder, common, inputs, labels, config, params, loss64):
+def check_bf16(arch, trainer, d, folder, common, inputs, labels, reference, loss64):
     """remat --bf16 and Transformers under autocast, both against the float64 reference."""
-    reference = {n: p.grad.numpy() for n, p in params.items()}
     out = run(trainer, "--init-from", folder, *common, "--bf16", "--learning-rate", LR,
               "--save-gradients", os.path.join(d, "grads-bf16"))
     remat_loss = json.loads(out.stdout.strip().splitlines()[-1])["loss_first"]
     remat_worst, remat_name = worst_gradient(load_file(os.path.join(d, "grads-bf16", "gradients.safetensors")), reference)
-    hf = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = hf(input_ids=inputs).logits
-    hf_loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, config.vocab_size), labels.reshape(-1))
-    hf_loss.backward()
+    hf, hf_loss = transformers_step(folder, inputs, labels, torch.float32, autocast=True)
     hf_worst, hf_name = worst_gradient({n: p.grad.numpy() for n, p in hf.named_parameters()}, reference)
     loss_err, hf_loss_err = abs(remat_loss - loss64) / loss64, abs(hf_loss.item() - loss64) / loss64
     limit = max(BF16_GRADIENT_FLOOR, BF16_WORSE * hf_worst)
