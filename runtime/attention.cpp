@@ -59,7 +59,8 @@ using Index = std::ptrdiff_t;
 // A [count, D] block of one head's columns: as fp32 rows (row stride ld), the tensor itself (fp32)
 // or a widened copy in `copy` (bf16); and bf16's own rows (row stride bf16_ld). A bf16 block is
 // widened only without AVX512_BF16's dot product. An fp32 block a GEMM takes as b^T may also hold
-// its transpose t [D, count] (row stride t_ld), made by with_transpose for the fp32 tile kernel.
+// its transpose t [D, count] (row stride t_ld), made by with_transpose for the fp32 tile kernel; a
+// bf16 block the dot kernel takes as b^T or b, that operand packed (with_packed).
 struct Rows {
   const float *p;
   int ld;
@@ -67,6 +68,7 @@ struct Rows {
   int bf16_ld = 0;
   const float *t = nullptr;
   int t_ld = 0;
+  DotPackedB dot_bt{}, dot_b{};  // words nullptr: not packed
 };
 Rows head_rows(const void *base, bool bf16, int width, Index row0, int count, int col, int D, float *copy) {
   if (!bf16) return {static_cast<const float *>(base) + row0 * width + col, width};
@@ -85,37 +87,65 @@ Rows with_transpose(Rows r, bool bf16, int count, int D, float *to) {
   r.t_ld = count;
   return r;
 }
-// Rows `at` and on of a block.
+// A bf16 block not widened (the dot kernel's), with the b operands of its products packed once
+// into `space` (free: head_rows copied nothing into it; it holds count x D floats): as b^T
+// (gemm_abt: the block's rows are b's columns) and as b (gemm_ab: its rows are b's depth). Each
+// product of it then packs nothing; else the block as it is.
+Rows with_packed(Rows r, int count, int D, float *space, bool as_bt, bool as_b) {
+  if (r.p || !r.bf16) return r;
+  auto *to = reinterpret_cast<std::uint32_t *>(space);
+  if (as_bt) {
+    dot_bf16_pack_b(true, count, D, r.bf16, r.bf16_ld, to);
+    r.dot_bt = {to, (D + 1) / 2, (D + 1) / 2};
+    to += dot_bf16_packed_words(count, D);
+  }
+  if (as_b) {
+    dot_bf16_pack_b(false, D, count, r.bf16, r.bf16_ld, to);
+    r.dot_b = {to, (count + 1) / 2, (count + 1) / 2};
+  }
+  return r;
+}
+// Rows `at` and on of a block (`at` a multiple of 16).
 Rows at_row(Rows r, int at) {
   return {r.p ? r.p + Index(at) * r.ld : nullptr,
           r.ld,
           r.bf16 ? r.bf16 + Index(at) * r.bf16_ld : nullptr,
           r.bf16_ld,
           r.t ? r.t + at : nullptr,
-          r.t_ld};
+          r.t_ld,
+          r.dot_bt.words ? r.dot_bt.columns_from(at) : DotPackedB{},
+          r.dot_b.words ? r.dot_b.depth_from(at) : DotPackedB{}};
 }
-// Writes a [count, D] fp32 block times `scale` into the head's columns of a stored tensor.
-void store_rows(const float *x, float scale, void *base, bool bf16, int width, Index row0, int count, int col, int D) {
-  for (int i = 0; i < count; ++i)
-    for (int d = 0; d < D; ++d) {
-      const float y = x[i * D + d] * scale;
-      const Index at = (row0 + i) * width + col + d;
-      if (bf16)
-        static_cast<std::uint16_t *>(base)[at] = float_to_bf16(y);
-      else
-        static_cast<float *>(base)[at] = y;
-    }
+// Writes a [count, D] fp32 block (row stride D) times `scale` into the head's columns of a stored
+// tensor. (Compiled for AVX-512 and AVX2 too: the same products and integer rounding, the same bits.)
+__attribute__((target_clones("avx512bw", "avx2", "default"))) void store_rows(const float *x, float scale, void *base,
+                                                                              bool bf16, int width, Index row0,
+                                                                              int count, int col, int D) {
+  for (int i = 0; i < count; ++i) {
+    const Index at = (row0 + i) * width + col;
+    if (bf16)
+      for (int d = 0; d < D; ++d) static_cast<std::uint16_t *>(base)[at + d] = float_to_bf16(x[i * D + d] * scale);
+    else
+      for (int d = 0; d < D; ++d) static_cast<float *>(base)[at + d] = x[i * D + d] * scale;
+  }
 }
 
+// c [m, n] *= alpha (compiled for AVX-512 and AVX2 too: the same products)
+__attribute__((target_clones("avx512f", "avx2", "default"))) void scale_block(float *c, int ldc, int m, int n,
+                                                                              float alpha) {
+  for (int i = 0; i < m; ++i)
+    for (int j = 0; j < n; ++j) c[i * ldc + j] *= alpha;
+}
 // c [m, n] = alpha a b^T, a [m, k] and b [n, k] as rows: on the fp32 tile kernel when b holds its
 // transpose, on the dot kernel for bf16 rows, else sgemm.
 void gemm_abt(int m, int n, int k, float alpha, Rows a, Rows b, float *c, int ldc) {
   if (b.t) return gemm_f32_tiles(false, m, n, k, alpha, a.p, a.ld, b.t, b.t_ld, false, c, ldc);
   if (!a.p || !b.p) {  // bf16 blocks, not widened
-    dot_bf16_gemm(false, true, m, n, k, a.bf16, a.bf16_ld, b.bf16, b.bf16_ld, false, c, ldc);
-    if (alpha != 1.f)
-      for (int i = 0; i < m; ++i)
-        for (int j = 0; j < n; ++j) c[i * ldc + j] *= alpha;
+    if (b.dot_bt.words)
+      dot_bf16_gemm_packed(false, m, n, k, a.bf16, a.bf16_ld, b.dot_bt, false, c, ldc);
+    else
+      dot_bf16_gemm(false, true, m, n, k, a.bf16, a.bf16_ld, b.bf16, b.bf16_ld, false, c, ldc);
+    if (alpha != 1.f) scale_block(c, ldc, m, n, alpha);
     return;
   }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, alpha, a.p, a.ld, b.p, b.ld, 0.f, c, ldc);
@@ -152,6 +182,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void scores_gradien
 // on the dot kernel when b is bf16 rows only (then a has its bf16 copy), else on the fp32 tile
 // kernel where it runs, else sgemm.
 void gemm_ab(bool trans_a, int m, int n, int k, Rows a, Rows b, bool add, float *c, int ldc) {
+  if (b.dot_b.words) return dot_bf16_gemm_packed(trans_a, m, n, k, a.bf16, a.bf16_ld, b.dot_b, add, c, ldc);
   if (!b.p) return dot_bf16_gemm(trans_a, false, m, n, k, a.bf16, a.bf16_ld, b.bf16, b.bf16_ld, add, c, ldc);
   if (gemm_f32_tiles_available()) return gemm_f32_tiles(trans_a, m, n, k, 1.f, a.p, a.ld, b.p, b.ld, add, c, ldc);
   cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, CblasNoTrans, m, n, k, 1.f, a.p, a.ld, b.p, b.ld,
@@ -299,6 +330,18 @@ constexpr int forward_blocks = 4;
 constexpr int group_rows = forward_blocks * block_rows;
 int Problem::groups() const { return (a.T + group_rows - 1) / group_rows; }
 
+// A block of one head's columns ([count, D] from row `row` of a tensor `width` wide) as its products
+// take it: as b^T (as_bt) transposed for the fp32 tiles or packed for the dot kernel, as b (as_b)
+// packed for the dot kernel; in `space` (count x max_head_dim floats), once for all the products
+// of a task that take it.
+Rows prepared(const Problem &p, const void *base, int width, Index row, int count, int col, float *space, bool as_bt,
+              bool as_b) {
+  const AttentionCall &a = p.a;
+  Rows r = head_rows(base, a.bf16, width, row, count, col, a.D, space);
+  if (as_bt) r = with_transpose(r, a.bf16, count, a.D, space);
+  return with_packed(r, count, a.D, space, as_bt, as_b);
+}
+
 int lse_task(void *, int i, std::uint8_t *closure) {
   const Problem &p = *reinterpret_cast<const Problem *>(closure);
   const AttentionCall &a = p.a;
@@ -312,8 +355,7 @@ int lse_task(void *, int i, std::uint8_t *closure) {
   const Rows q = head_rows(a.qkv, a.bf16, p.width, row0 + g0, gq, h * a.D, a.D, q_copy);
   for (int c0 = 0; c0 < g0 + gq; c0 += chunk) {
     const int kc_all = std::min(chunk, g0 + gq - c0);
-    const Rows k = with_transpose(head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc_all, p.k_col(kv), a.D, k_copy),
-                                  a.bf16, kc_all, a.D, k_copy);
+    const Rows k = prepared(p, a.qkv, p.width, row0 + c0, kc_all, p.k_col(kv), k_copy, true, false);
     for (int t0 = std::max(g0, c0); t0 < g0 + gq; t0 += block_rows) {
       const int bq = std::min(block_rows, a.T - t0), kc = std::min(chunk, t0 + bq - c0), at = t0 - g0;
       gemm_abt(bq, kc, a.D, p.scale, at_row(q, at), k, s, chunk);
@@ -363,9 +405,8 @@ int out_task(void *, int i, std::uint8_t *closure) {
   const Rows q = head_rows(a.qkv, a.bf16, p.width, row0 + g0, gq, h * a.D, a.D, q_copy);
   for (int c0 = 0; c0 < g0 + gq; c0 += chunk) {
     const int kc_all = std::min(chunk, g0 + gq - c0);
-    const Rows k = with_transpose(head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc_all, p.k_col(kv), a.D, k_copy),
-                                  a.bf16, kc_all, a.D, k_copy);
-    const Rows v = head_rows(a.qkv, a.bf16, p.width, row0 + c0, kc_all, p.v_col(kv), a.D, v_copy);
+    const Rows k = prepared(p, a.qkv, p.width, row0 + c0, kc_all, p.k_col(kv), k_copy, true, false);
+    const Rows v = prepared(p, a.qkv, p.width, row0 + c0, kc_all, p.v_col(kv), v_copy, false, true);
     for (int t0 = std::max(g0, c0); t0 < g0 + gq; t0 += block_rows) {
       const int bq = std::min(block_rows, a.T - t0), kc = std::min(chunk, t0 + bq - c0), at = t0 - g0;
       query_probabilities(p, row0, t0, bq, c0, kc, h, at_row(q, at), k, true, s);
@@ -399,16 +440,14 @@ int grad_task(void *, int i, std::uint8_t *closure) {
   alignas(64) std::uint16_t s16[block_rows * chunk], dp16[block_rows * chunk];
   for (int g0 = 0; g0 < a.T; g0 += keys) {
     const int kg = std::min(keys, a.T - g0);
-    const Rows k =
-        with_transpose(head_rows(a.qkv, a.bf16, p.width, row0 + g0, kg, p.k_col(kv), D, k_copy), a.bf16, kg, D, k_copy);
-    const Rows v =
-        with_transpose(head_rows(a.qkv, a.bf16, p.width, row0 + g0, kg, p.v_col(kv), D, v_copy), a.bf16, kg, D, v_copy);
+    const Rows k = prepared(p, a.qkv, p.width, row0 + g0, kg, p.k_col(kv), k_copy, true, true);
+    const Rows v = prepared(p, a.qkv, p.width, row0 + g0, kg, p.v_col(kv), v_copy, true, false);
     std::fill(dk, dk + kg * D, 0.f);  // the diagonal tiles reach only some of the group's keys
     std::fill(dv, dv + kg * D, 0.f);
     for (int t0 = g0; t0 < a.T; t0 += block_rows) {
       const int bq = std::min(block_rows, a.T - t0);
-      const Rows q = head_rows(a.qkv, a.bf16, p.width, row0 + t0, bq, h * D, D, q_copy);
-      const Rows dout = head_rows(p.dout, a.bf16, p.C, row0 + t0, bq, h * D, D, do_copy);
+      const Rows q = prepared(p, a.qkv, p.width, row0 + t0, bq, h * D, q_copy, false, true);
+      const Rows dout = prepared(p, p.dout, p.C, row0 + t0, bq, h * D, do_copy, false, true);
       for (int c0 = g0; c0 < std::min(g0 + kg, t0 + bq); c0 += chunk) {
         const int kc = std::min(chunk, t0 + bq - c0), at = c0 - g0;  // the forward's tile
         const Rows kt = at_row(k, at), vt = at_row(v, at);
@@ -445,30 +484,28 @@ int grad_task(void *, int i, std::uint8_t *closure) {
 // dqkv of a block of rows from `per_head`: dq / sqrt(D); dk / sqrt(D) and dv, each the sum of its
 // group's query heads in head order.
 constexpr int sum_rows = 16;
+// sum[d] = the sum of `heads` rows of D (x, x + D, ...) in order, from 0 (vectorized over d).
+__attribute__((target_clones("avx512f", "avx2", "default"))) void group_sum(const float *x, int heads, int D,
+                                                                            float *sum) {
+  for (int d = 0; d < D; ++d) sum[d] = 0.f;
+  for (int g = 0; g < heads; ++g)
+    for (int d = 0; d < D; ++d) sum[d] += x[g * D + d];
+}
 int sum_task(void *, int i, std::uint8_t *closure) {
   const Problem &p = *reinterpret_cast<const Problem *>(closure);
   const AttentionCall &a = p.a;
   const int D = a.D, ld = 3 * p.C;
   const bool stored = a.bf16 && !a.fp32_dqkv;
-  const auto put = [&](Index b, int c, float x) {
-    if (stored)
-      static_cast<std::uint16_t *>(p.result)[b * p.width + c] = float_to_bf16(x);
-    else
-      static_cast<float *>(p.result)[b * p.width + c] = x;
-  };
   for (Index b = Index(i) * sum_rows; b < std::min(Index(a.rows), Index(i + 1) * sum_rows); ++b) {
     const float *src = p.per_head + b * ld;
-    for (int c = 0; c < p.C; ++c) put(b, c, src[c] * p.scale);
-    for (int kv = 0; kv < a.KV; ++kv)
-      for (int d = 0; d < D; ++d) {
-        float dk = 0, dv = 0;
-        for (int g = 0; g < p.G; ++g) {
-          dk += src[p.C + (kv * p.G + g) * D + d];
-          dv += src[2 * p.C + (kv * p.G + g) * D + d];
-        }
-        put(b, p.k_col(kv) + d, dk * p.scale);
-        put(b, p.v_col(kv) + d, dv);
-      }
+    store_rows(src, p.scale, p.result, stored, p.width, b, 1, 0, p.C);
+    for (int kv = 0; kv < a.KV; ++kv) {
+      alignas(64) float dk[max_head_dim], dv[max_head_dim];
+      group_sum(src + p.C + kv * p.G * D, p.G, D, dk);
+      group_sum(src + 2 * p.C + kv * p.G * D, p.G, D, dv);
+      store_rows(dk, p.scale, p.result, stored, p.width, b, 1, p.k_col(kv), D);
+      store_rows(dv, 1.f, p.result, stored, p.width, b, 1, p.v_col(kv), D);
+    }
   }
   return 0;
 }

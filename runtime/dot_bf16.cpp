@@ -180,15 +180,16 @@ struct ASource {
 
 // Columns [j, j + lines x 16 panels) of c on wide tiles, every row.
 template <int lines, int panels>
-void wide_columns(int m, int j, int pairs, const ASource &a, const Packed &p, bool add, float *c, int ldc) {
-  const std::uint32_t *bp = p.b.data() + std::size_t(j) * pairs;
+void wide_columns(int m, int j, int pairs, const ASource &a, DotPackedB b, bool add, float *c, int ldc) {
+  const std::uint32_t *bp = b.columns_from(j).words;
+  const std::size_t panel = std::size_t(tile) * b.stride;
   for (int i = 0; i < m; i += lines) {
     const ARows<lines> rows = a.rows<lines>(i, pairs);
     float *ci = c + std::size_t(i) * ldc + j;
     if (rows.step == 1)
-      wide_tile<lines, panels, 1>(pairs, rows, bp, std::size_t(tile) * pairs, ci, ldc, std::min(lines, m - i), add);
+      wide_tile<lines, panels, 1>(pairs, rows, bp, panel, ci, ldc, std::min(lines, m - i), add);
     else
-      wide_tile<lines, panels, tile>(pairs, rows, bp, std::size_t(tile) * pairs, ci, ldc, std::min(lines, m - i), add);
+      wide_tile<lines, panels, tile>(pairs, rows, bp, panel, ci, ldc, std::min(lines, m - i), add);
   }
 }
 
@@ -199,31 +200,45 @@ bool dot_bf16_available() {
   return available;
 }
 
-void dot_bf16_gemm(bool trans_a, bool trans_b, int m, int n, int k, const std::uint16_t *a, int lda,
-                   const std::uint16_t *b, int ldb, bool add, float *c, int ldc) {
-  if (m > dot_bf16_max_m || n > dot_bf16_max_n || k > dot_bf16_max_k)
-    throw std::runtime_error("dot_bf16_gemm: a panel larger than the packing buffers");
+void dot_bf16_pack_b(bool trans_b, int n, int k, const std::uint16_t *b, int ldb, std::uint32_t *to) {
+  // b's columns are a's rows when b is stored [n, k] (trans_b), and its transpose when stored [k, n]
+  const Operand bo{b, ldb, !trans_b};
+  const int pairs = (k + 1) / 2;
+  for (int j = 0; j < n; j += tile) pack(bo, j, std::min(tile, n - j), k, to + std::size_t(j) * pairs);
+}
+
+void dot_bf16_gemm_packed(bool trans_a, int m, int n, int k, const std::uint16_t *a, int lda, DotPackedB b, bool add,
+                          float *c, int ldc) {
+  if (m > dot_bf16_max_m || k > dot_bf16_max_k || (k + 1) / 2 > b.pairs)
+    throw std::runtime_error("dot_bf16_gemm: a panel larger than the packing buffers or than b's packed depth");
   Packed &p = packed();
   const int pairs = (k + 1) / 2;
-  // b's columns are a's rows when b is stored [n, k] (trans_b), and its transpose when stored [k, n]
-  const Operand ao{a, lda, trans_a}, bo{b, ldb, !trans_b};
-  for (int j = 0; j < n; j += tile) pack(bo, j, std::min(tile, n - j), k, p.b.data() + std::size_t(j) * pairs);
   const int wide = n % (4 * tile) == 0 ? n : n - n % (3 * tile);  // columns on wide tiles
   const bool direct = !trans_a && lda % 2 == 0 && k % 2 == 0 && reinterpret_cast<std::uintptr_t>(a) % 4 == 0;
   if (!direct || wide < n)  // a packed: it is not read in place, or 16 x 16 tiles take the last columns
-    for (int i = 0; i < m; i += tile) pack(ao, i, std::min(tile, m - i), k, p.a.data() + std::size_t(i) * pairs);
+    for (int i = 0; i < m; i += tile)
+      pack(Operand{a, lda, trans_a}, i, std::min(tile, m - i), k, p.a.data() + std::size_t(i) * pairs);
   const ASource as =
       direct ? ASource{reinterpret_cast<const std::uint32_t *>(a), lda / 2, m} : ASource{p.a.data(), 0, m};
   int j = 0;
   if (n % (4 * tile) == 0)  // whole 4 x 64 tiles
-    for (; j < n; j += 4 * tile) wide_columns<4, 4>(m, j, pairs, as, p, add, c, ldc);
-  for (; j + 3 * tile <= n; j += 3 * tile) wide_columns<8, 3>(m, j, pairs, as, p, add, c, ldc);
+    for (; j < n; j += 4 * tile) wide_columns<4, 4>(m, j, pairs, as, b, add, c, ldc);
+  for (; j + 3 * tile <= n; j += 3 * tile) wide_columns<8, 3>(m, j, pairs, as, b, add, c, ldc);
   for (; j < n; j += tile) {
     const __mmask16 cols = __mmask16((1u << std::min(tile, n - j)) - 1);
     for (int i = 0; i < m; i += tile)
-      micro_tile(pairs, p.a.data() + std::size_t(i) * pairs, p.b.data() + std::size_t(j) * pairs,
-                 c + std::size_t(i) * ldc + j, ldc, std::min(tile, m - i), cols, add);
+      micro_tile(pairs, p.a.data() + std::size_t(i) * pairs, b.columns_from(j).words, c + std::size_t(i) * ldc + j, ldc,
+                 std::min(tile, m - i), cols, add);
   }
+}
+
+void dot_bf16_gemm(bool trans_a, bool trans_b, int m, int n, int k, const std::uint16_t *a, int lda,
+                   const std::uint16_t *b, int ldb, bool add, float *c, int ldc) {
+  if (n > dot_bf16_max_n || k > dot_bf16_max_k)
+    throw std::runtime_error("dot_bf16_gemm: a panel larger than the packing buffers");
+  std::uint32_t *packed_b = packed().b.data();
+  dot_bf16_pack_b(trans_b, n, k, b, ldb, packed_b);
+  dot_bf16_gemm_packed(trans_a, m, n, k, a, lda, {packed_b, (k + 1) / 2, (k + 1) / 2}, add, c, ldc);
 }
 
 }  // namespace remat

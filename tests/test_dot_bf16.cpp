@@ -14,6 +14,7 @@
 #include "dot_bf16.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdint>
@@ -109,4 +110,43 @@ BOOST_AUTO_TEST_CASE(wide_tiles_give_the_bits_of_narrow_ones,
       BOOST_TEST_INFO("m " << m << " n " << n << " k " << k << " trans_a " << trans_a << " trans_b " << trans_b);
       BOOST_TEST(std::memcmp(wide.data(), narrow.data(), wide.size() * sizeof(float)) == 0);
     }
+}
+
+// b packed once (dot_bf16_pack_b) and multiplied in parts, as the attention multiplies a chunk of
+// keys packed once by each block of queries: columns from a multiple of 16 and depth from an even
+// k0 (odd depths only to the packed end). Each part's bits are those of dot_bf16_gemm on the same
+// operands, packed for the call.
+BOOST_AUTO_TEST_CASE(packed_b_in_parts_gives_the_bits_of_whole_calls,
+                     *boost::unit_test::precondition([](boost::unit_test::test_unit_id) {
+                       return boost::test_tools::assertion_result(dot_bf16_available());
+                     })) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1, 1);
+  const int N = 130, K = 127, m = 21;
+  for (int t = 0; t < 4; ++t) {
+    const bool trans_a = t & 1, trans_b = t & 2;
+    const int lda = trans_a ? m : K, ldb = trans_b ? K : N;
+    std::vector<std::uint16_t> a(std::size_t(m) * K), b(std::size_t(K) * N);
+    for (auto &x : a) x = float_to_bf16(u(rng));
+    for (auto &x : b) x = float_to_bf16(u(rng));
+    std::vector<std::uint32_t> packed(dot_bf16_packed_words(N, K));
+    dot_bf16_pack_b(trans_b, N, K, b.data(), ldb, packed.data());
+    const DotPackedB whole{packed.data(), (K + 1) / 2, (K + 1) / 2};
+    // {first column, columns, first depth, depth}
+    for (auto [j0, n, k0, k] : {std::array{0, N, 0, K},
+                                {16, 64, 0, 64},
+                                {32, 98, 64, 63},
+                                {112, 18, 2, 40},
+                                {0, 48, 126, 1},
+                                {64, 66, 10, 117}}) {
+      std::vector<float> part(std::size_t(m) * n), call(part.size());
+      const std::uint16_t *ap = trans_a ? a.data() + std::size_t(k0) * lda : a.data() + k0;
+      const std::uint16_t *bp = trans_b ? b.data() + std::size_t(j0) * ldb + k0 : b.data() + std::size_t(k0) * ldb + j0;
+      dot_bf16_gemm_packed(trans_a, m, n, k, ap, lda, whole.columns_from(j0).depth_from(k0), false, part.data(), n);
+      dot_bf16_gemm(trans_a, trans_b, m, n, k, ap, lda, bp, ldb, false, call.data(), n);
+      BOOST_TEST_INFO("trans_a " << trans_a << " trans_b " << trans_b << " columns " << j0 << "+" << n << " depth "
+                                 << k0 << "+" << k);
+      BOOST_TEST(std::memcmp(part.data(), call.data(), part.size() * sizeof(float)) == 0);
+    }
+  }
 }
