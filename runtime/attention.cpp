@@ -326,7 +326,7 @@ Task query_task(const Problem &p, int i, int heads) {
 // A task holds a group of query blocks, which share each chunk's keys (and values): each key
 // chunk is read once a group, not once a block. Every tile (block by chunk) is the same GEMM and
 // the same sums as a task of one block would run, so the bits do not depend on the grouping.
-constexpr int forward_blocks = 4;
+constexpr int forward_blocks = 8;
 constexpr int group_rows = forward_blocks * block_rows;
 int Problem::groups() const { return (a.T + group_rows - 1) / group_rows; }
 
