@@ -115,9 +115,13 @@ public:
   // Halide keeps a constant-size buffer on the stack up to 16 KiB, and takes larger ones from the
   // heap (which no kernel may do): buffers a schedule puts on the stack must fit this.
   static bool fits_stack(long long bytes) { return bytes <= 16 * 1024; }
-  // A small [width, height] table computed once per kernel call, before everything else.
-  void table(Func f, int width, int height) {
-    f.compute_root().bound(v.c, 0, width).bound(v.b, 0, height).store_in(Halide::MemoryType::Stack);
+  // A table of `width` columns by row, computed for the rows of each task of `consumer` (scheduled
+  // by pointwise: tasks of rows_per_task rows), on the stack.
+  void row_table(Func f, Func consumer, int width) {
+    f.compute_at(consumer, v.b)
+        .bound_storage(v.c, width)
+        .bound_storage(v.b, rows_per_task)
+        .store_in(Halide::MemoryType::Stack);
   }
   void cross_entropy(Layers::CrossEntropy ce) {
     Var bo("bo"), bi("bi");

@@ -309,6 +309,13 @@ public:
   void output(const TensorKey &k, Func fn) { outputs->push_back({k, fn}); }
   // Whether the plan saved a tensor of this kernel (then a backward kernel reads it).
   bool saved(const TensorKey &k) const { return building_backward && listed(kt->saved, k); }
+  // Whether the forward built here writes layer j's output to its buffer (the block's output, or a
+  // tensor saved or rebuilt as scratch), rather than leaving it inline in its readers.
+  bool writes_output(int j) const {
+    if (j + 1 == blk.n_layers) return true;
+    const TensorKey out = key::layer_output(blk, j);
+    return listed(kt->saved, out) || listed(kt->scratch, out);
+  }
   static bool listed(const std::vector<LocalTensor> &list, const TensorKey &k) {
     for (const LocalTensor &lt : list)
       if (lt.key == k) return true;
@@ -450,7 +457,7 @@ private:
       } else {
         f.stored[j] = b.out;
         f.out[j] = widened(b.out);  // `out` is the stored value; layers read it as float
-        if (listed(kt->saved, out_key) || listed(kt->scratch, out_key)) {
+        if (writes_output(j)) {
           if (!b.scheduled) sched.pointwise(b.out);
           output(out_key, b.out);
           f.buffered[j] = true;

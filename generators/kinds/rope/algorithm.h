@@ -27,7 +27,8 @@ struct RopeLlama3 {
 
 class Rope {
 public:
-  // cos and sin of the angle of feature e < D / 2 at position t: (e, t) over [0, D / 2) x [0, T).
+  // cos and sin of the angle of feature e < D / 2 at the position of row b: (e, b), b over the
+  // rows of every sequence (position b % T), computed for the rows a consumer's task covers.
   struct Table {
     Halide::Func cos, sin;
   };
@@ -41,7 +42,7 @@ public:
   Table table(const std::string &name, int D) const {
     using namespace Halide;
     Table tab{Func(part(name, "cos")), Func(part(name, "sin"))};
-    const Expr angle = rope_angle(v.c, v.b, D);
+    const Expr angle = rope_angle(v.c, v.b % T, D);
     tab.cos(v.c, v.b) = cos(angle);
     tab.sin(v.c, v.b) = sin(angle);
     return tab;
@@ -55,8 +56,7 @@ public:
     const int rotated = (q_heads + kv_heads) * D, half = D / 2;
     const Expr e = v.c % D, low = e < half;
     const Expr i = e % half, position = v.b % T, angle = rope_angle(i, position, D);
-    const Expr cos_t = table ? table->cos(i, position) : cos(angle),
-               sin_t = table ? table->sin(i, position) : sin(angle);
+    const Expr cos_t = table ? table->cos(i, v.b) : cos(angle), sin_t = table ? table->sin(i, v.b) : sin(angle);
     const Expr partner = x(clamp(select(low, v.c + half, v.c - half), 0, rotated - 1), v.b);
     const Expr sin_term = select(low != inverse, -partner, partner) * sin_t;
     Func y(name);

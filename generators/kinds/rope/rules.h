@@ -14,21 +14,17 @@ namespace remat::modelc {
 template <>
 struct KindRules<Op::rope> {
   static Built forward(StageKernels &k, int j, const std::string &name) {
-    const Layer &l = k.blk.layers[j];
-    const auto table = rope_table(k, j, gen::part(name, "table"));
-    Func r = rope_of(k, j).rotate(gen::part(name, "rotation"), k.value(k.blk.source(j)), l.heads, l.kv_heads,
-                                  head_dim(l), false, table ? &*table : nullptr);
-    Func y(name);
-    y(k.v.c, k.v.b) = k.L.store(r(k.v.c, k.v.b));
-    return {y};
+    if (!with_table(k, j) || !k.writes_output(j)) return {rotated(k, j, name, k.value(k.blk.source(j)), false, false)};
+    return {rotated(k, j, name, k.value(k.blk.source(j)), false, true), true};
   }
   static void backward(StageKernels &k, int j, Func, Func d) {
-    const Layer &l = k.blk.layers[j];
     const int src = k.blk.source(j);
     if (!k.flows(src)) return;
-    const auto table = rope_table(k, j, k.layer_name("rope", j, "dx_table"));
-    k.add_grad(src, {rope_of(k, j).rotate(k.layer_name("rope", j, "dx"), d, l.heads, l.kv_heads, head_dim(l), true,
-                                          table ? &*table : nullptr)});
+    const Layer &l = k.blk.layers[j];
+    Contribution c{rope_of(k, j).rotate(k.layer_name("rope", j, "dx"), d, l.heads, l.kv_heads, head_dim(l), true)};
+    if (with_table(k, j))  // the whole gradient of its source: written by tasks of rows, each with its table
+      c.whole = [&k, j, d](const std::string &whole) { return rotated(k, j, whole, d, true, true); };
+    k.add_grad(src, c);
   }
 
 private:
@@ -39,15 +35,29 @@ private:
                      {s.factor, s.low_freq_factor, s.high_freq_factor, double(s.original_context)});
   }
   static int head_dim(const Layer &l) { return l.out / (l.heads + 2 * l.kv_heads); }
-  // CPU kernels read the rotation's cos and sin from a [D / 2, T] table computed once per call, on
-  // the stack where it fits (Halide's limit); GPU kernels compute them per element.
-  static std::optional<gen::Rope::Table> rope_table(StageKernels &k, int j, const std::string &name) {
+  // CPU kernels read the rotation's cos and sin from a table of the rows of each task that writes
+  // the rotated tensor, on the stack (evaluated once a row and feature pair, not once a head); GPU
+  // kernels, and a rotation left inline in its readers, compute them per element.
+  static bool with_table(const StageKernels &k, int j) {
     const int half = head_dim(k.blk.layers[j]) / 2;
-    if (k.sched.gpu || !gen::Scheduler::fits_stack(2LL * half * k.seq.T * 4)) return std::nullopt;
-    gen::Rope::Table t = rope_of(k, j).table(name, 2 * half);
-    k.sched.table(t.cos, half, k.seq.T);
-    k.sched.table(t.sin, half, k.seq.T);
-    return t;
+    return !k.sched.gpu && gen::Scheduler::fits_stack(2LL * half * gen::Scheduler::rows_per_task * 4);
+  }
+  // x rotated (the inverse rotation for a gradient), as stored; with a table, written by its own
+  // tasks (pointwise) reading it.
+  static Func rotated(StageKernels &k, int j, const std::string &name, Func x, bool inverse, bool table) {
+    const Layer &l = k.blk.layers[j];
+    const gen::Rope rope = rope_of(k, j);
+    std::optional<gen::Rope::Table> t;
+    if (table) t = rope.table(gen::part(name, "table"), head_dim(l));
+    Func r = rope.rotate(gen::part(name, "rotation"), x, l.heads, l.kv_heads, head_dim(l), inverse, t ? &*t : nullptr);
+    Func y(name);
+    y(k.v.c, k.v.b) = k.L.store(r(k.v.c, k.v.b));
+    if (t) {
+      k.sched.pointwise(y);
+      k.sched.row_table(t->cos, y, head_dim(l) / 2);
+      k.sched.row_table(t->sin, y, head_dim(l) / 2);
+    }
+    return y;
   }
 };
 
