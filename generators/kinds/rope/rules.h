@@ -14,8 +14,8 @@ namespace remat::modelc {
 template <>
 struct KindRules<Op::rope> {
   static Built forward(StageKernels &k, int j, const std::string &name) {
-    if (!with_table(k, j) || !k.writes_output(j)) return {rotated(k, j, name, k.value(k.blk.source(j)), false, false)};
-    return {rotated(k, j, name, k.value(k.blk.source(j)), false, true), true};
+    const bool table = with_table(k, j) && k.writes_output(j);  // then `rotated` schedules it
+    return {rotated(k, j, name, k.value(k.blk.source(j)), false, table), table};
   }
   static void backward(StageKernels &k, int j, Func, Func d) {
     const int src = k.blk.source(j);
