@@ -91,7 +91,7 @@ test-transformers-full: build bench-py-pkgs
 
 # The outside witness at full size (slow, outside the default ctest): GPT-2 124M and SmolLM2-135M,
 # every policy and a budget, fp32 and bf16: peak RSS from outside against the plan.
-test-witness-full: build
+test-witness-full: build $(BPE_DATA)/tokenizer.json
 	$(VENV)/bin/cmake --build $(BUILD) --target train-gpt2 train-smollm2
 	$(VENV)/bin/python tests/outside_witness.py $(BUILD)/bin/train-gpt2 $(BUILD)/bin/train-smollm2
 

@@ -21,6 +21,7 @@
 #include "cpu_variant.h"
 #include "dot_bf16.h"
 #include "exp_float.h"
+#include "gemm.h"
 #include "gemm_f32_tiles.h"
 
 #include <HalideRuntime.h>
@@ -139,6 +140,10 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void scale_block(fl
 // c [m, n] = alpha a b^T, a [m, k] and b [n, k] as rows: on the fp32 tile kernel when b holds its
 // transpose, on the dot kernel for bf16 rows, else sgemm.
 void gemm_abt(int m, int n, int k, float alpha, Rows a, Rows b, float *c, int ldc) {
+  note_library_call(b.t            ? Library::f32_tiles
+                    : !a.p || !b.p ? Library::dot_bf16
+                                   : Library::mkl_sgemm,
+                    m, n, k, false, true);
   if (b.t) return gemm_f32_tiles(false, m, n, k, alpha, a.p, a.ld, b.t, b.t_ld, false, c, ldc);
   if (!a.p || !b.p) {  // bf16 blocks, not widened
     if (b.dot_bt.words)
@@ -182,6 +187,10 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void scores_gradien
 // on the dot kernel when b is bf16 rows only (then a has its bf16 copy), else on the fp32 tile
 // kernel where it runs, else sgemm.
 void gemm_ab(bool trans_a, int m, int n, int k, Rows a, Rows b, bool add, float *c, int ldc) {
+  note_library_call(b.dot_b.words || !b.p        ? Library::dot_bf16
+                    : gemm_f32_tiles_available() ? Library::f32_tiles
+                                                 : Library::mkl_sgemm,
+                    m, n, k, trans_a, false);
   if (b.dot_b.words) return dot_bf16_gemm_packed(trans_a, m, n, k, a.bf16, a.bf16_ld, b.dot_b, add, c, ldc);
   if (!b.p) return dot_bf16_gemm(trans_a, false, m, n, k, a.bf16, a.bf16_ld, b.bf16, b.bf16_ld, add, c, ldc);
   if (gemm_f32_tiles_available()) return gemm_f32_tiles(trans_a, m, n, k, 1.f, a.p, a.ld, b.p, b.ld, add, c, ldc);

@@ -118,7 +118,7 @@ Executor::Executor(const Plan &plan, std::string_view model_name, std::span<cons
   // Halide starts its worker threads on the first parallel loop (allocating their stacks and
   // thread state): start them here, so that no training step allocates.
   halide_do_par_for(nullptr, [](void *, int, std::uint8_t *) { return 0; }, 0, 256, nullptr);
-  gemm_warm_up();  // and MKL its per-thread buffers
+  if (arena.device() != Device::cuda) gemm_warm_up();  // and MKL its per-thread buffers (CUDA: cuBLASLt)
   auto bind_all = [&](const std::vector<Step> &steps, std::vector<std::unique_ptr<Bound>> &calls) {
     for (const Step &st : steps)
       calls.push_back(

@@ -21,6 +21,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <stdexcept>
@@ -89,6 +90,7 @@ void sgemm_band(const GemmCall &g, Band band) {
   if (bias) start_from_bias(out, g.n, band.rows, band.cols, bias, g.accumulate);
   const float *a = static_cast<const float *>(g.a) + (g.trans_a ? band.row0 : std::size_t(band.row0) * g.k);
   const float *b = static_cast<const float *>(g.b) + (g.trans_b ? std::size_t(band.col0) * g.k : band.col0);
+  note_library_call(Library::mkl_sgemm, band.rows, band.cols, g.k, g.trans_a, g.trans_b);
   cblas_sgemm(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans, g.trans_b ? CblasTrans : CblasNoTrans, band.rows,
               band.cols, g.k, 1.f, a, g.trans_a ? g.m : g.k, b, g.trans_b ? g.k : g.n, bias || g.accumulate ? 1.f : 0.f,
               out, g.n);
@@ -141,6 +143,8 @@ void bf16_gemm_band(const GemmCall &g, Band band) {
       for (int p = 0; p < g.k; p += panel_depth) {
         const std::uint16_t *ap = g.trans_a ? a + std::size_t(p) * lda + i : a + std::size_t(i) * lda + p;
         const std::uint16_t *bp = g.trans_b ? b + std::size_t(j) * ldb + p : b + std::size_t(p) * ldb + j;
+        note_library_call(dot_bf16_available() ? Library::dot_bf16 : Library::mkl_gemm_bf16, rows, cols,
+                          std::min(panel_depth, g.k - p), g.trans_a, g.trans_b);
         if (dot_bf16_available())
           dot_bf16_gemm(g.trans_a, g.trans_b, rows, cols, std::min(panel_depth, g.k - p), ap, lda, bp, ldb,
                         p || beta != 0.f, c, ldc);
@@ -192,6 +196,57 @@ int run_band(void *, int band, uint8_t *closure) {
 }
 
 }  // namespace
+
+// ---- which library kernels ran (REMAT_PROFILE) ----
+namespace {
+struct CallTable {
+  std::atomic_flag busy = ATOMIC_FLAG_INIT;
+  LibraryCall entries[library_call_kinds];
+  int used = 0;
+  long dropped = 0;
+} call_table;
+struct TableLock {
+  TableLock() {
+    while (call_table.busy.test_and_set(std::memory_order_acquire)) std::this_thread::yield();
+  }
+  ~TableLock() { call_table.busy.clear(std::memory_order_release); }
+};
+}  // namespace
+
+const char *library_name(Library l) {
+  switch (l) {
+  case Library::mkl_sgemm: return "MKL cblas_sgemm";
+  case Library::mkl_gemm_bf16: return "MKL cblas_gemm_bf16bf16f32";
+  case Library::dot_bf16: return "remat dot_bf16 (AVX512_BF16)";
+  case Library::f32_tiles: return "remat gemm_f32_tiles (AVX-512)";
+  }
+  return "?";
+}
+bool library_calls_recorded() {
+  static const bool on = std::getenv("REMAT_PROFILE") != nullptr;
+  return on;
+}
+void note_library_call(Library l, int m, int n, int k, bool trans_a, bool trans_b) {
+  if (!library_calls_recorded()) return;
+  TableLock lock;
+  for (int i = 0; i < call_table.used; ++i) {
+    LibraryCall &e = call_table.entries[i];
+    if (e.library == l && e.m == m && e.n == n && e.k == k && e.trans_a == trans_a && e.trans_b == trans_b) {
+      ++e.calls;
+      return;
+    }
+  }
+  if (call_table.used == library_call_kinds) {
+    ++call_table.dropped;
+    return;
+  }
+  call_table.entries[call_table.used++] = {l, m, n, k, trans_a, trans_b, 1};
+}
+std::vector<LibraryCall> library_calls(long *dropped) {
+  TableLock lock;
+  if (dropped) *dropped = call_table.dropped;
+  return {call_table.entries, call_table.entries + call_table.used};
+}
 
 void host_gemm(const GemmCall &g) {
   if (g.m <= 0) return;
@@ -305,17 +360,20 @@ int run(halide_buffer_t *a, halide_buffer_t *b, halide_buffer_t *bias, int k, in
 // MKL runs once per transpose case and operand type on every Halide thread, at a shape that
 // makes it take the largest buffer it keeps per thread, so that the buffer exists before the
 // first step (it is then reused: a step allocates nothing). That buffer grows with m, n and k up to
-// 5522064 bytes (MKL 2026.2, sequential sgemm), which 512 x 8192 x 512 reaches: a GEMM as wide as
-// a 4096-token LM head (n = 4096) grows it past what 2048 x 2048 x 512 takes, and none grows it
-// past the cap (m 64 and 2048, n up to 16384, k up to 2048, every transpose case: no allocation
-// after this). The bf16 GEMMs (bf16 and fp32 outputs) run at the same shape, in full panels
-// (bf16_gemm_band): MKL's buffers for a panel and each thread's bf16-output workspace; where the
-// bf16 panels run on the dot product instead (dot_bf16.cpp), a small product makes its packing
-// buffers and the workspace, which have their full size from the first use. The threads meet
-// first, so that no thread runs two warm-ups.
+// a cap that depends on the CPU (MKL 2026.2, sequential sgemm, measured with a process forked after
+// the warm-up for each shape, m 16-25136, n 64-50257, k 64-50257, every transpose case): on AMD Zen 4
+// 5522064 bytes, which 512 x 8192 x 512 reaches; on an Intel Xeon with AVX-512 and AMX MKL's
+// `fullacopybcopy` path takes up to 20130320 bytes, which needs k >= 768 and n >= 12288 (an LM head's
+// column band, 256 x 25136 x 768, took 19933712 bytes after a 512 x 8192 x 512 warm-up: GPT-2's
+// two allocations in a step there). 512 x 16384 x 1024 reaches both caps (on the Xeon none of the
+// 860 shapes that allocated after 512 x 8192 x 512 does after it). The bf16 GEMMs (bf16 and fp32 outputs) run at the
+// same shape, in full panels (bf16_gemm_band): MKL's buffers for a panel and each thread's bf16-output workspace; where
+// the bf16 panels run on the dot product instead (dot_bf16.cpp), a small product makes its packing buffers and the
+// workspace, which have their full size from the first use. The threads meet first, so that no thread runs two
+// warm-ups. test_gemm_heap runs the examples' full-size products after it with the heap counted.
 namespace {
 struct WarmUp {
-  static constexpr int m = 512, n = 8192, k = 512;
+  static constexpr int m = 512, n = 16384, k = 1024;
   std::atomic<int> arrived{0};
   std::vector<float> a, b;
   std::vector<std::uint16_t> a16, b16;
@@ -352,6 +410,8 @@ void gemm_warm_up() {
     w.a16.assign(w.a.size(), float_to_bf16(1.f));
     w.b16.assign(w.b.size(), float_to_bf16(1.f));
     halide_do_par_for(nullptr, warm_up_thread, 0, gemm_threads, reinterpret_cast<uint8_t *>(&w));
+    TableLock lock;  // the warm-up's own calls are not the run's
+    call_table.used = 0;
     return true;
   }();
   (void)done;

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <string>
+#include <vector>
 
 namespace remat {
 
@@ -44,7 +45,26 @@ int gemm_thread_count();
 // "MKL gemm_bf16bf16f32".
 const char *bf16_gemm_kernel();
 // Runs MKL once per transpose case on every Halide thread (once per process; the executor calls
-// it), so that the buffers MKL keeps per thread exist before any training step.
+// it on the CPU and for OpenCL, not for CUDA), so that the buffers MKL keeps per thread exist
+// before any training step.
 void gemm_warm_up();
+
+// Which library kernel ran a host product: with REMAT_PROFILE set, every call of MKL, remat's bf16
+// dot kernel or its fp32 tiles (the GEMM glue's bands and panels, the attention's products) is
+// tallied by kernel, shape and transposes in a fixed table (no heap: it is filled inside steps);
+// `library_calls` lists them, the executor's profile prints them.
+enum class Library { mkl_sgemm, mkl_gemm_bf16, dot_bf16, f32_tiles };
+const char *library_name(Library l);
+struct LibraryCall {
+  Library library;
+  int m, n, k;
+  bool trans_a, trans_b;
+  long calls;
+};
+bool library_calls_recorded();  // REMAT_PROFILE is set
+void note_library_call(Library l, int m, int n, int k, bool trans_a, bool trans_b);
+// The calls tallied so far (at most library_call_kinds different ones; `dropped` counts the others).
+inline constexpr int library_call_kinds = 512;
+std::vector<LibraryCall> library_calls(long *dropped = nullptr);
 
 }  // namespace remat

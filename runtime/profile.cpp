@@ -75,6 +75,8 @@ void Executor::report_profile() const {
       t.flops += b->flops * double(b->calls);
       t.bytes += double(b->bytes) * double(b->calls);
     }
+  long dropped = 0;
+  const std::vector<LibraryCall> library = library_calls(&dropped);  // before the roofs' own GEMMs
   const Roofs roofs = measure_roofs();
   std::fprintf(stderr, "profile: roofs on %d threads: GEMM %.1f GFLOP/s (fp32 %d^3), copy %.1f GB/s\n",
                gemm_thread_count(), roofs.gemm_gflops, 1024, roofs.memory_gbps);
@@ -86,5 +88,11 @@ void Executor::report_profile() const {
     std::fprintf(stderr, "profile %-32s %9.3f %6ld %9.1f %5.0f%% %8.1f %5.0f%%\n", name.c_str(), t.seconds, t.calls,
                  gflops, 100 * gflops / roofs.gemm_gflops, gbps, 100 * gbps / roofs.memory_gbps);
   }
+  // Which library kernels ran the host products, at which shapes (the GEMM bands and panels and
+  // the attention's products; MKL takes other paths on Intel and AMD CPUs at the same shape).
+  for (const LibraryCall &c : library)
+    std::fprintf(stderr, "profile library %-32s m %6d n %6d k %6d%s%s %8ld calls\n", library_name(c.library), c.m, c.n,
+                 c.k, c.trans_a ? " trans_a" : "", c.trans_b ? " trans_b" : "", c.calls);
+  if (dropped) std::fprintf(stderr, "profile library: %ld calls of further shapes not listed\n", dropped);
 }
 }  // namespace remat::runtime
