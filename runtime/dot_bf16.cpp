@@ -25,16 +25,19 @@ namespace {
 
 constexpr int tile = 16;  // rows of an a micro-panel, columns of a b micro-panel
 
-bool cpu_has_dot_without_amx() {
+struct DotFeatures {
+  bool dot = false, amx = false;  // AVX-512 (F, BW, VL) with AVX512_BF16, the OS saving zmm; AMX_BF16
+};
+DotFeatures cpu_dot_features() {
   unsigned eax, ebx, ecx, edx;
-  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return {};
   const bool avx512 = (ebx >> 16) & 1 && (ebx >> 30) & 1 && (ebx >> 31) & 1;  // F, BW, VL
   const bool amx_bf16 = (edx >> 22) & 1;
-  if (!avx512 || amx_bf16 || !__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return false;
+  if (!avx512 || !__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return {};
   const bool avx512_bf16 = (eax >> 5) & 1;
   unsigned xcr0_lo, xcr0_hi;  // the OS saves the zmm registers
   __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
-  return avx512_bf16 && (xcr0_lo & 0xe6) == 0xe6;
+  return {avx512_bf16 && (xcr0_lo & 0xe6) == 0xe6, amx_bf16};
 }
 
 // Packed panels: a as [row tile][k-pair][16 rows], b as [column tile][k-pair][16 columns], 32-bit words.
@@ -196,8 +199,12 @@ void wide_columns(int m, int j, int pairs, const ASource &a, DotPackedB b, bool 
 }  // namespace
 
 bool dot_bf16_available() {
-  static const bool available = cpu_has_dot_without_amx() && !cpu_avx2_forced();
+  static const bool available = dot_bf16_runs() && !cpu_dot_features().amx && !cpu_avx2_forced();
   return available;
+}
+bool dot_bf16_runs() {
+  static const bool runs = cpu_dot_features().dot;
+  return runs;
 }
 
 void dot_bf16_pack_b(bool trans_b, int n, int k, const std::uint16_t *b, int ldb, std::uint32_t *to) {

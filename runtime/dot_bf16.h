@@ -10,12 +10,16 @@ namespace remat {
 // The largest panel one call takes (the packing buffers, one pair a thread, made on the first call).
 inline constexpr int dot_bf16_max_m = 512, dot_bf16_max_n = 512, dot_bf16_max_k = 512;
 
-// True when the CPU (and the OS) run AVX-512 with AVX512_BF16 and the CPU has no AMX.
+// True when the CPU (and the OS) run AVX-512 with AVX512_BF16 and the CPU has no AMX (there MKL's
+// AMX kernels are faster), and REMAT_CPU_VARIANT does not force AVX2: the host GEMMs use the kernel.
 bool dot_bf16_available();
+// True when the kernel can run here (AVX-512 with AVX512_BF16, AMX or not): test_dot_bf16 checks it
+// wherever it runs, not only where the GEMMs pick it.
+bool dot_bf16_runs();
 
 // c[m, n] = (c +) A B in fp32, A = a[m, k] (a[k, m] when trans_a), B = b[k, n] (b[n, k] when
 // trans_b), bf16 operands, row-major with leading dimensions lda, ldb, ldc. Needs
-// dot_bf16_available(); m, n and k at most the maxima above.
+// dot_bf16_runs(); m, n and k at most the maxima above.
 void dot_bf16_gemm(bool trans_a, bool trans_b, int m, int n, int k, const std::uint16_t *a, int lda,
                    const std::uint16_t *b, int ldb, bool add, float *c, int ldc);
 

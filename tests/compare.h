@@ -77,6 +77,13 @@ inline bool show_errors() { return std::getenv("REMAT_SHOW_ERRORS") != nullptr; 
 
 // A baseline that bit-identity tests compare against must be a real result: all finite and not
 // all zero (two runs that both left NaN, or zeros, would compare equal).
+// A running worst error that a non-finite error poisons: std::max(worst, NaN) returns worst (every
+// comparison with NaN is false), so a NaN written by a kernel would vanish from the maximum; here
+// it stays NaN (and an infinity stays infinite), and a check `worse(...) <= limit` fails.
+inline double worse(double worst, double error) {
+  return std::isnan(worst) || std::isnan(error) ? std::numeric_limits<double>::quiet_NaN() : std::max(worst, error);
+}
+
 template <class T>
 bool finite_and_nonzero(std::span<const T> values) {
   bool nonzero = false;

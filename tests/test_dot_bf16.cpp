@@ -1,14 +1,17 @@
 // The bf16 GEMM on AVX512_BF16's dot product (runtime/dot_bf16.cpp) against a float64 product of the
 // same bf16 operands: every transpose case, shapes on and off its 16 x 16 and 8 x 48 tiles, odd depths (a last
 // k-pair half zero), odd leading dimensions (the packing's scalar path), accumulation into c, and a
-// repeated call's bits. Skipped (ctest's skip code) on a CPU without AVX512_BF16 or with AMX, where
-// the host GEMMs do not call it.
+// repeated call's bits. Skipped (ctest's skip code) on a CPU without AVX512_BF16; run on CPUs with
+// AMX too, where the host GEMMs use MKL's AMX kernels instead (the attention and the bands do not
+// call it there, but a kernel that runs is checked).
 //
 // Limit, per element: the products of bf16 values are exact in fp32, so the only error is the
 // rounding of k fp32 additions (k + 1 with c added), each at most u = 2^-24 of the running sum,
 // which is at most sum |a b| (+ |c|): (k + 1) u (sum |a b| + |c|). A wrong pair (a swapped or
 // dropped element) is off by a whole product, far above it.
 #include <boost/test/unit_test.hpp>
+
+#include "compare.h"
 
 #include "bf16.h"
 #include "dot_bf16.h"
@@ -59,7 +62,7 @@ double check(const Case &c, std::mt19937 &rng) {  // the worst error, of its lim
       double sum = c.add ? c0[std::size_t(i) * ldc + j] : 0, scale = std::abs(sum);
       for (int p = 0; p < c.k; ++p) sum += at_a(i, p) * at_b(p, j), scale += std::abs(at_a(i, p) * at_b(p, j));
       const double limit = (c.k + 1) * std::ldexp(1.0, -24) * scale + 1e-30;
-      worst = std::max(worst, std::abs(out[std::size_t(i) * ldc + j] - sum) / limit);
+      worst = testing::worse(worst, std::abs(out[std::size_t(i) * ldc + j] - sum) / limit);
     }
   for (int i = 0; i < c.m; ++i)  // c's padding is left alone
     for (int j = c.n; j < ldc; ++j) BOOST_TEST(out[std::size_t(i) * ldc + j] == c0[std::size_t(i) * ldc + j]);
@@ -70,7 +73,7 @@ double check(const Case &c, std::mt19937 &rng) {  // the worst error, of its lim
 }  // namespace
 
 BOOST_AUTO_TEST_CASE(products_within_fp32_rounding, *boost::unit_test::precondition([](boost::unit_test::test_unit_id) {
-                       return boost::test_tools::assertion_result(dot_bf16_available());
+                       return boost::test_tools::assertion_result(dot_bf16_runs());
                      })) {
   std::mt19937 rng(3);
   const int shapes[][3] = {{1, 1, 1},      {16, 16, 2},     {17, 33, 3},   {100, 7, 64},
@@ -79,7 +82,7 @@ BOOST_AUTO_TEST_CASE(products_within_fp32_rounding, *boost::unit_test::precondit
   for (auto [m, n, k] : shapes)
     for (int t = 0; t < 4; ++t)
       for (int pad : {0, 1, 2})
-        worst = std::max(worst, check({m, n, k, bool(t & 1), bool(t & 2), bool((t + pad) & 1), pad}, rng));
+        worst = testing::worse(worst, check({m, n, k, bool(t & 1), bool(t & 2), bool((t + pad) & 1), pad}, rng));
   std::printf("worst error: %.3g of the limit\n", worst);
 }
 
@@ -89,7 +92,7 @@ BOOST_AUTO_TEST_CASE(products_within_fp32_rounding, *boost::unit_test::precondit
 // same bits.
 BOOST_AUTO_TEST_CASE(wide_tiles_give_the_bits_of_narrow_ones,
                      *boost::unit_test::precondition([](boost::unit_test::test_unit_id) {
-                       return boost::test_tools::assertion_result(dot_bf16_available());
+                       return boost::test_tools::assertion_result(dot_bf16_runs());
                      })) {
   std::mt19937 rng(5);
   std::uniform_real_distribution<float> u(-1, 1);
@@ -118,7 +121,7 @@ BOOST_AUTO_TEST_CASE(wide_tiles_give_the_bits_of_narrow_ones,
 // operands, packed for the call.
 BOOST_AUTO_TEST_CASE(packed_b_in_parts_gives_the_bits_of_whole_calls,
                      *boost::unit_test::precondition([](boost::unit_test::test_unit_id) {
-                       return boost::test_tools::assertion_result(dot_bf16_available());
+                       return boost::test_tools::assertion_result(dot_bf16_runs());
                      })) {
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> u(-1, 1);
